@@ -1,0 +1,26 @@
+// run_main: the single place where binaries turn exceptions into one-line errors.
+#pragma once
+#include <cstdio>
+#include <exception>
+
+namespace faceshard {
+
+void report_fatal(const char* prog, const std::string& line);
+// Called by report_fatal before printing (the distributed runtime publishes the error to
+// the other ranks through it).
+void set_fatal_hook(void (*hook)(const std::string& line));
+
+template <typename F>
+int run_main(const char* prog, F&& body) {
+  try {
+    return body();
+  } catch (const Error& e) {
+    report_fatal(prog, one_line(e));
+    return e.exit_code();
+  } catch (const std::exception& e) {
+    report_fatal(prog, one_line(e));
+    return 1;
+  }
+}
+
+}  // namespace faceshard

@@ -1,0 +1,44 @@
+// Multi-rank test harness: a test body runs in N real processes of this test binary,
+// connected over Gloo through a TCPStore hosted by the parent (as torchrun's agent does).
+// The parent collects exit codes and output and fails the test, never hangs, when a rank
+// dies, throws or times out.
+#pragma once
+#include <chrono>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "partial_fc/distributed.h"
+
+namespace faceshard::testing {
+
+struct RankOptions {
+  std::chrono::seconds timeout{180};                    // whole run
+  std::chrono::milliseconds collective_timeout{60000};  // each collective inside the ranks
+  std::vector<std::pair<std::string, std::string>> env;  // extra environment for the ranks
+};
+
+struct RankResult {
+  int rank = 0;
+  int exit_code = -1;  // -1 when killed by a signal
+  int signal = 0;
+  bool killed_by_harness = false;
+  std::string output;  // stdout + stderr
+};
+
+using RankBody = std::function<void(Distributed& dist)>;
+
+// Runs body on `world` ranks and returns each rank's result (does not judge them).
+std::vector<RankResult> spawn_ranks(int world, const RankBody& body, const RankOptions& opts = {});
+
+// Runs body on `world` ranks and adds a test failure, with the rank's output, for every
+// rank that did not exit cleanly (including failed EXPECTs inside the body).
+void run_ranks(int world, const RankBody& body, const RankOptions& opts = {});
+
+// True inside a rank process.
+bool in_rank_process();
+
+// Path of a fresh temporary directory (removed at exit of the parent test process).
+std::string temp_dir(const std::string& tag);
+
+}  // namespace faceshard::testing

@@ -1,0 +1,198 @@
+// Distributed runtime: environment parsing, collectives against closed forms on W = 1..4
+// real processes, and failure reporting (a rank that throws, dies or hangs is named).
+#include <gtest/gtest.h>
+
+#include <csignal>
+#include <thread>
+
+#include "partial_fc/dist_env.h"
+#include "partial_fc/distributed.h"
+#include "partial_fc/error.h"
+#include "tests/harness.h"
+
+namespace faceshard {
+namespace {
+
+using testing::RankOptions;
+using testing::run_ranks;
+using testing::spawn_ranks;
+
+TEST(DistEnv, SingleProcessWhenNothingIsSet) {
+  auto d = DistEnv::from_map({});
+  EXPECT_EQ(d.rank, 0);
+  EXPECT_EQ(d.world_size, 1);
+  EXPECT_EQ(d.source, "single");
+}
+
+TEST(DistEnv, Torchrun) {
+  auto d = DistEnv::from_map({{"RANK", "5"}, {"WORLD_SIZE", "8"}, {"LOCAL_RANK", "1"}, {"LOCAL_WORLD_SIZE", "4"},
+                              {"GROUP_RANK", "1"}, {"MASTER_ADDR", "10.1.2.3"}, {"MASTER_PORT", "1234"},
+                              {"TORCHELASTIC_RUN_ID", "x"}, {"TORCHELASTIC_USE_AGENT_STORE", "True"},
+                              {"TORCHELASTIC_RESTART_COUNT", "2"}});
+  EXPECT_EQ(d.rank, 5);
+  EXPECT_EQ(d.world_size, 8);
+  EXPECT_EQ(d.local_rank, 1);
+  EXPECT_EQ(d.local_world_size, 4);
+  EXPECT_EQ(d.node_rank, 1);
+  EXPECT_EQ(d.master_addr, "10.1.2.3");
+  EXPECT_EQ(d.master_port, 1234);
+  EXPECT_TRUE(d.agent_store);
+  EXPECT_EQ(d.restart_count, 2);
+  EXPECT_EQ(d.source, "torchrun");
+}
+
+TEST(DistEnv, Slurm) {
+  auto d = DistEnv::from_map({{"SLURM_PROCID", "3"}, {"SLURM_NTASKS", "4"}, {"SLURM_LOCALID", "1"},
+                              {"SLURM_NTASKS_PER_NODE", "2(x2)"}, {"SLURM_NODEID", "1"},
+                              {"SLURM_JOB_NODELIST", "gpu[07-08]"}, {"SLURM_JOB_ID", "123"}});
+  EXPECT_EQ(d.rank, 3);
+  EXPECT_EQ(d.world_size, 4);
+  EXPECT_EQ(d.local_rank, 1);
+  EXPECT_EQ(d.local_world_size, 2);
+  EXPECT_EQ(d.master_addr, "gpu07");
+  EXPECT_EQ(d.master_port, 20123);
+  EXPECT_FALSE(d.agent_store);
+}
+
+TEST(DistEnv, SlurmNodeList) {
+  EXPECT_EQ(slurm_first_host("node1"), "node1");
+  EXPECT_EQ(slurm_first_host("a[3,5-7],b2"), "a3");
+  EXPECT_EQ(slurm_first_host("rack1-n[010-020]x"), "rack1-n010x");
+}
+
+TEST(DistEnv, InconsistentVariablesAreUsageErrors) {
+  try {
+    DistEnv::from_map({{"RANK", "4"}, {"WORLD_SIZE", "4"}});
+    FAIL() << "expected an error";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.exit_code(), 2);
+    EXPECT_NE(std::string(e.what()).find("rank 4"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW(DistEnv::from_map({{"RANK", "x"}, {"WORLD_SIZE", "2"}}), Error);
+  EXPECT_THROW(DistEnv::from_map({{"RANK", "0"}}), Error);
+  EXPECT_THROW(DistEnv::from_map({{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_PORT", "70000"}}), Error);
+}
+
+class Collectives : public ::testing::TestWithParam<int> {};
+
+TEST_P(Collectives, MatchClosedForms) {
+  const int W = GetParam();
+  run_ranks(W, [W](Distributed& d) {
+    ASSERT_EQ(d.world_size(), W);
+    const int r = d.rank();
+    // all_reduce SUM / MAX / MIN of (r+1) * [1, 2, 3]
+    for (auto op : {ReduceOp::Sum, ReduceOp::Max, ReduceOp::Min}) {
+      at::Tensor t = torch::tensor({1.0, 2.0, 3.0}) * (r + 1);
+      d.all_reduce(t, op);
+      const double f = op == ReduceOp::Sum ? W * (W + 1) / 2.0 : op == ReduceOp::Max ? W : 1.0;
+      EXPECT_TRUE(torch::allclose(t, torch::tensor({1.0, 2.0, 3.0}) * f)) << t;
+    }
+    // broadcast from the last rank
+    at::Tensor b = torch::full({4}, static_cast<float>(r));
+    d.broadcast(b, W - 1);
+    EXPECT_TRUE(torch::equal(b, torch::full({4}, static_cast<float>(W - 1))));
+    // all_gather with equal rows: rank r contributes rows filled with r
+    at::Tensor g = d.all_gather(torch::full({2, 3}, static_cast<float>(r)));
+    ASSERT_EQ(g.size(0), 2 * W);
+    for (int q = 0; q < W; ++q)
+      EXPECT_TRUE(torch::equal(g.narrow(0, 2 * q, 2), torch::full({2, 3}, static_cast<float>(q))));
+    // all_gather with unequal rows (rank r has r+1 rows; also a rank with zero rows when W > 1)
+    const int64_t mine = (W > 1 && r == 1) ? 0 : r + 1;
+    std::vector<int64_t> counts;
+    at::Tensor u = d.all_gather(torch::full({mine, 2}, static_cast<float>(r)), &counts);
+    int64_t off = 0;
+    for (int q = 0; q < W; ++q) {
+      const int64_t n = (W > 1 && q == 1) ? 0 : q + 1;
+      ASSERT_EQ(counts[q], n);
+      EXPECT_TRUE(torch::equal(u.narrow(0, off, n), torch::full({n, 2}, static_cast<float>(q))));
+      off += n;
+    }
+    EXPECT_EQ(u.size(0), off);
+    // reduce_scatter: every rank sends block q filled with (r+1)*(q+1), block q has q+1 rows;
+    // rank q receives sum_r (r+1)*(q+1) = (q+1) W(W+1)/2.
+    std::vector<int64_t> rs_counts;
+    std::vector<at::Tensor> blocks;
+    for (int q = 0; q < W; ++q) {
+      rs_counts.push_back(q + 1);
+      blocks.push_back(torch::full({q + 1, 2}, static_cast<float>((r + 1) * (q + 1))));
+    }
+    at::Tensor s = d.reduce_scatter(torch::cat(blocks), rs_counts);
+    EXPECT_TRUE(torch::equal(s, torch::full({r + 1, 2}, static_cast<float>((r + 1) * W * (W + 1) / 2))));
+    // async all_reduce
+    at::Tensor a = torch::ones({8}) * (r + 1);
+    if (W > 1) {
+      auto work = d.all_reduce_async(a);
+      d.wait(work, "all_reduce");
+    }
+    EXPECT_TRUE(torch::equal(a, torch::ones({8}) * (W * (W + 1) / 2)));
+    d.barrier();
+  });
+}
+
+INSTANTIATE_TEST_SUITE_P(World, Collectives, ::testing::Values(1, 2, 3, 4));
+
+// A rank that throws: the others fail quickly with a message naming it and its error.
+TEST(DistFailure, RankThatThrowsIsNamed) {
+  RankOptions o;
+  o.collective_timeout = std::chrono::seconds(20);
+  auto t0 = std::chrono::steady_clock::now();
+  auto res = spawn_ranks(3, [](Distributed& d) {
+    at::Tensor t = torch::ones({4});
+    d.all_reduce(t);
+    if (d.rank() == 1) throw runtime_error("injected failure in the data loader");
+    for (int i = 0; i < 100; ++i) d.all_reduce(t);
+  }, o);
+  if (testing::in_rank_process()) return;
+  auto secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_LT(secs, 20.0) << "ranks must not wait for the collective timeout when a peer is gone";
+  ASSERT_EQ(res.size(), 3u);
+  EXPECT_NE(res[1].exit_code, 0);
+  EXPECT_NE(res[1].output.find("injected failure"), std::string::npos) << res[1].output;
+  for (int r : {0, 2}) {
+    EXPECT_NE(res[r].exit_code, 0) << res[r].output;
+    EXPECT_FALSE(res[r].killed_by_harness);
+    EXPECT_NE(res[r].output.find("rank 1 failed: "), std::string::npos) << res[r].output;
+    EXPECT_NE(res[r].output.find("injected failure"), std::string::npos) << res[r].output;
+  }
+}
+
+// A rank that dies without a word (like SIGKILL): the others name it.
+TEST(DistFailure, RankThatDiesIsNamed) {
+  RankOptions o;
+  o.collective_timeout = std::chrono::seconds(20);
+  auto res = spawn_ranks(3, [](Distributed& d) {
+    at::Tensor t = torch::ones({4});
+    d.all_reduce(t);
+    if (d.rank() == 2) raise(SIGKILL);
+    for (int i = 0; i < 100; ++i) d.all_reduce(t);
+  }, o);
+  if (testing::in_rank_process()) return;
+  EXPECT_EQ(res[2].signal, SIGKILL);
+  for (int r : {0, 1}) {
+    EXPECT_NE(res[r].exit_code, 0) << res[r].output;
+    EXPECT_FALSE(res[r].killed_by_harness) << res[r].output;
+    EXPECT_NE(res[r].output.find("rank 2 died"), std::string::npos) << res[r].output;
+  }
+}
+
+// A rank that hangs outside the collective: the others time out and name it.
+TEST(DistFailure, RankThatHangsIsNamedAfterTimeout) {
+  RankOptions o;
+  o.collective_timeout = std::chrono::seconds(3);
+  auto t0 = std::chrono::steady_clock::now();
+  auto res = spawn_ranks(2, [](Distributed& d) {
+    at::Tensor t = torch::ones({4});
+    d.all_reduce(t);
+    if (d.rank() == 1) std::this_thread::sleep_for(std::chrono::seconds(30));
+    d.all_reduce(t);
+  }, o);
+  if (testing::in_rank_process()) return;
+  auto secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_NE(res[0].exit_code, 0);
+  EXPECT_FALSE(res[0].killed_by_harness);
+  EXPECT_NE(res[0].output.find("rank 1 did not join collective"), std::string::npos) << res[0].output;
+  EXPECT_LT(secs, 30.0);
+}
+
+}  // namespace
+}  // namespace faceshard

@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Installs everything faceshard needs on a fresh Debian 12 machine, and nothing twice:
+# Debian packages (compilers' libraries) and the pinned torch wheel (LibTorch) in .venv/.
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+TORCH_VERSION="${FACESHARD_TORCH_VERSION:-2.11.0}"
+
+# yaml-cpp: configs; OpenCV: JPEG decode/encode, resize, affine alignment;
+# GoogleTest: tests; ccache + ninja: fast rebuilds; cmake/g++/python3-venv: the build itself.
+debs=(build-essential cmake ninja-build ccache pkg-config python3 python3-venv
+      libyaml-cpp-dev libopencv-core-dev libopencv-imgproc-dev libopencv-imgcodecs-dev
+      libgtest-dev)
+missing=()
+for p in "${debs[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+  echo "[setup] installing Debian packages: ${missing[*]}"
+  sudo_cmd=""; [ "$(id -u)" -ne 0 ] && sudo_cmd="sudo"
+  $sudo_cmd apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $sudo_cmd apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
+
+# The torch wheel carries LibTorch (headers, CMake config, libtorch_{cpu,cuda}.so) and,
+# through its nvidia-* dependencies, nccl.h. numpy is only used by tests that compare
+# against Python references.
+venv="$root/.venv"
+py="${PYTHON:-python3}"
+if [ ! -x "$venv/bin/python" ]; then
+  echo "[setup] creating $venv"
+  "$py" -m venv "$venv"
+fi
+have=$("$venv/bin/python" -c 'import torch; print(torch.__version__.split("+")[0])' 2>/dev/null || true)
+if [ "$have" != "$TORCH_VERSION" ]; then
+  echo "[setup] installing torch==$TORCH_VERSION into $venv (large download, once)"
+  "$venv/bin/pip" install -q --upgrade pip
+  "$venv/bin/pip" install -q "torch==$TORCH_VERSION" numpy
+fi
+"$venv/bin/python" -c 'import numpy' 2>/dev/null || "$venv/bin/pip" install -q numpy
