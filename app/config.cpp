@@ -141,20 +141,20 @@ void apply_override(MergedYaml& m, const std::string& ov) {
   YAML::Node cur = wrapper;
   for (size_t i = 0; i + 1 < parts.size(); ++i) {
     cur[parts[i]] = YAML::Node(YAML::NodeType::Map);
-    cur = cur[parts[i]];
+    cur.reset(cur[parts[i]]);
   }
   cur[parts.back()] = v;
   merge_into(m.root, wrapper, "", "--set", m.origin);
 }
 
 YAML::Node find(const YAML::Node& root, const std::string& path) {
-  YAML::Node cur = YAML::Clone(root);
+  YAML::Node cur = root;
   std::stringstream ss(path);
   for (std::string part; std::getline(ss, part, '.');) {
     if (!cur.IsMap()) return YAML::Node(YAML::NodeType::Undefined);
     YAML::Node next = cur[part];
     if (!next.IsDefined()) return YAML::Node(YAML::NodeType::Undefined);
-    cur = next;
+    cur.reset(next);
   }
   return cur;
 }
@@ -248,7 +248,12 @@ class Reader : public FieldVisitor {
  private:
   YAML::Node get(const std::string& p, const FieldSpec& s) {
     known_.insert(p);
-    for (auto dot = p.find('.'); dot != std::string::npos; dot = p.find('.', dot + 1)) sections_.insert(p.substr(0, dot));
+    for (auto dot = p.find('.'); dot != std::string::npos; dot = p.find('.', dot + 1)) {
+      const std::string section = p.substr(0, dot);
+      sections_.insert(section);
+      YAML::Node sn = find(m_.root, section);
+      if (sn.IsDefined() && !sn.IsMap() && !sn.IsNull()) fail(section, "expected a mapping (a section), got " + show(sn));
+    }
     YAML::Node n = find(m_.root, p);
     if (!n.IsDefined() || (n.IsNull() && !s.required)) {
       if (s.required) throw usage_error(m_.top, ": missing required key '", p, "'");
@@ -321,7 +326,7 @@ class Printer : public FieldVisitor {
     for (std::string s; std::getline(ss, s, '.');) parts.push_back(s);
     for (size_t i = 0; i + 1 < parts.size(); ++i) {
       if (!cur[parts[i]]) cur[parts[i]] = YAML::Node(YAML::NodeType::Map);
-      cur = cur[parts[i]];
+      cur.reset(cur[parts[i]]);
     }
     return cur[parts.back()];
   }

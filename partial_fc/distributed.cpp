@@ -4,7 +4,10 @@
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 #include <torch/csrc/distributed/c10d/Types.hpp>
 
+#include <c10/util/Logging.h>
+
 #include <algorithm>
+#include <cstdlib>
 #include <exception>
 #include <mutex>
 #include <sstream>
@@ -82,6 +85,9 @@ Distributed::Distributed(const DistEnv& env, const DistOptions& opts) : env_(env
 std::shared_ptr<Distributed> Distributed::init(const DistEnv& env, const DistOptions& opts) {
   std::shared_ptr<Distributed> d(new Distributed(env, opts));
   set_log_rank(env.rank, env.world_size);
+  // LibTorch's store warnings span a C++ backtrace each; the runtime reports failures in one
+  // line itself. TORCH_CPP_LOG_LEVEL still wins when set.
+  if (!std::getenv("TORCH_CPP_LOG_LEVEL")) FLAGS_caffe2_log_level = 2;
   if (env.world_size > 1 || opts.use_cuda) {
     const bool host = !env.agent_store && env.rank == 0;
     d->store_ = connect_store(env, host, opts.rendezvous_timeout);

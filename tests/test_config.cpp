@@ -1,0 +1,146 @@
+// Config system: inheritance order, --set overrides, and one-line errors naming file and key.
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
+
+#include "app/config.h"
+#include "partial_fc/error.h"
+#include "tests/harness.h"
+
+namespace faceshard {
+namespace {
+
+namespace fs = std::filesystem;
+
+struct ConfigFiles {
+  std::string dir = testing::temp_dir("config");
+  std::string write(const std::string& name, const std::string& text) {
+    std::string p = dir + "/" + name;
+    fs::create_directories(fs::path(p).parent_path());
+    std::ofstream(p) << text;
+    return p;
+  }
+  ~ConfigFiles() { fs::remove_all(dir); }
+};
+
+// Runs f, expects a faceshard::Error with exit status 2 whose one-line message contains
+// every fragment.
+template <typename F>
+void expect_usage_error(F&& f, const std::vector<std::string>& fragments) {
+  try {
+    f();
+    ADD_FAILURE() << "expected an error";
+  } catch (const Error& e) {
+    std::string msg = e.what();
+    EXPECT_EQ(e.exit_code(), 2) << msg;
+    EXPECT_EQ(msg.find('\n'), std::string::npos) << msg;
+    for (const auto& frag : fragments) EXPECT_NE(msg.find(frag), std::string::npos) << "'" << frag << "' not in: " << msg;
+  }
+}
+
+TEST(Config, DefaultsAndRequiredKey) {
+  Config c = load_config_text("data:\n  num_classes: 10\n", "mem.yaml");
+  EXPECT_EQ(c.data.num_classes, 10);
+  EXPECT_EQ(c.model.backbone, "r50");
+  EXPECT_DOUBLE_EQ(c.optim.lr, 0.1);
+  EXPECT_EQ(c.loss.margin, (std::vector<double>{1.0, 0.5, 0.0}));
+  expect_usage_error([] { load_config_text("model:\n  backbone: r18\n", "mem.yaml"); },
+                     {"mem.yaml", "missing required key 'data.num_classes'"});
+}
+
+TEST(Config, InheritanceLaterKeysOverride) {
+  ConfigFiles f;
+  f.write("base.yaml", "data:\n  num_classes: 100\n  batch_size: 64\noptim:\n  lr: 0.1\n  epochs: 20\n");
+  f.write("presets/mid.yaml", "base: ../base.yaml\noptim:\n  lr: 0.2\nmodel:\n  backbone: r100\n");
+  std::string top = f.write("job.yaml", "base: presets/mid.yaml\noptim:\n  epochs: 5\n");
+  Config c = load_config(top);
+  EXPECT_EQ(c.data.num_classes, 100);
+  EXPECT_EQ(c.data.batch_size, 64);
+  EXPECT_DOUBLE_EQ(c.optim.lr, 0.2);  // mid overrides base
+  EXPECT_EQ(c.optim.epochs, 5);       // job overrides base
+  EXPECT_EQ(c.model.backbone, "r100");
+  // Several bases: later ones win.
+  f.write("a.yaml", "data:\n  num_classes: 1\n  batch_size: 8\n");
+  f.write("b.yaml", "data:\n  num_classes: 2\n");
+  Config c2 = load_config(f.write("ab.yaml", "base: [a.yaml, b.yaml]\n"));
+  EXPECT_EQ(c2.data.num_classes, 2);
+  EXPECT_EQ(c2.data.batch_size, 8);
+}
+
+TEST(Config, SetOverridesWin) {
+  ConfigFiles f;
+  std::string top = f.write("job.yaml", "data:\n  num_classes: 100\n  val_targets: [lfw]\n");
+  Config c = load_config(top, {"optim.lr=0.05", "data.val_targets=[lfw, cfp_fp]", "train.precision=bf16",
+                               "model.sync_bn=true", "loss.margin=[1.0, 0.0, 0.4]"});
+  EXPECT_DOUBLE_EQ(c.optim.lr, 0.05);
+  EXPECT_EQ(c.data.val_targets, (std::vector<std::string>{"lfw", "cfp_fp"}));
+  EXPECT_EQ(c.train.precision, "bf16");
+  EXPECT_TRUE(c.model.sync_bn);
+  EXPECT_DOUBLE_EQ(c.loss.margin[2], 0.4);
+  expect_usage_error([&] { load_config(top, {"optim.lr"}); }, {"--set 'optim.lr'", "key.path=value"});
+  expect_usage_error([&] { load_config(top, {"optim.lrr=1"}); }, {"--set", "unknown key 'optim.lrr'"});
+  expect_usage_error([&] { load_config(top, {"optim.lr=fast"}); }, {"--set", "optim.lr", "expected a number"});
+}
+
+TEST(Config, UnknownKeyNamesFileAndPath) {
+  ConfigFiles f;
+  f.write("base.yaml", "data:\n  num_classes: 100\n");
+  std::string top = f.write("job.yaml", "base: base.yaml\noptim:\n  learning_rate: 0.1\n");
+  expect_usage_error([&] { load_config(top); }, {"job.yaml", "unknown key 'optim.learning_rate'"});
+  // A misplaced key gets a hint.
+  std::string misplaced = f.write("mis.yaml", "base: base.yaml\ntrain:\n  lr: 0.1\n");
+  expect_usage_error([&] { load_config(misplaced); }, {"mis.yaml", "unknown key 'train.lr'", "optim.lr"});
+  // The unknown key is blamed on the file that wrote it, here the base.
+  f.write("bad_base.yaml", "data:\n  num_classes: 100\n  colour: red\n");
+  std::string child = f.write("child.yaml", "base: bad_base.yaml\n");
+  expect_usage_error([&] { load_config(child); }, {"bad_base.yaml", "unknown key 'data.colour'"});
+}
+
+TEST(Config, WrongTypeAndRange) {
+  expect_usage_error([] { load_config_text("data:\n  num_classes: many\n", "t.yaml"); },
+                     {"t.yaml", "key 'data.num_classes'", "expected an integer", "'many'"});
+  expect_usage_error([] { load_config_text("data:\n  num_classes: 10\n  batch_size: 1.5\n", "t.yaml"); },
+                     {"key 'data.batch_size'", "expected an integer"});
+  expect_usage_error([] { load_config_text("data:\n  num_classes: 10\noptim:\n  lr: [1]\n", "t.yaml"); },
+                     {"key 'optim.lr'", "expected a number, got a list"});
+  expect_usage_error([] { load_config_text("data:\n  num_classes: 10\nmodel:\n  sync_bn: maybe\n", "t.yaml"); },
+                     {"key 'model.sync_bn'", "expected true or false"});
+  expect_usage_error([] { load_config_text("data:\n  num_classes: 10\nloss:\n  sample_rate: 1.5\n", "t.yaml"); },
+                     {"key 'loss.sample_rate'", "must be <= 1"});
+  expect_usage_error([] { load_config_text("data:\n  num_classes: 0\n", "t.yaml"); },
+                     {"key 'data.num_classes'", "must be >= 1"});
+  expect_usage_error([] { load_config_text("data:\n  num_classes: 10\nloss:\n  margin: [1, 0.5]\n", "t.yaml"); },
+                     {"key 'loss.margin'", "list of 3 values"});
+  expect_usage_error([] { load_config_text("data:\n  num_classes: 10\ntrain:\n  precision: fp8\n", "t.yaml"); },
+                     {"key 'train.precision'", "one of {fp32, bf16, fp16}", "'fp8'"});
+  expect_usage_error([] { load_config_text("data: 3\n", "t.yaml"); }, {"key 'data'", "mapping"});
+}
+
+TEST(Config, MissingBaseFileAndCycles) {
+  ConfigFiles f;
+  std::string top = f.write("job.yaml", "base: nowhere.yaml\ndata:\n  num_classes: 1\n");
+  expect_usage_error([&] { load_config(top); }, {"job.yaml", "key 'base'", "nowhere.yaml", "not found"});
+  expect_usage_error([&] { load_config(f.dir + "/absent.yaml"); }, {"absent.yaml", "not found"});
+  f.write("x.yaml", "base: y.yaml\n");
+  f.write("y.yaml", "base: x.yaml\n");
+  expect_usage_error([&] { load_config(f.dir + "/x.yaml"); }, {"cycle"});
+  std::string broken = f.write("broken.yaml", "data:\n  num_classes: [1,\n");
+  expect_usage_error([&] { load_config(broken); }, {"broken.yaml", "YAML syntax error"});
+}
+
+TEST(Config, PrintedConfigLoadsBackToTheSameValues) {
+  Config c = load_config_text("data:\n  num_classes: 7\n  val_targets: [lfw]\noptim:\n  lr: 0.0123\n", "t.yaml",
+                              {"loss.margin=[1.0, 0.0, 0.4]", "train.precision=fp16"});
+  std::string yaml = config_to_yaml(c);
+  Config back = load_config_text(yaml, "printed.yaml");
+  EXPECT_EQ(config_to_yaml(back), yaml);
+  EXPECT_EQ(back.data.num_classes, 7);
+  EXPECT_DOUBLE_EQ(back.optim.lr, 0.0123);
+  EXPECT_EQ(back.loss.margin, (std::vector<double>{1.0, 0.0, 0.4}));
+  EXPECT_EQ(back.train.precision, "fp16");
+  EXPECT_EQ(back.data.val_targets, (std::vector<std::string>{"lfw"}));
+}
+
+}  // namespace
+}  // namespace faceshard
