@@ -144,3 +144,19 @@ TEST(Config, PrintedConfigLoadsBackToTheSameValues) {
 
 }  // namespace
 }  // namespace faceshard
+
+namespace faceshard {
+namespace {
+// Every shipped config must load: a preset that no longer matches the schema is a bug.
+TEST(Config, ShippedConfigsLoad) {
+  int n = 0;
+  for (const auto& e : std::filesystem::directory_iterator(std::string(FACESHARD_SOURCE_DIR) + "/configs")) {
+    if (e.path().extension() != ".yaml") continue;
+    SCOPED_TRACE(e.path().string());
+    EXPECT_NO_THROW(load_config(e.path().string()));
+    n++;
+  }
+  EXPECT_GE(n, 2);
+}
+}  // namespace
+}  // namespace faceshard
