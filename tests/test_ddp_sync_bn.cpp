@@ -1,0 +1,287 @@
+// DataParallel and SyncBatchNorm against one process that sees the whole batch:
+// W ranks x B samples must train exactly like 1 process x W*B samples.
+#include <gtest/gtest.h>
+
+#include "app/sync_bn.h"
+#include "models/norm_layer.h"
+#include "partial_fc/ddp.h"
+#include "partial_fc/sync_batch_norm.h"
+#include "tests/harness.h"
+
+namespace faceshard {
+namespace {
+
+namespace nn = torch::nn;
+
+// A small conv net with batch norm in 2-d and 1-d form.
+struct NetImpl : nn::Module {
+  nn::Conv2d c1{nullptr}, c2{nullptr};
+  NormLayer n1{nullptr}, n2{nullptr}, n3{nullptr};
+  nn::Linear fc{nullptr};
+  NetImpl() {
+    c1 = register_module("c1", nn::Conv2d(nn::Conv2dOptions(3, 6, 3).padding(1).bias(false)));
+    n1 = register_module("n1", NormLayer(6));
+    c2 = register_module("c2", nn::Conv2d(nn::Conv2dOptions(6, 8, 3).stride(2).padding(1)));
+    n2 = register_module("n2", NormLayer(8));
+    fc = register_module("fc", nn::Linear(8 * 4 * 4, 5));
+    n3 = register_module("n3", NormLayer(5));
+  }
+  at::Tensor forward(at::Tensor x) {
+    x = torch::relu(n1(c1(x)));
+    x = torch::relu(n2(c2(x)));
+    return n3(fc(x.flatten(1)));
+  }
+};
+TORCH_MODULE(Net);
+
+// Step k's batch of rank r (the same on every process that asks).
+std::pair<at::Tensor, at::Tensor> batch(int k, int r, int64_t rows) {
+  torch::manual_seed(1000 * k + r);
+  return {torch::randn({rows, 3, 8, 8}), torch::randint(0, 5, {rows}, torch::kLong)};
+}
+
+double rel_diff(const at::Tensor& a, const at::Tensor& b) {
+  return (a - b).norm().item<double>() / std::max(b.norm().item<double>(), 1e-12);
+}
+
+torch::optim::SGD make_sgd(nn::Module& m) {
+  return torch::optim::SGD(m.parameters(), torch::optim::SGDOptions(0.1).momentum(0.9).weight_decay(5e-4));
+}
+
+class DdpEquivalence : public ::testing::TestWithParam<int> {};
+
+TEST_P(DdpEquivalence, FiveSgdStepsWithSyncBatchNormMatchOneProcess) {
+  const int W = GetParam();
+  const int64_t B = 4;
+  const int K = 5;
+  testing::run_ranks(W, [&](Distributed& d) {
+    // Reference: one process, the concatenated batches, plain batch norm.
+    torch::manual_seed(7);
+    Net ref;
+    auto ref_opt = make_sgd(*ref);
+    for (int k = 0; k < K; ++k) {
+      std::vector<at::Tensor> xs, ys;
+      for (int q = 0; q < W; ++q) {
+        auto [x, y] = batch(k, q, B);
+        xs.push_back(x);
+        ys.push_back(y);
+      }
+      ref_opt.zero_grad();
+      torch::nn::functional::cross_entropy(ref(torch::cat(xs)), torch::cat(ys)).backward();
+      ref_opt.step();
+    }
+    // Distributed: every rank starts from a different init (rank 0's is broadcast).
+    torch::manual_seed(d.rank() == 0 ? 7 : 99 + d.rank());
+    Net net;
+    EXPECT_EQ(convert_sync_batchnorm(*net, d), 3);
+    DataParallel ddp(net.ptr(), d, DdpOptions{0.001});
+    EXPECT_GT(ddp.num_buckets(), 1);
+    auto opt = make_sgd(*net);
+    for (int k = 0; k < K; ++k) {
+      auto [x, y] = batch(k, d.rank(), B);
+      opt.zero_grad();
+      at::Tensor out = net(x);
+      at::Tensor loss = torch::nn::functional::cross_entropy(out, y);  // per-rank mean
+      ddp.prepare_for_backward({loss});
+      loss.backward();
+      opt.step();
+    }
+    auto rp = ref->named_parameters();
+    for (auto& p : net->named_parameters())
+      EXPECT_LE(rel_diff(p.value(), rp[p.key()]), 1e-5) << p.key();
+    auto rb = ref->named_buffers();
+    for (auto& b : net->named_buffers()) {
+      if (b.value().scalar_type() == torch::kLong) {
+        EXPECT_TRUE(torch::equal(b.value(), rb[b.key()])) << b.key();
+      } else {
+        EXPECT_LE(rel_diff(b.value(), rb[b.key()]), 1e-5) << b.key();
+      }
+    }
+  });
+}
+
+INSTANTIATE_TEST_SUITE_P(World, DdpEquivalence, ::testing::Values(1, 2, 3));
+
+// Without batch norm: a linear model, to test accumulation in isolation.
+struct MlpImpl : nn::Module {
+  nn::Linear a{nullptr}, b{nullptr}, unused{nullptr};
+  bool use_unused = false;
+  MlpImpl() {
+    a = register_module("a", nn::Linear(6, 16));
+    b = register_module("b", nn::Linear(16, 3));
+    unused = register_module("unused", nn::Linear(16, 3));
+  }
+  at::Tensor forward(at::Tensor x) {
+    at::Tensor h = torch::tanh(a(x));
+    return use_unused ? unused(h) : b(h);
+  }
+};
+TORCH_MODULE(Mlp);
+
+TEST(DdpAccumulation, TwoMicroBatchesEqualOneDoubleBatch) {
+  for (int W : {2, 3}) {
+    testing::run_ranks(W, [](Distributed& d) {
+      const int W = d.world_size();
+      auto data = [](int r, int part) {
+        torch::manual_seed(50 + 10 * r + part);
+        return std::make_pair(torch::randn({3, 6}), torch::randn({3, 3}));
+      };
+      torch::manual_seed(3);
+      Mlp ref;
+      auto ref_opt = make_sgd(*ref);
+      std::vector<at::Tensor> xs, ys;
+      for (int q = 0; q < W; ++q)
+        for (int part = 0; part < 2; ++part) {
+          xs.push_back(data(q, part).first);
+          ys.push_back(data(q, part).second);
+        }
+      torch::nn::functional::mse_loss(ref(torch::cat(xs)), torch::cat(ys)).backward();
+      ref_opt.step();
+
+      torch::manual_seed(3);
+      Mlp net;
+      DataParallel ddp(net.ptr(), d, DdpOptions{0.0001, true});
+      auto opt = make_sgd(*net);
+      for (int part = 0; part < 2; ++part) {
+        auto [x, y] = data(d.rank(), part);
+        at::Tensor loss = torch::nn::functional::mse_loss(net(x), y) / 2;  // mean over the 2 micro-batches
+        ddp.prepare_for_backward({loss});
+        if (part == 0) {
+          auto guard = ddp.no_sync();
+          loss.backward();
+        } else {
+          loss.backward();
+        }
+      }
+      opt.step();
+      auto rp = ref->named_parameters();
+      for (auto& p : net->named_parameters()) EXPECT_LE(rel_diff(p.value(), rp[p.key()]), 1e-5) << p.key();
+    });
+  }
+}
+
+TEST(DdpUnusedParameters, FoundWithTheOptionAndNamedWithoutIt) {
+  testing::run_ranks(2, [](Distributed& d) {
+    Mlp net;
+    {
+      DataParallel ddp(net.ptr(), d, DdpOptions{0.0001, true});
+      at::Tensor loss = net(torch::randn({2, 6})).sum();
+      ddp.prepare_for_backward({loss});
+      loss.backward();  // must not hang
+      EXPECT_TRUE(net->b->weight.grad().defined());
+      EXPECT_FALSE(net->unused->weight.grad().defined());
+    }
+    net->zero_grad();
+    {
+      DataParallel ddp(net.ptr(), d, DdpOptions{0.0001, false});
+      at::Tensor loss = net(torch::randn({2, 6})).sum();
+      ddp.prepare_for_backward({loss});
+      try {
+        loss.backward();
+        ADD_FAILURE() << "expected an error for the unused parameter";
+      } catch (const std::exception& e) {
+        std::string msg = e.what();
+        EXPECT_NE(msg.find("'unused."), std::string::npos) << msg;
+        EXPECT_NE(msg.find("find_unused_parameters"), std::string::npos) << msg;
+      }
+    }
+  });
+}
+
+TEST(DdpOverlap, BucketsLaunchBeforeBackwardEnds) {
+  testing::run_ranks(2, [](Distributed& d) {
+    torch::manual_seed(1);
+    nn::Sequential net;
+    for (int i = 0; i < 8; ++i) {
+      net->push_back(nn::Linear(128, 128));
+      net->push_back(nn::Functional(torch::tanh));
+    }
+    DataParallel ddp(net.ptr(), d, DdpOptions{0.1});  // ~1.5 layers per bucket
+    EXPECT_GE(ddp.num_buckets(), 4);
+    // Bucket 0 holds the last layer's parameters: backward produces them first.
+    EXPECT_EQ(ddp.bucket_assignment()[0][0], static_cast<int>(net->parameters().size()) - 1);
+    at::Tensor loss = net->forward(torch::randn({64, 128})).pow(2).mean();
+    ddp.prepare_for_backward({loss});
+    loss.backward();
+    const auto& st = ddp.last_step();
+    EXPECT_EQ(static_cast<int>(st.launch_ms.size()), ddp.num_buckets());
+    EXPECT_GE(st.launched_during_backward, ddp.num_buckets() - 1) << "buckets should start while backward runs";
+  });
+}
+
+// SyncBatchNorm alone: forward, input and weight gradients and running statistics equal
+// BatchNorm on the concatenated batch; uneven batches and a rank with zero rows.
+struct BnCase {
+  int world;
+  int mode;  // 0 equal, 1 uneven, 2 rank 1 empty
+  bool two_d;
+};
+
+class SyncBatchNormCase : public ::testing::TestWithParam<BnCase> {};
+
+int64_t bn_rows(const BnCase& c, int q) {
+  if (c.mode == 0) return 4;
+  if (c.mode == 2 && q == 1) return 0;
+  return q + 2;
+}
+
+TEST_P(SyncBatchNormCase, MatchesBatchNormOnConcatenatedBatch) {
+  const BnCase c = GetParam();
+  testing::run_ranks(c.world, [c](Distributed& d) {
+    const int W = d.world_size();
+    const int64_t C = 3;
+    auto shape = [&](int64_t n) { return c.two_d ? std::vector<int64_t>{n, C, 5, 4} : std::vector<int64_t>{n, C}; };
+    std::vector<at::Tensor> xs, gs;
+    for (int q = 0; q < W; ++q) {
+      torch::manual_seed(10 + q);
+      xs.push_back(torch::randn(shape(bn_rows(c, q))) * 2 + 1);
+      gs.push_back(torch::randn(shape(bn_rows(c, q))));  // d loss / d output
+    }
+    torch::manual_seed(5);
+    at::Tensor w0 = torch::rand({C}) + 0.5, b0 = torch::randn({C});
+    // Reference
+    at::Tensor X = torch::cat(xs).requires_grad_();
+    at::Tensor rw = w0.clone().requires_grad_(), rb = b0.clone().requires_grad_();
+    at::Tensor rm = torch::zeros({C}), rv = torch::ones({C});
+    at::Tensor Y = torch::batch_norm(X, rw, rb, rm, rv, true, 0.1, 1e-5, false);
+    (Y * torch::cat(gs)).sum().backward();
+    // Distributed
+    SyncBatchNorm sbn(C, d);
+    {
+      torch::NoGradGuard ng;
+      sbn->weight.copy_(w0);
+      sbn->bias.copy_(b0);
+    }
+    at::Tensor x = xs[d.rank()].clone().requires_grad_();
+    at::Tensor y = sbn(x);
+    (y * gs[d.rank()]).sum().backward();
+    int64_t off = 0;
+    for (int q = 0; q < d.rank(); ++q) off += bn_rows(c, q);
+    const int64_t n = bn_rows(c, d.rank());
+    EXPECT_TRUE(torch::allclose(y, Y.narrow(0, off, n), 1e-5, 1e-5));
+    EXPECT_TRUE(torch::allclose(x.grad(), X.grad().narrow(0, off, n), 1e-5, 1e-5));
+    at::Tensor gw = sbn->weight.grad().clone(), gb = sbn->bias.grad().clone();
+    d.all_reduce(gw);  // what DDP sums (and then divides by W)
+    d.all_reduce(gb);
+    EXPECT_TRUE(torch::allclose(gw, rw.grad(), 1e-4, 1e-5)) << gw << rw.grad();
+    EXPECT_TRUE(torch::allclose(gb, rb.grad(), 1e-4, 1e-5));
+    EXPECT_TRUE(torch::allclose(sbn->running_mean, rm, 1e-5, 1e-6));
+    EXPECT_TRUE(torch::allclose(sbn->running_var, rv, 1e-5, 1e-6));
+    EXPECT_EQ(sbn->num_batches_tracked.item<int64_t>(), 1);
+    // Eval: running statistics, local only (a collective here would hang the rank with zero rows? no:
+    // each rank evaluates independently, so ranks may even call it a different number of times).
+    sbn->eval();
+    if (d.rank() == 0) {
+      at::Tensor e = sbn(xs[0]);
+      at::Tensor ref_e = torch::batch_norm(xs[0], w0, b0, rm, rv, false, 0.1, 1e-5, false);
+      EXPECT_TRUE(torch::allclose(e, ref_e, 1e-5, 1e-5));
+    }
+  });
+}
+
+INSTANTIATE_TEST_SUITE_P(Cases, SyncBatchNormCase,
+                         ::testing::Values(BnCase{1, 0, true}, BnCase{2, 0, true}, BnCase{3, 0, true}, BnCase{2, 1, true},
+                                           BnCase{3, 1, false}, BnCase{3, 2, true}, BnCase{2, 2, false}));
+
+}  // namespace
+}  // namespace faceshard
