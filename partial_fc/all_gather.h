@@ -21,7 +21,9 @@ enum class GatherGrad {
   OwnSlice,
 };
 
-// Returns cat(x_0, ..., x_{W-1}) on every rank; differentiable w.r.t. x.
-at::Tensor all_gather_with_grad(Distributed& dist, const at::Tensor& x, GatherGrad mode);
+// Returns cat(x_0, ..., x_{W-1}) on every rank; differentiable w.r.t. x. The gradient
+// reaching x is multiplied by grad_scale (the sharded classifier passes W, see
+// partial_fc.h for why).
+at::Tensor all_gather_with_grad(Distributed& dist, const at::Tensor& x, GatherGrad mode, double grad_scale = 1.0);
 
 }  // namespace faceshard

@@ -1,0 +1,294 @@
+// The sharded classifier against one process holding the concatenated batch and the whole
+// weight matrix, written here with plain tensor ops (independent of partial_fc's code).
+#include <gtest/gtest.h>
+
+#include <cmath>
+
+#include "partial_fc/class_shard.h"
+#include "partial_fc/ddp.h"
+#include "partial_fc/error.h"
+#include "partial_fc/margin.h"
+#include "partial_fc/partial_fc.h"
+#include "partial_fc/shard_optimizer.h"
+#include "tests/harness.h"
+
+namespace faceshard {
+namespace {
+
+namespace F = torch::nn::functional;
+
+double rel(const at::Tensor& a, const at::Tensor& b) {
+  return (a.to(torch::kDouble) - b.to(torch::kDouble)).norm().item<double>() /
+         std::max(b.to(torch::kDouble).norm().item<double>(), 1e-20);
+}
+
+TEST(ClassShard, ContiguousRangesFirstRanksOneMore) {
+  for (int W = 1; W <= 5; ++W) {
+    auto all = ClassShard::all(1003, W);
+    int64_t next = 0;
+    for (int r = 0; r < W; ++r) {
+      EXPECT_EQ(all[r].start, next);
+      EXPECT_EQ(all[r].count, 1003 / W + (r < 1003 % W ? 1 : 0));
+      next += all[r].count;
+    }
+    EXPECT_EQ(next, 1003);
+  }
+  EXPECT_THROW(ClassShard::of(2, 3, 0), Error);
+}
+
+// --- the margin ---------------------------------------------------------------------
+
+TEST(Margin, ExactGradientMatchesFiniteDifferences) {
+  const std::vector<CombinedMargin> margins{{1.0, 0.5, 0.0}, {1.0, 0.0, 0.4}, {1.0, 0.3, 0.2}, {1.35, 0.25, 0.1}};
+  for (const auto& m : margins) {
+    SCOPED_TRACE(::testing::Message() << "m1=" << m.m1 << " m2=" << m.m2 << " m3=" << m.m3);
+    at::Tensor c = torch::linspace(-0.995, 0.995, 2001, torch::kDouble);
+    const double h = 1e-6;
+    at::Tensor fd = (m.target(c + h) - m.target(c - h)) / (2 * h);
+    at::Tensor an = m.target_grad(c);
+    // Skip the kink where m1*theta + m2 = pi (one-sided derivatives differ there).
+    const double tmax = (M_PI - m.m2) / m.m1;
+    at::Tensor keep = tmax < M_PI ? ((c.acos() - tmax).abs() > 1e-3) : torch::ones_like(c, torch::kBool);
+    EXPECT_LT((fd - an).masked_select(keep).abs().max().item<double>(), 1e-6);
+    // Monotone increasing in c (a margin never rewards a worse angle) and continuous.
+    at::Tensor t = m.target(c);
+    EXPECT_TRUE((t.narrow(0, 1, t.size(0) - 1) >= t.narrow(0, 0, t.size(0) - 1)).all().item<bool>());
+    EXPECT_LT((t.narrow(0, 1, t.size(0) - 1) - t.narrow(0, 0, t.size(0) - 1)).abs().max().item<double>(), 0.02);
+    // Closed form inside the valid range.
+    at::Tensor inside = c.acos() * m.m1 + m.m2 < M_PI;
+    at::Tensor closed = (c.acos() * m.m1 + m.m2).cos() - m.m3;
+    EXPECT_LT((t - closed).masked_select(inside).abs().max().item<double>(), 1e-9);
+  }
+}
+
+TEST(Margin, ArcFaceBeyondPiContinuesLinearly) {
+  CombinedMargin m{1.0, 0.5, 0.0};
+  const double cmax = std::cos(M_PI - 0.5);
+  at::Tensor c = torch::tensor({cmax - 0.1, cmax - 0.2}, torch::kDouble);
+  at::Tensor t = m.target(c);
+  EXPECT_NEAR(t[0].item<double>(), -1.0 - 0.1, 1e-12);
+  EXPECT_NEAR(t[1].item<double>(), -1.0 - 0.2, 1e-12);
+  EXPECT_TRUE(torch::allclose(m.target_grad(c), torch::ones_like(c)));
+}
+
+// --- reference ----------------------------------------------------------------------
+
+struct Reference {
+  at::Tensor loss, emb_grad, weight_grad, accuracy;
+};
+
+// Margin softmax over the columns `cols` of the full weight (all classes when undefined).
+Reference reference(const at::Tensor& emb, const at::Tensor& weight, const at::Tensor& labels, const CombinedMargin& m,
+                    at::Tensor cols = at::Tensor()) {
+  at::Tensor E = emb.clone().requires_grad_();
+  at::Tensor Wt = weight.clone().requires_grad_();
+  at::Tensor Wsel = cols.defined() ? Wt.index_select(0, cols) : Wt;
+  at::Tensor y = labels;
+  if (cols.defined()) y = torch::searchsorted(cols, labels);
+  at::Tensor cos = torch::mm(F::normalize(E, F::NormalizeFuncOptions().dim(1)),
+                             F::normalize(Wsel, F::NormalizeFuncOptions().dim(1)).t());
+  at::Tensor onehot = F::one_hot(y, cos.size(1)).to(torch::kBool);
+  at::Tensor c = cos;
+  if (m.interclass_filter > 0) c = torch::where((c > m.interclass_filter) & ~onehot, torch::zeros_like(c), c);
+  at::Tensor theta = c.clamp(-1 + 1e-7, 1 - 1e-7).acos();
+  at::Tensor t = (theta * m.m1 + m.m2).cos() - m.m3;  // test data stays inside m1*theta + m2 < pi
+  at::Tensor logits = torch::where(onehot, t, c) * m.scale;
+  Reference r;
+  r.loss = F::cross_entropy(logits, y);
+  r.loss.backward();
+  r.emb_grad = E.grad();
+  r.weight_grad = Wt.grad();
+  r.accuracy = (std::get<1>(cos.max(1)) == y).to(torch::kFloat).mean();
+  return r;
+}
+
+int64_t rows_of(int r) { return 4 + (r % 2); }  // uneven batches across ranks
+
+struct Data {
+  at::Tensor emb, labels;  // concatenated over ranks
+  int64_t offset = 0, rows = 0;
+};
+
+Data make_data(int W, int r, int64_t C, int64_t d) {
+  Data dt;
+  std::vector<at::Tensor> es, ls;
+  for (int q = 0; q < W; ++q) {
+    torch::manual_seed(300 + q);
+    es.push_back(torch::randn({rows_of(q), d}));
+    ls.push_back(torch::randint(0, C, {rows_of(q)}, torch::kLong));
+    if (q < r) dt.offset += rows_of(q);
+  }
+  dt.rows = rows_of(r);
+  dt.emb = torch::cat(es);
+  dt.labels = torch::cat(ls);
+  return dt;
+}
+
+struct FcCase {
+  int world;
+  const char* margin;  // arcface | cosface | filter
+};
+
+class PartialFCEquivalence : public ::testing::TestWithParam<FcCase> {};
+
+TEST_P(PartialFCEquivalence, LossAndGradientsMatchFullSoftmax) {
+  const FcCase fc_case = GetParam();
+  testing::run_ranks(fc_case.world, [fc_case](Distributed& d) {
+    const int64_t C = 1003, D = 16;
+    const std::string mname = fc_case.margin;
+    PartialFCOptions o;
+    o.num_classes = C;
+    o.embedding_size = D;
+    o.margin = mname == "cosface" ? CombinedMargin{1.0, 0.0, 0.4} : CombinedMargin{1.0, 0.5, 0.0};
+    if (mname == "filter") o.margin.interclass_filter = 0.2;
+    Data data = make_data(d.world_size(), d.rank(), C, D);
+    if (mname == "filter") data.emb.narrow(1, 0, 1).add_(3.0);  // correlated embeddings: some cosines above 0.2
+    at::Tensor full_weight = PartialFC::initial_rows(0, C, D, o.seed);
+    Reference ref = reference(data.emb, full_weight, data.labels, o.margin);
+
+    PartialFC fc(d, o);
+    ASSERT_TRUE(torch::equal(fc.weight(), full_weight.narrow(0, fc.shard().start, fc.shard().count)));
+    at::Tensor emb = data.emb.narrow(0, data.offset, data.rows).clone().requires_grad_();
+    auto out = fc.forward(emb, data.labels.narrow(0, data.offset, data.rows));
+    out.loss.backward();
+    EXPECT_LE(rel(out.loss, ref.loss), 1e-5) << out.loss.item<double>() << " vs " << ref.loss.item<double>();
+    EXPECT_NEAR(out.accuracy.item<double>(), ref.accuracy.item<double>(), 1e-6);
+    // Embedding gradient: W x dL/demb by the gradient convention (partial_fc.h).
+    EXPECT_LE(rel(emb.grad(), ref.emb_grad.narrow(0, data.offset, data.rows) * d.world_size()), 1e-5);
+    EXPECT_LE(rel(fc.weight().grad(), ref.weight_grad.narrow(0, fc.shard().start, fc.shard().count)), 1e-5);
+  });
+}
+
+INSTANTIATE_TEST_SUITE_P(Worlds, PartialFCEquivalence,
+                         ::testing::Values(FcCase{1, "arcface"}, FcCase{2, "arcface"}, FcCase{3, "arcface"},
+                                           FcCase{4, "arcface"}, FcCase{1, "cosface"}, FcCase{2, "cosface"},
+                                           FcCase{3, "cosface"}, FcCase{4, "cosface"}, FcCase{3, "filter"}));
+
+class PartialFCSampling : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(PartialFCSampling, SampledSoftmaxAndUntouchedRows) {
+  const std::string kind = GetParam();
+  testing::run_ranks(3, [kind](Distributed& d) {
+    const int64_t C = 1003, D = 16;
+    PartialFCOptions o;
+    o.num_classes = C;
+    o.embedding_size = D;
+    o.sample_rate = 0.1;
+    Data data = make_data(d.world_size(), d.rank(), C, D);
+    at::Tensor full_weight = PartialFC::initial_rows(0, C, D, o.seed);
+    PartialFC fc(d, o);
+    ShardOptimizer opt(fc, ShardOptimizerOptions{kind, 0.9, 5e-4});
+    for (int step = 0; step < 3; ++step) {
+      at::Tensor before = fc.weight().clone();
+      std::map<std::string, at::Tensor> state_before;
+      for (auto& kv : opt.state()) state_before[kv.first] = kv.second.clone();
+      at::Tensor emb = data.emb.narrow(0, data.offset, data.rows).clone().requires_grad_();
+      auto out = fc.forward(emb, data.labels.narrow(0, data.offset, data.rows));
+      ASSERT_EQ(fc.sampled_index().size(0), std::max<int64_t>(fc.num_sample(), 0));
+      // Every positive class of the global batch that this rank owns is sampled.
+      at::Tensor global_index = fc.sampled_index() + fc.shard().start;
+      for (int64_t i = 0; i < data.labels.size(0); ++i) {
+        const int64_t y = data.labels[i].item<int64_t>();
+        if (fc.shard().owns(y)) EXPECT_TRUE((global_index == y).any().item<bool>()) << "positive " << y;
+      }
+      // Loss = full softmax restricted to the union of sampled classes (current weights).
+      at::Tensor cols = std::get<0>(torch::sort(d.all_gather(global_index)));
+      std::vector<at::Tensor> shards;
+      at::Tensor cur = d.all_gather(fc.weight().detach());
+      Reference ref = reference(data.emb, cur, data.labels, o.margin, cols);
+      EXPECT_LE(rel(out.loss, ref.loss), 1e-5);
+      out.loss.backward();
+      EXPECT_LE(rel(fc.sampled_weight().grad(),
+                    ref.weight_grad.index_select(0, global_index)), 1e-5);
+      opt.step(0.1);
+      // Unsampled rows and their optimiser state: bit-identical. Sampled rows: changed.
+      at::Tensor unsampled = torch::ones({fc.shard().count}, torch::kBool);
+      unsampled.index_fill_(0, fc.sampled_index(), false);
+      at::Tensor ui = unsampled.nonzero().view({-1});
+      EXPECT_TRUE(torch::equal(fc.weight().index_select(0, ui), before.index_select(0, ui)));
+      for (auto& kv : opt.state())
+        EXPECT_TRUE(torch::equal(kv.second.index_select(0, ui), state_before[kv.first].index_select(0, ui))) << kv.first;
+      EXPECT_FALSE(torch::equal(fc.weight().index_select(0, fc.sampled_index()), before.index_select(0, fc.sampled_index())));
+    }
+  });
+}
+
+INSTANTIATE_TEST_SUITE_P(Optimisers, PartialFCSampling, ::testing::Values("sgd", "adamw"));
+
+TEST(PartialFCSampling, RateOneEqualsFullComputation) {
+  testing::run_ranks(2, [](Distributed& d) {
+    PartialFCOptions o;
+    o.num_classes = 101;
+    o.embedding_size = 8;
+    o.sample_rate = 1.0;
+    Data data = make_data(2, d.rank(), 101, 8);
+    PartialFC fc(d, o);
+    EXPECT_FALSE(fc.samples());
+    auto out = fc.forward(data.emb.narrow(0, data.offset, data.rows), data.labels.narrow(0, data.offset, data.rows));
+    Reference ref = reference(data.emb, PartialFC::initial_rows(0, 101, 8, o.seed), data.labels, o.margin);
+    EXPECT_LE(rel(out.loss, ref.loss), 1e-5);
+  });
+}
+
+TEST(PartialFCLabels, OutOfRangeNamesLabelAndRank) {
+  testing::run_ranks(3, [](Distributed& d) {
+    PartialFCOptions o;
+    o.num_classes = 50;
+    o.embedding_size = 8;
+    PartialFC fc(d, o);
+    at::Tensor labels = torch::tensor({1, 2, 3}, torch::kLong);
+    if (d.rank() == 2) labels[1] = 50;
+    try {
+      fc.forward(torch::randn({3, 8}), labels);
+      ADD_FAILURE() << "expected an error";
+    } catch (const Error& e) {
+      std::string msg = e.what();
+      EXPECT_NE(msg.find("label 50 of rank 2 (batch row 1)"), std::string::npos) << msg;
+    }
+  });
+}
+
+// DESIGN.md's convention end to end: a replicated backbone under DataParallel (averaging)
+// feeding the sharded classifier gets exactly the gradient of one process that holds the
+// whole batch and the whole weight matrix.
+TEST(PartialFCConvention, BackboneGradientThroughDdpEqualsOneProcess) {
+  for (int W : {2, 3}) {
+    testing::run_ranks(W, [](Distributed& d) {
+      const int64_t C = 37, D = 8;
+      PartialFCOptions o;
+      o.num_classes = C;
+      o.embedding_size = D;
+      std::vector<at::Tensor> xs, ys;
+      for (int q = 0; q < d.world_size(); ++q) {
+        torch::manual_seed(900 + q);
+        xs.push_back(torch::randn({rows_of(q) - (q % 2), 6}));  // equal per-rank batches
+        ys.push_back(torch::randint(0, C, {xs.back().size(0)}, torch::kLong));
+      }
+      torch::manual_seed(5);
+      torch::nn::Linear ref_backbone(6, D);
+      torch::manual_seed(5);
+      torch::nn::Linear backbone(6, D);
+      // Reference: one process.
+      Reference ref;
+      {
+        at::Tensor E = ref_backbone(torch::cat(xs));
+        at::Tensor Wf = PartialFC::initial_rows(0, C, D, o.seed);
+        at::Tensor cos = torch::mm(F::normalize(E, F::NormalizeFuncOptions().dim(1)),
+                                   F::normalize(Wf, F::NormalizeFuncOptions().dim(1)).t());
+        at::Tensor onehot = F::one_hot(torch::cat(ys), C).to(torch::kBool);
+        at::Tensor t = (cos.clamp(-1 + 1e-7, 1 - 1e-7).acos() + 0.5).cos();
+        F::cross_entropy(torch::where(onehot, t, cos) * 64.0, torch::cat(ys)).backward();
+      }
+      DataParallel ddp(backbone.ptr(), d);
+      PartialFC fc(d, o);
+      auto out = fc.forward(backbone(xs[d.rank()]), ys[d.rank()]);
+      ddp.prepare_for_backward({out.loss});
+      out.loss.backward();
+      EXPECT_LE(rel(backbone->weight.grad(), ref_backbone->weight.grad()), 1e-5);
+      EXPECT_LE(rel(backbone->bias.grad(), ref_backbone->bias.grad()), 1e-5);
+    });
+  }
+}
+
+}  // namespace
+}  // namespace faceshard
