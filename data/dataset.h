@@ -1,0 +1,96 @@
+// Training data sets as the loader sees them: a sized, thread-safe source of (class,
+// encoded image) samples. RecordIO (insightface .rec/.idx), an image folder (one
+// sub-folder per identity) and a synthetic set (fixed pixels, no decoding) for benchmarks.
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "data/insightface_rec.h"
+#include "data/recordio.h"
+
+namespace faceshard {
+
+struct RawSample {
+  int64_t label = -1;
+  std::vector<uint8_t> bytes;  // encoded image, or HWC RGB pixels when raw_pixels()
+};
+
+class Dataset {
+ public:
+  virtual ~Dataset() = default;
+  virtual uint64_t size() const = 0;
+  // Number of classes the data set declares (-1 when it does not know without a scan).
+  virtual int64_t num_classes() const = 0;
+  // Reads sample `index` (0 <= index < size()); safe to call from several threads.
+  virtual void read(uint64_t index, RawSample& out) const = 0;
+  // Names a sample in messages: "<file> key 17" or the image path.
+  virtual std::string describe(uint64_t index) const = 0;
+  // True when read() yields raw RGB pixels of raw_size() x raw_size() (no decoding).
+  virtual bool raw_pixels() const { return false; }
+  virtual int raw_size() const { return 0; }
+};
+
+// insightface .rec/.idx. Image keys follow MXFaceDataset (header record 0 when present).
+class RecordIODataset : public Dataset {
+ public:
+  RecordIODataset(const std::string& rec_path, const std::string& idx_path);
+  uint64_t size() const override { return layout_.image_keys.size(); }
+  int64_t num_classes() const override;
+  void read(uint64_t index, RawSample& out) const override;
+  std::string describe(uint64_t index) const override;
+  uint64_t key(uint64_t index) const { return layout_.image_keys.at(index); }
+  const InsightFaceLayout& layout() const { return layout_; }
+
+ private:
+  IndexedRecordIO rec_;
+  InsightFaceLayout layout_;
+};
+
+// root/<identity>/<image>: identities in sorted name order are classes 0..C-1; files
+// with an image extension (.jpg .jpeg .png .bmp), sorted by name.
+class ImageFolderDataset : public Dataset {
+ public:
+  explicit ImageFolderDataset(const std::string& root);
+  uint64_t size() const override { return files_.size(); }
+  int64_t num_classes() const override { return int64_t(class_names_.size()); }
+  void read(uint64_t index, RawSample& out) const override;
+  std::string describe(uint64_t index) const override { return files_.at(index); }
+  const std::string& path(uint64_t index) const { return files_.at(index); }
+  int64_t label(uint64_t index) const { return labels_.at(index); }
+  const std::vector<std::string>& class_names() const { return class_names_; }
+
+ private:
+  std::vector<std::string> files_;
+  std::vector<int64_t> labels_;
+  std::vector<std::string> class_names_;
+};
+
+// Random pixels generated once and handed out for every index (label = index % classes),
+// so a benchmark measures the pipeline without disk or JPEG decoding, like arcface_torch's
+// SyntheticDataset.
+class SyntheticDataset : public Dataset {
+ public:
+  SyntheticDataset(uint64_t size, int64_t num_classes, int image_size = 112, uint64_t seed = 0);
+  uint64_t size() const override { return size_; }
+  int64_t num_classes() const override { return num_classes_; }
+  void read(uint64_t index, RawSample& out) const override;
+  std::string describe(uint64_t index) const override;
+  bool raw_pixels() const override { return true; }
+  int raw_size() const override { return image_size_; }
+
+ private:
+  uint64_t size_;
+  int64_t num_classes_;
+  int image_size_;
+  std::vector<uint8_t> pixels_;
+};
+
+// arcface_torch's selection: "synthetic" -> SyntheticDataset(synthetic_size, classes);
+// a folder with train.rec -> RecordIODataset (a missing train.idx is an error);
+// any other folder -> ImageFolderDataset.
+std::shared_ptr<Dataset> open_dataset(const std::string& path, int64_t synthetic_classes = 1000,
+                                      uint64_t synthetic_size = 1000000);
+
+}  // namespace faceshard

@@ -1,0 +1,263 @@
+#include "data/loader.h"
+
+#include <cmath>
+
+#include "partial_fc/error.h"
+#include "partial_fc/log.h"
+
+#ifdef FACESHARD_WITH_CUDA
+#include <ATen/cuda/CUDAContext.h>
+#include <ATen/cuda/CUDAEvent.h>
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAGuard.h>
+#endif
+
+namespace faceshard {
+
+namespace {
+uint64_t mix(uint64_t x) {
+  x += 0x9e3779b97f4a7c15ull;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+  return x ^ (x >> 31);
+}
+// A replacement draw never repeats the failed position; a few tries cover scattered bad
+// records, while a run of failures means the data set itself is broken.
+constexpr int kReplaceTries = 16;
+}  // namespace
+
+DataLoader::DataLoader(std::shared_ptr<const Dataset> dataset, DistributedSampler sampler, LoaderOptions options)
+    : dataset_(std::move(dataset)), sampler_(std::move(sampler)), opt_(std::move(options)) {
+  if (opt_.batch_size <= 0) throw usage_error("loader: batch_size must be positive, got ", opt_.batch_size);
+  if (opt_.num_workers <= 0) throw usage_error("loader: num_workers must be positive, got ", opt_.num_workers);
+  if (opt_.prefetch_batches <= 0) opt_.prefetch_batches = 1;
+  if (opt_.image_size <= 0) throw usage_error("loader: image_size must be positive");
+  if (!(opt_.max_bad_fraction >= 0.0 && opt_.max_bad_fraction <= 1.0)) {
+    throw usage_error("loader: max_bad_fraction must be in [0, 1], got ", opt_.max_bad_fraction);
+  }
+  if (dataset_->raw_pixels() && dataset_->raw_size() != opt_.image_size) {
+    throw usage_error("loader: synthetic images are ", dataset_->raw_size(), " px, expected ", opt_.image_size);
+  }
+  if (opt_.num_classes >= 0 && dataset_->num_classes() > opt_.num_classes) {
+    throw usage_error("loader: the data set has ", dataset_->num_classes(), " classes but num_classes is ",
+                      opt_.num_classes);
+  }
+#ifndef FACESHARD_WITH_CUDA
+  if (opt_.device.is_cuda()) throw usage_error("loader: a CUDA device was asked for, but faceshard was built without CUDA");
+#endif
+  if (batches_per_epoch() == 0) {
+    throw usage_error("loader: ", sampler_.size(), " samples per rank are fewer than one batch of ", opt_.batch_size);
+  }
+  for (int i = 0; i < opt_.num_workers; ++i) workers_.emplace_back([this] { worker_loop(); });
+}
+
+DataLoader::~DataLoader() {
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    stop_ = true;
+  }
+  work_cv_.notify_all();
+  for (auto& t : workers_) t.join();
+}
+
+void DataLoader::start_epoch(uint64_t epoch, uint64_t start_batch) {
+  if (start_batch > batches_per_epoch()) {
+    throw usage_error("loader: resume batch ", start_batch, " is past the epoch's ", batches_per_epoch(), " batches");
+  }
+  auto order = std::make_shared<const std::vector<uint64_t>>(sampler_.indices(epoch));
+  std::unique_lock<std::mutex> lk(mu_);
+  // Workers still building a batch of the old epoch finish first; their results are dropped.
+  ++generation_;
+  ready_cv_.wait(lk, [&] { return in_flight_ == 0; });
+  ready_.clear();
+  error_ = nullptr;
+  epoch_ = epoch;
+  order_ = std::move(order);
+  end_batch_ = batches_per_epoch();
+  next_claim_ = next_out_ = start_batch;
+  active_ = true;
+  lk.unlock();
+  work_cv_.notify_all();
+}
+
+std::optional<Batch> DataLoader::next() {
+  std::unique_lock<std::mutex> lk(mu_);
+  if (!active_) throw usage_error("loader: next() before start_epoch()");
+  if (next_out_ >= end_batch_) return std::nullopt;
+  ready_cv_.wait(lk, [&] { return error_ || ready_.count(next_out_) != 0; });
+  if (error_) {
+    std::exception_ptr e = error_;
+    active_ = false;
+    ++generation_;
+    lk.unlock();
+    work_cv_.notify_all();
+    std::rethrow_exception(e);
+  }
+  auto it = ready_.find(next_out_);
+  Batch b = std::move(it->second);
+  ready_.erase(it);
+  ++next_out_;
+  lk.unlock();
+  work_cv_.notify_all();  // a prefetch slot is free
+  return to_device(std::move(b));
+}
+
+uint64_t DataLoader::bad_samples() const {
+  std::lock_guard<std::mutex> lk(bad_mu_);
+  return bad_.size();
+}
+
+void DataLoader::worker_loop() {
+  while (true) {
+    std::unique_lock<std::mutex> lk(mu_);
+    work_cv_.wait(lk, [&] {
+      return stop_ || (active_ && !error_ && next_claim_ < end_batch_ &&
+                       next_claim_ < next_out_ + uint64_t(opt_.prefetch_batches));
+    });
+    if (stop_) return;
+    const uint64_t b = next_claim_++;
+    const uint64_t gen = generation_;
+    const uint64_t epoch = epoch_;
+    std::shared_ptr<const std::vector<uint64_t>> order = order_;
+    ++in_flight_;
+    lk.unlock();
+
+    Batch batch;
+    std::exception_ptr err;
+    try {
+      build_batch(epoch, b, *order, batch);
+    } catch (...) {
+      err = std::current_exception();
+    }
+
+    lk.lock();
+    --in_flight_;
+    if (gen == generation_) {
+      if (err) {
+        if (!error_) error_ = err;
+      } else {
+        ready_.emplace(b, std::move(batch));
+      }
+    }
+    lk.unlock();
+    ready_cv_.notify_all();
+  }
+}
+
+void DataLoader::build_batch(uint64_t epoch, uint64_t b, const std::vector<uint64_t>& order, Batch& out) {
+  const int64_t B = opt_.batch_size, S = opt_.image_size;
+  auto fopts = torch::TensorOptions().dtype(torch::kFloat32);
+  auto lopts = torch::TensorOptions().dtype(torch::kInt64);
+  if (opt_.device.is_cuda() && opt_.pin_memory) {
+    // Pinned host memory lets the copy to the GPU run asynchronously (DMA).
+    fopts = fopts.pinned_memory(true);
+    lopts = lopts.pinned_memory(true);
+  }
+  out.images = torch::empty({B, 3, S, S}, fopts);
+  out.labels = torch::empty({B}, lopts);
+  out.epoch = epoch;
+  out.index = b;
+  float* img = out.images.data_ptr<float>();
+  int64_t* lab = out.labels.data_ptr<int64_t>();
+  const size_t per_image = size_t(3) * S * S;
+  for (int64_t i = 0; i < B; ++i) {
+    load_sample(epoch, b * uint64_t(B) + uint64_t(i), order, img + size_t(i) * per_image, lab + i);
+  }
+}
+
+void DataLoader::load_sample(uint64_t epoch, uint64_t pos, const std::vector<uint64_t>& order, float* dst,
+                             int64_t* label) {
+  std::string error;
+  uint64_t index = order[pos];
+  if (fill_one(index, epoch, pos, dst, label, &error)) return;
+  note_bad(index, error);
+  std::mt19937_64 g(mix(mix(opt_.seed ^ 0x5eed) ^ mix(epoch) ^ pos));
+  for (int t = 0; t < kReplaceTries; ++t) {
+    const uint64_t alt = order[g() % order.size()];
+    if (alt == index) continue;
+    if (fill_one(alt, epoch, pos, dst, label, &error)) return;
+    note_bad(alt, error);
+  }
+  throw runtime_error("loader: ", kReplaceTries, " replacement samples in a row failed to load; last: ", error);
+}
+
+bool DataLoader::fill_one(uint64_t index, uint64_t epoch, uint64_t pos, float* dst, int64_t* label,
+                          std::string* error) {
+  thread_local RawSample sample;
+  const int S = opt_.image_size;
+  // Augmentation draws depend on (seed, epoch, position) only, so the batches do not
+  // depend on the number of workers or on thread timing.
+  std::mt19937_64 rng(mix(mix(opt_.seed) ^ mix(epoch + 0x100000000ull) ^ pos));
+  const bool flip = opt_.flip && (rng() & 1);
+  cv::Mat bgr;
+  try {
+    dataset_->read(index, sample);
+    if (!dataset_->raw_pixels()) bgr = decode_image(sample.bytes.data(), sample.bytes.size(), dataset_->describe(index));
+  } catch (const Error& e) {
+    *error = e.what();
+    return false;
+  } catch (const std::exception& e) {
+    *error = detail::concat(dataset_->describe(index), ": ", e.what());
+    return false;
+  }
+  if (opt_.num_classes >= 0 && (sample.label < 0 || sample.label >= opt_.num_classes)) {
+    throw runtime_error(dataset_->describe(index), ": label ", sample.label, " is out of range [0, ", opt_.num_classes,
+                        ")");
+  }
+  *label = sample.label;
+  if (dataset_->raw_pixels()) {
+    rgb_to_normalized_chw(sample.bytes.data(), S, S, flip, dst);
+    return true;
+  }
+  if (bgr.rows != S || bgr.cols != S) {
+    throw runtime_error(dataset_->describe(index), ": image is ", bgr.cols, "x", bgr.rows, ", expected ", S, "x", S,
+                        " (faces must be aligned and cropped to the network input size)");
+  }
+  if (opt_.extra.any()) apply_extra_augment(bgr, opt_.extra, rng);
+  bgr_to_normalized_chw(bgr, flip, dst);
+  return true;
+}
+
+void DataLoader::note_bad(uint64_t index, const std::string& error) {
+  std::lock_guard<std::mutex> lk(bad_mu_);
+  if (!bad_.insert(index).second) return;  // logged once per record
+  log_warn("loader: skipping a bad sample (", error, "); replaced by another sample");
+  const double limit = opt_.max_bad_fraction * double(dataset_->size());
+  if (double(bad_.size()) > limit) {
+    throw runtime_error("loader: ", bad_.size(), " of ", dataset_->size(), " samples failed to load, more than ",
+                        "max_bad_fraction = ", opt_.max_bad_fraction, "; last: ", error);
+  }
+}
+
+Batch DataLoader::to_device(Batch b) {
+  if (!opt_.device.is_cuda()) return b;
+#ifdef FACESHARD_WITH_CUDA
+  // Copy on a side stream so the transfer overlaps with compute queued on the current
+  // stream; the current stream then waits for the copy (an event, not a host sync).
+  const c10::cuda::CUDAGuard guard(opt_.device);
+  const c10::cuda::CUDAStream current = c10::cuda::getCurrentCUDAStream(opt_.device.index());
+  thread_local std::optional<c10::cuda::CUDAStream> side;
+  if (!side || side->device_index() != current.device_index()) {
+    side = c10::cuda::getStreamFromPool(/*isHighPriority=*/false, current.device_index());
+  }
+  Batch out;
+  out.epoch = b.epoch;
+  out.index = b.index;
+  {
+    const c10::cuda::CUDAStreamGuard sg(*side);
+    out.images = b.images.to(opt_.device, /*non_blocking=*/true);
+    out.labels = b.labels.to(opt_.device, /*non_blocking=*/true);
+  }
+  at::cuda::CUDAEvent done;
+  done.record(*side);
+  done.block(current);
+  // The device memory was allocated on the side stream but is used on the current one.
+  c10::cuda::CUDACachingAllocator::recordStream(out.images.storage().data_ptr(), current);
+  c10::cuda::CUDACachingAllocator::recordStream(out.labels.storage().data_ptr(), current);
+  return out;
+#else
+  throw usage_error("loader: CUDA device without CUDA support");
+#endif
+}
+
+}  // namespace faceshard

@@ -1,0 +1,273 @@
+// insightface verification .bin files: pickles written by Python's own pickle module
+// (protocols 2-5, a py2-style stream checked with pickle.loads(encoding='bytes'), str
+// images) read by our parser; our writer read back by Python's pickle.load; and garbage,
+// truncated or malicious pickles rejected with faceshard::Error. Plain C++ (ASan target).
+#include <gtest/gtest.h>
+
+#include <unistd.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "data/verification_bin.h"
+#include "partial_fc/error.h"
+
+namespace faceshard {
+namespace {
+
+namespace fs = std::filesystem;
+
+struct TempDir {
+  TempDir() {
+    std::string tmpl = (fs::temp_directory_path() / "fs_vbin_XXXXXX").string();
+    if (!::mkdtemp(tmpl.data())) throw std::runtime_error("mkdtemp failed");
+    path = tmpl;
+  }
+  ~TempDir() {
+    std::error_code ec;
+    fs::remove_all(path, ec);
+  }
+  std::string operator/(const std::string& name) const { return (fs::path(path) / name).string(); }
+  std::string path;
+};
+
+void spit(const std::string& p, const std::vector<uint8_t>& b) {
+  std::ofstream out(p, std::ios::binary);
+  out.write(reinterpret_cast<const char*>(b.data()), std::streamsize(b.size()));
+}
+void spit_text(const std::string& p, const std::string& s) {
+  std::ofstream out(p, std::ios::binary);
+  out << s;
+}
+
+VerificationSet random_set(uint64_t seed, size_t pairs) {
+  std::mt19937_64 g(seed);
+  VerificationSet s;
+  for (size_t i = 0; i < 2 * pairs; ++i) {
+    // Lengths around the 1-byte/4-byte length forms, and an empty string.
+    const size_t n = i == 3 ? 0 : (i % 3 == 0 ? 255 + g() % 3 : g() % 700);
+    std::vector<uint8_t> b(n);
+    for (auto& x : b) x = uint8_t(g());
+    s.images.push_back(std::move(b));
+  }
+  for (size_t i = 0; i < pairs; ++i) s.issame.push_back(g() % 2);
+  return s;
+}
+
+// Framing Python reads with struct: <u32 n> (<u32 len> bytes)* <u32 pairs> (<u8 same>)*
+std::vector<uint8_t> frame(const VerificationSet& s) {
+  std::vector<uint8_t> out;
+  auto u32 = [&](uint32_t v) {
+    for (int i = 0; i < 4; ++i) out.push_back(uint8_t(v >> (8 * i)));
+  };
+  u32(uint32_t(s.images.size()));
+  for (const auto& b : s.images) {
+    u32(uint32_t(b.size()));
+    out.insert(out.end(), b.begin(), b.end());
+  }
+  u32(uint32_t(s.issame.size()));
+  for (bool b : s.issame) out.push_back(b ? 1 : 0);
+  return out;
+}
+
+const char* kPyPickles = R"PY(
+import pickle, struct, sys, os
+d = sys.argv[1]
+raw = open(d + '/input', 'rb').read()
+p = 0
+def u32():
+    global p
+    v = struct.unpack_from('<I', raw, p)[0]; p += 4; return v
+bins = []
+for _ in range(u32()):
+    n = u32(); bins.append(raw[p:p + n]); p += n
+issame = [bool(raw[p + i]) for i in range(u32())]
+
+for proto in (2, 3, 4, 5):
+    open(d + '/p%d.bin' % proto, 'wb').write(pickle.dumps((bins, issame), protocol=proto))
+open(d + '/list4.bin', 'wb').write(pickle.dumps([bins, issame], protocol=4))
+
+# A py2 pickle (cPickle.dump(..., protocol=2) of str images): SHORT_BINSTRING/BINSTRING,
+# BINPUT memo entries, batched APPENDS. Built opcode by opcode, then checked with pickle.
+out = bytearray(b'\x80\x02')
+memo = [0]
+def put():
+    out.extend(b'q' + bytes([memo[0]]) if memo[0] < 256 else b'r' + struct.pack('<I', memo[0])); memo[0] += 1
+out += b']'; put()
+for i in range(0, len(bins), 1000):
+    out += b'('
+    for b in bins[i:i + 1000]:
+        out += (b'U' + bytes([len(b)]) if len(b) < 256 else b'T' + struct.pack('<i', len(b))) + b; put()
+    out += b'e'
+out += b']'; put(); out += b'('
+for s in issame: out += b'\x88' if s else b'\x89'
+out += b'e\x86'; put(); out += b'.'
+assert pickle.loads(bytes(out), encoding='bytes') == (bins, issame)
+open(d + '/py2.bin', 'wb').write(bytes(out))
+# The same py2 file loaded with encoding='latin1' holds str images; re-pickled they are
+# BINUNICODE / SHORT_BINUNICODE strings of latin-1 characters.
+open(d + '/latin1.bin', 'wb').write(pickle.dumps(pickle.loads(bytes(out), encoding='latin1'), protocol=4))
+# The same bytes object twice: the second is a memo GET.
+dup = list(bins); dup[1] = dup[0]
+open(d + '/dup.bin', 'wb').write(pickle.dumps((dup, issame), protocol=2))
+
+class Evil:
+    def __reduce__(self):
+        return (os.system, ('echo pwned > ' + d + '/pwned',))
+open(d + '/evil.bin', 'wb').write(pickle.dumps((bins[:2], [Evil()]), protocol=2))
+open(d + '/evil4.bin', 'wb').write(pickle.dumps(([Evil(), bins[1]], [True]), protocol=4))
+open(d + '/dict.bin', 'wb').write(pickle.dumps({'bins': bins, 'issame': issame}, protocol=4))
+open(d + '/three.bin', 'wb').write(pickle.dumps((bins, issame, 1), protocol=4))
+open(d + '/strsame.bin', 'wb').write(pickle.dumps((bins, ['yes'] * len(issame)), protocol=4))
+open(d + '/odd.bin', 'wb').write(pickle.dumps((bins[:-1], issame), protocol=4))
+open(d + '/nested.bin', 'wb').write(pickle.dumps(([bins[:2]], [True]), protocol=4))
+open(d + '/float.bin', 'wb').write(pickle.dumps((bins[:2], [1.0]), protocol=4))
+)PY";
+
+const char* kPyCheck = R"PY(
+import pickle, struct, sys
+d = sys.argv[1]
+raw = open(d + '/input', 'rb').read()
+p = 0
+def u32():
+    global p
+    v = struct.unpack_from('<I', raw, p)[0]; p += 4; return v
+bins = []
+for _ in range(u32()):
+    n = u32(); bins.append(raw[p:p + n]); p += n
+issame = [bool(raw[p + i]) for i in range(u32())]
+with open(d + '/ours.bin', 'rb') as f:
+    got = pickle.load(f)
+ok = isinstance(got, tuple) and len(got) == 2 and got[0] == bins and got[1] == issame
+ok = ok and all(isinstance(b, bytes) for b in got[0]) and all(type(s) is bool for s in got[1])
+sys.exit(0 if ok else 3)
+)PY";
+
+int run_python(const std::string& script, const std::string& arg) {
+  const std::string cmd = std::string("\"") + FACESHARD_PYTHON + "\" \"" + script + "\" \"" + arg + "\"";
+  return std::system(cmd.c_str());
+}
+
+std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "<no error>";
+}
+
+void expect_same(const VerificationSet& got, const VerificationSet& want, const std::string& what) {
+  ASSERT_EQ(got.images.size(), want.images.size()) << what;
+  for (size_t i = 0; i < want.images.size(); ++i) EXPECT_EQ(got.images[i], want.images[i]) << what << " image " << i;
+  EXPECT_EQ(got.issame, want.issame) << what;
+}
+
+TEST(VerificationBin, ReadsPicklesWrittenByPython) {
+  TempDir d;
+  const VerificationSet want = random_set(5, 30);
+  spit(d / "input", frame(want));
+  spit_text(d / "pickles.py", kPyPickles);
+  ASSERT_EQ(run_python(d / "pickles.py", d.path), 0);
+  for (const char* name : {"p2.bin", "p3.bin", "p4.bin", "p5.bin", "list4.bin", "py2.bin", "latin1.bin"}) {
+    expect_same(read_verification_bin(d / name), want, name);
+  }
+  VerificationSet dup = want;
+  dup.images[1] = dup.images[0];
+  expect_same(read_verification_bin(d / "dup.bin"), dup, "dup.bin");
+
+  // Anything that is not exactly (list of bytes, list of bools) is refused, and nothing runs.
+  const std::vector<std::pair<const char*, const char*>> refused = {
+      {"evil.bin", "posix.system"}, {"evil4.bin", "system"},   {"dict.bin", "not allowed"},
+      {"three.bin", "of 3 items"},  {"strsame.bin", "issame"}, {"odd.bin", "2 per pair"},
+      {"nested.bin", "bins[0] is a list"}, {"float.bin", "not allowed"}};
+  for (const auto& [name, why] : refused) {
+    const std::string msg = error_of([&] { read_verification_bin(d / name); });
+    EXPECT_NE(msg.find(name), std::string::npos) << name << ": " << msg;
+    EXPECT_NE(msg.find(why), std::string::npos) << name << ": " << msg;
+  }
+  EXPECT_FALSE(fs::exists(d / "pwned"));
+}
+
+TEST(VerificationBin, WriterOutputLoadsInPython) {
+  TempDir d;
+  const VerificationSet set = random_set(6, 1300);  // > 1000 items: several APPENDS batches
+  spit(d / "input", frame(set));
+  write_verification_bin(d / "ours.bin", set);
+  spit_text(d / "check.py", kPyCheck);
+  EXPECT_EQ(run_python(d / "check.py", d.path), 0);
+  expect_same(read_verification_bin(d / "ours.bin"), set, "round trip");
+  VerificationSet bad = set;
+  bad.issame.pop_back();
+  EXPECT_THROW(write_verification_bin(d / "bad.bin", bad), Error);
+  EXPECT_FALSE(fs::exists(d / "bad.bin"));
+}
+
+TEST(VerificationBinCorrupt, GarbageTruncationAndLies) {
+  const VerificationSet set = random_set(8, 4);
+  const std::vector<uint8_t> good = encode_verification_bin(set);
+  // Every truncation is an error.
+  for (size_t cut = 0; cut < good.size(); ++cut) {
+    const std::string msg = error_of([&] { parse_verification_bin(good.data(), cut, "t.bin"); });
+    EXPECT_NE(msg.find("t.bin"), std::string::npos) << cut << ": " << msg;
+  }
+  auto bytes_of = [](std::initializer_list<int> v) {
+    std::vector<uint8_t> b;
+    for (int x : v) b.push_back(uint8_t(x));
+    return b;
+  };
+  const std::vector<std::vector<uint8_t>> lies = {
+      {},
+      bytes_of({0x80, 0x09, '.'}),                                      // unknown protocol
+      bytes_of({0x80, 0x04, 0x8e, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0x7f}),  // huge BINBYTES8
+      bytes_of({0x80, 0x02, 'T', 0xff, 0xff, 0xff, 0xff}),              // negative BINSTRING
+      bytes_of({0x80, 0x02, 'B', 0xff, 0xff, 0xff, 0x0f, 1, 2}),        // BINBYTES past the end
+      bytes_of({0x80, 0x02, 'h', 5, '.'}),                              // GET never PUT
+      bytes_of({0x80, 0x02, 'e', '.'}),                                 // APPENDS without MARK
+      bytes_of({0x80, 0x02, ']', 'a', '.'}),                            // APPEND of nothing
+      bytes_of({0x80, 0x02, 0x86, '.'}),                                // TUPLE2 on an empty stack
+      bytes_of({0x80, 0x02, ']', 'q', 0, 'h', 0, 'a', '.'}),           // a list into itself
+      bytes_of({0x80, 0x02, 0x8c, 2, 0xc3, 0x28, 0x8c, 1, 'x', 0x86, '.'}),  // bad UTF-8 str
+      bytes_of({0x80, 0x04, 0x95, 0xff, 0, 0, 0, 0, 0, 0, 0, '.'}),     // frame past the end
+      bytes_of({'c', 'o', 's', '\n', 's', 'y', 's', 't', 'e', 'm', '\n', ')', 'R', '.'}),
+      bytes_of({0x80, 0x02, ']', ']', 0x86, '.', 0xff}),                // a valid empty set...
+  };
+  for (size_t i = 0; i + 1 < lies.size(); ++i) {
+    EXPECT_NE(error_of([&] { parse_verification_bin(lies[i].data(), lies[i].size(), "g.bin"); }), "<no error>")
+        << "case " << i;
+  }
+  // ...is accepted (trailing bytes after STOP are ignored, as pickle.load does).
+  EXPECT_EQ(parse_verification_bin(lies.back().data(), lies.back().size(), "e.bin").num_pairs(), 0u);
+  // Deep MARK nesting cannot exhaust the C++ stack (the parser does not recurse).
+  std::vector<uint8_t> deep(200000, '(');
+  deep.push_back('.');
+  EXPECT_NE(error_of([&] { parse_verification_bin(deep.data(), deep.size(), "deep.bin"); }), "<no error>");
+  EXPECT_EQ(error_of([&] { read_verification_bin("/nonexistent/lfw.bin"); }).find("/nonexistent/lfw.bin"), 0u);
+}
+
+TEST(VerificationBinCorrupt, RandomMutationsNeverCrash) {
+  const std::vector<uint8_t> good = encode_verification_bin(random_set(9, 6));
+  std::mt19937_64 g(17);
+  int errors = 0;
+  for (int it = 0; it < 3000; ++it) {
+    std::vector<uint8_t> b = good;
+    const int flips = 1 + int(g() % 3);
+    for (int k = 0; k < flips; ++k) b[g() % b.size()] = uint8_t(g());
+    if (g() % 4 == 0) b.resize(g() % b.size());
+    try {
+      parse_verification_bin(b.data(), b.size(), "m.bin");
+    } catch (const Error&) {
+      ++errors;
+    }
+  }
+  EXPECT_GT(errors, 0);
+}
+
+}  // namespace
+}  // namespace faceshard
