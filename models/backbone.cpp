@@ -1,0 +1,155 @@
+#include "models/backbone.h"
+
+#include <ATen/autocast_mode.h>
+
+#include <map>
+#include <sstream>
+
+#include "partial_fc/error.h"
+#include "partial_fc/log.h"
+
+namespace faceshard {
+namespace {
+std::string shape_str(c10::IntArrayRef s) {
+  std::ostringstream os;
+  os << "[";
+  for (size_t k = 0; k < s.size(); ++k) os << (k ? "," : "") << s[k];
+  os << "]";
+  return os.str();
+}
+bool starts_with(const std::string& s, const std::string& prefix) {
+  return s.compare(0, prefix.size(), prefix) == 0;
+}
+bool ends_with(const std::string& s, const std::string& suffix) {
+  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
+}
+}  // namespace
+
+BodyPrecision parse_body_precision(const std::string& text) {
+  if (text == "fp32" || text == "float32") return BodyPrecision::Float32;
+  if (text == "fp16" || text == "float16") return BodyPrecision::Float16;
+  if (text == "bf16" || text == "bfloat16") return BodyPrecision::BFloat16;
+  throw usage_error("backbone precision '", text, "': expected fp32, fp16 or bf16");
+}
+
+std::string to_string(BodyPrecision precision) {
+  switch (precision) {
+    case BodyPrecision::Float32: return "fp32";
+    case BodyPrecision::Float16: return "fp16";
+    case BodyPrecision::BFloat16: return "bf16";
+  }
+  return "?";
+}
+
+AutocastScope::AutocastScope(c10::DeviceType device, bool enabled, c10::ScalarType dtype)
+    : device_(device),
+      prev_enabled_(at::autocast::is_autocast_enabled(device)),
+      prev_dtype_(at::autocast::get_autocast_dtype(device)) {
+  at::autocast::set_autocast_enabled(device, enabled);
+  at::autocast::set_autocast_dtype(device, dtype);
+  at::autocast::increment_nesting();
+}
+
+AutocastScope::~AutocastScope() {
+  // The cast cache holds low-precision copies of the weights; it must not outlive the
+  // outermost region (the weights change at the next optimiser step).
+  if (at::autocast::decrement_nesting() == 0) at::autocast::clear_cache();
+  at::autocast::set_autocast_enabled(device_, prev_enabled_);
+  at::autocast::set_autocast_dtype(device_, prev_dtype_);
+}
+
+Backbone::Backbone(std::string type_name, BackboneOptions options)
+    : torch::nn::Module(std::move(type_name)), options_(std::move(options)) {}
+
+StateDict Backbone::state_dict() const {
+  StateDict out;
+  for (const auto& item : named_modules()) {
+    const std::string prefix = item.key().empty() ? "" : item.key() + ".";
+    for (const auto& p : item.value()->named_parameters(/*recurse=*/false))
+      out.emplace_back(prefix + p.key(), p.value());
+    for (const auto& b : item.value()->named_buffers(/*recurse=*/false))
+      out.emplace_back(prefix + b.key(), b.value());
+  }
+  return out;
+}
+
+void Backbone::load_state_dict(const StateDict& weights, const std::string& source) {
+  const StateDict mine = state_dict();
+  // DDP-wrapped models save every key under "module.".
+  std::string strip;
+  if (!weights.empty()) {
+    bool all = true;
+    for (const auto& kv : weights) all = all && starts_with(kv.first, "module.");
+    if (all && !starts_with(mine.front().first, "module.")) strip = "module.";
+  }
+  std::map<std::string, torch::Tensor> given;
+  for (const auto& [k, v] : weights) given[k.substr(strip.size())] = v;
+
+  // Check everything before copying anything: a failed load leaves the model untouched.
+  std::vector<std::string> missing;
+  std::vector<std::pair<std::string, torch::Tensor>> copies;
+  for (const auto& [name, dst] : mine) {
+    auto it = given.find(name);
+    if (it == given.end()) {
+      if (!ends_with(name, "num_batches_tracked")) missing.push_back(name);
+      continue;
+    }
+    const torch::Tensor& src = it->second;
+    if (!src.defined() || src.sizes() != dst.sizes())
+      throw usage_error(source, ": key '", name, "' has shape ",
+                        src.defined() ? shape_str(src.sizes()) : std::string("<undefined>"),
+                        ", backbone '", options_.name, "' expects ", shape_str(dst.sizes()));
+    if (!src.is_floating_point() && dst.is_floating_point() && src.scalar_type() != torch::kBool)
+      log_debug(source, ": key '", name, "' is ", src.scalar_type(), ", converted to ", dst.scalar_type());
+    copies.emplace_back(name, src);
+    given.erase(it);
+  }
+  if (!missing.empty() || !given.empty()) {
+    std::ostringstream os;
+    os << source << ": state_dict does not match backbone '" << options_.name << "'";
+    if (!missing.empty())
+      os << ": missing key '" << missing.front() << "'"
+         << (missing.size() > 1 ? " (and " + std::to_string(missing.size() - 1) + " more)" : "");
+    if (!given.empty())
+      os << (missing.empty() ? ": " : "; ") << "unexpected key '" << strip << given.begin()->first << "'"
+         << (given.size() > 1 ? " (and " + std::to_string(given.size() - 1) + " more)" : "");
+    os << " (embedding size " << options_.embedding_size << ")";
+    throw usage_error(os.str());
+  }
+  torch::NoGradGuard no_grad;
+  std::map<std::string, torch::Tensor> dst_by_name(mine.begin(), mine.end());
+  // copy_ converts dtype/device and keeps the destination's memory format (channels-last).
+  for (const auto& [name, src] : copies) dst_by_name.at(name).copy_(src);
+}
+
+void Backbone::to_channels_last() {
+  torch::NoGradGuard no_grad;
+  for (auto& p : parameters())
+    if (p.dim() == 4) p.set_data(p.data().contiguous(at::MemoryFormat::ChannelsLast));
+}
+
+torch::Tensor Backbone::prepare_input(const torch::Tensor& images) const {
+  // Four stride-2 stages (ceil halving) must end at 7x7 for the 7x7 head: 97..112 px.
+  auto ok = [](int64_t s) { return s >= 97 && s <= 112; };
+  if (images.dim() != 4 || images.size(1) != 3 || !ok(images.size(2)) || !ok(images.size(3)) ||
+      !images.is_floating_point())
+    throw usage_error("backbone '", options_.name, "': expected float images [B,3,112,112], got ",
+                      images.scalar_type(), " ", shape_str(images.sizes()));
+  // BatchNorm1d on the embedding cannot normalise a single sample (LibTorch would throw a
+  // multi-line internal error instead).
+  if (is_training() && images.size(0) < 2)
+    throw usage_error("backbone '", options_.name, "': training mode needs a batch of at least 2, got ",
+                      images.size(0));
+  if (options_.channels_last) return images.contiguous(at::MemoryFormat::ChannelsLast);
+  return images;
+}
+
+void save_backbone_weights(const Backbone& model, const std::string& path) {
+  write_state_dict(model.state_dict(), path);
+}
+
+void load_backbone_weights(Backbone& model, const std::string& path) {
+  model.load_state_dict(read_state_dict(path), path);
+}
+
+}  // namespace faceshard

@@ -1,0 +1,104 @@
+// The backbone interface shared by every face-recognition network (iresnet, MobileFaceNet):
+// options, the precision policy of the forward (autocast body, fp32 head), the state_dict
+// in insightface's key order, and loading/saving weights as torch.save files.
+#pragma once
+#include <torch/torch.h>
+
+#include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "models/state_dict_io.h"
+
+namespace faceshard {
+
+// Precision of the convolutional body. The embedding head (fc/features) always runs in
+// fp32, as arcface_torch does: the 25088x512 fc and BatchNorm1d are where half precision
+// loses accuracy, and they are cheap.
+enum class BodyPrecision { Float32, Float16, BFloat16 };
+
+// "fp32" | "fp16" | "bf16" (also "float32", "float16", "bfloat16"); throws usage_error.
+BodyPrecision parse_body_precision(const std::string& text);
+std::string to_string(BodyPrecision precision);
+
+struct BackboneOptions {
+  std::string name = "r50";      // r18 r34 r50 r100 r200 mbf mbf_large
+  int64_t embedding_size = 512;  // num_features in arcface_torch
+  double dropout = 0.0;          // iresnet only (before fc); arcface_torch trains with 0
+  BodyPrecision precision = BodyPrecision::Float32;
+  bool channels_last = false;    // conv weights and activations in NHWC
+};
+
+class Backbone : public torch::nn::Module {
+ public:
+  Backbone(std::string type_name, BackboneOptions options);
+
+  // images [B,3,H,W] (112x112 for the released configs) -> embeddings [B,E], fp32.
+  virtual torch::Tensor forward(torch::Tensor images) = 0;
+
+  const BackboneOptions& options() const { return options_; }
+  int64_t embedding_size() const { return options_.embedding_size; }
+
+  // Parameters and buffers under insightface's PyTorch names and in PyTorch's order
+  // (per module: parameters, then buffers, then children).
+  StateDict state_dict() const;
+  // Copies `weights` into this model. Every key must be present with the same shape; a
+  // missing num_batches_tracked is tolerated (old PyTorch checkpoints lack it), a common
+  // "module." prefix (DDP) is stripped. Values are converted to the parameter's dtype.
+  // `source` names the origin (a file) in error messages.
+  void load_state_dict(const StateDict& weights, const std::string& source);
+
+  // Converts the 4-D weights to channels-last (done by make_backbone when asked).
+  void to_channels_last();
+
+ protected:
+  // head(body(x)) under the options' precision policy: with Float16/BFloat16 the body runs
+  // under autocast and the head gets the body's output in fp32 with autocast off (as
+  // arcface_torch's `x.float()` outside its autocast block). With Float32 the ambient
+  // autocast state is left alone, so an outer autocast region still applies.
+  template <typename Body, typename Head>
+  torch::Tensor run_with_precision(torch::Tensor x, Body&& body, Head&& head);
+  // Input layout: channels-last when asked (a no-op when it already is).
+  torch::Tensor prepare_input(const torch::Tensor& images) const;
+
+  BackboneOptions options_;
+};
+
+// RAII: sets autocast for one device type and restores the previous state (and clears the
+// cast cache when leaving the outermost region, like Python's torch.autocast).
+class AutocastScope {
+ public:
+  AutocastScope(c10::DeviceType device, bool enabled, c10::ScalarType dtype);
+  ~AutocastScope();
+  AutocastScope(const AutocastScope&) = delete;
+  AutocastScope& operator=(const AutocastScope&) = delete;
+
+ private:
+  c10::DeviceType device_;
+  bool prev_enabled_;
+  c10::ScalarType prev_dtype_;
+};
+
+// Weights as a torch.save file (zip format) that Python's torch.load reads as a
+// state_dict and insightface's model.load_state_dict accepts.
+void save_backbone_weights(const Backbone& model, const std::string& path);
+// Loads a torch.save'd state_dict (e.g. a released insightface backbone.pth).
+void load_backbone_weights(Backbone& model, const std::string& path);
+
+template <typename Body, typename Head>
+torch::Tensor Backbone::run_with_precision(torch::Tensor x, Body&& body, Head&& head) {
+  if (options_.precision == BodyPrecision::Float32) return head(body(std::move(x)));
+  const auto device = x.device().type();
+  const auto dtype =
+      options_.precision == BodyPrecision::Float16 ? torch::kHalf : torch::kBFloat16;
+  torch::Tensor y;
+  {
+    AutocastScope scope(device, true, dtype);
+    y = body(std::move(x));
+  }
+  AutocastScope fp32_head(device, false, dtype);
+  return head(y.to(torch::kFloat));
+}
+
+}  // namespace faceshard

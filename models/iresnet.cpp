@@ -1,0 +1,99 @@
+#include "models/iresnet.h"
+
+#include "models/model_stats.h"
+
+namespace faceshard {
+namespace {
+namespace nn = torch::nn;
+
+nn::Conv2d conv(int64_t in, int64_t out, int64_t kernel, int64_t stride) {
+  return nn::Conv2d(nn::Conv2dOptions(in, out, kernel).stride(stride).padding(kernel / 2).bias(false));
+}
+// NormLayer, not torch::nn::BatchNorm: app/sync_bn can give it a SyncBatchNorm forward.
+NormLayer bn2d(int64_t c) { return NormLayer(c, 1e-5, 0.1); }
+nn::PReLU prelu(int64_t c) { return nn::PReLU(nn::PReLUOptions().num_parameters(c)); }
+}  // namespace
+
+IBasicBlockImpl::IBasicBlockImpl(int64_t inplanes, int64_t planes, int64_t stride) {
+  // Registration order = PyTorch's state_dict order.
+  bn1_ = register_module("bn1", bn2d(inplanes));
+  conv1_ = register_module("conv1", conv(inplanes, planes, 3, 1));
+  bn2_ = register_module("bn2", bn2d(planes));
+  prelu_ = register_module("prelu", prelu(planes));
+  conv2_ = register_module("conv2", conv(planes, planes, 3, stride));
+  bn3_ = register_module("bn3", bn2d(planes));
+  if (stride != 1 || inplanes != planes) {
+    auto down = register_module("downsample", std::make_shared<nn::Module>("Sequential"));
+    down_conv_ = down->register_module("0", conv(inplanes, planes, 1, stride));
+    down_bn_ = down->register_module("1", bn2d(planes));
+  }
+}
+
+torch::Tensor IBasicBlockImpl::forward(const torch::Tensor& x) {
+  torch::Tensor out = bn1_->forward(x);
+  out = counted_conv(conv1_, out);
+  out = prelu_->forward(bn2_->forward(out));
+  out = bn3_->forward(counted_conv(conv2_, out));
+  // In place: bn3's output is not needed by its backward, so this saves one activation.
+  if (down_conv_) return out.add_(down_bn_->forward(counted_conv(down_conv_, x)));
+  return out.add_(x);
+}
+
+std::vector<int64_t> iresnet_layers(const std::string& name) {
+  if (name == "r18") return {2, 2, 2, 2};
+  if (name == "r34") return {3, 4, 6, 3};
+  if (name == "r50") return {3, 4, 14, 3};
+  if (name == "r100") return {3, 13, 30, 3};
+  if (name == "r200") return {6, 26, 60, 6};
+  return {};
+}
+
+IResNet::IResNet(std::vector<int64_t> layers, BackboneOptions options)
+    : Backbone("IResNet", std::move(options)) {
+  conv1_ = register_module("conv1", conv(3, 64, 3, 1));
+  bn1_ = register_module("bn1", bn2d(64));
+  prelu_ = register_module("prelu", prelu(64));
+  const int64_t planes[4] = {64, 128, 256, 512};
+  int64_t inplanes = 64;
+  for (size_t s = 0; s < layers.size(); ++s) {
+    // A ModuleList gives the children the names "0", "1", ... like nn.Sequential.
+    auto stage = register_module("layer" + std::to_string(s + 1), nn::ModuleList());
+    std::vector<IBasicBlock> blocks;
+    for (int64_t b = 0; b < layers[s]; ++b) {
+      // Every stage halves the resolution, layer1 included (112 -> 56 -> 28 -> 14 -> 7).
+      blocks.emplace_back(inplanes, planes[s], b == 0 ? 2 : 1);
+      stage->push_back(blocks.back());
+      inplanes = planes[s];
+    }
+    stages_.push_back(std::move(blocks));
+  }
+  bn2_ = register_module("bn2", bn2d(512));
+  fc_ = register_module("fc", nn::Linear(nn::LinearOptions(512 * 7 * 7, options_.embedding_size)));
+  features_ = register_module(
+      "features", NormLayer(options_.embedding_size, 1e-5, 0.1));
+
+  // arcface_torch's initialisation: conv N(0, 0.1), BN weight 1 / bias 0 (the C++ default),
+  // Linear keeps PyTorch's default; the embedding BN's scale is fixed at 1.
+  torch::NoGradGuard no_grad;
+  for (auto& m : modules(/*include_self=*/false))
+    if (auto* c = m->as<nn::Conv2d>()) c->weight.normal_(0.0, 0.1);
+  features_->weight.fill_(1.0);
+  features_->weight.set_requires_grad(false);
+}
+
+torch::Tensor IResNet::forward(torch::Tensor images) {
+  auto body = [this](torch::Tensor x) {
+    x = prelu_->forward(bn1_->forward(counted_conv(conv1_, x)));
+    for (auto& stage : stages_)
+      for (auto& block : stage) x = block->forward(x);
+    // BN2d -> flatten -> dropout (in that order). flatten is a view for NCHW; for
+    // channels-last it is the one copy that puts features in the fc's (C,H,W) order.
+    x = torch::flatten(bn2_->forward(x), 1);
+    if (options_.dropout > 0 && is_training()) x = torch::dropout_(x, options_.dropout, true);
+    return x;
+  };
+  auto head = [this](torch::Tensor x) { return features_->forward(counted_linear(fc_, x)); };
+  return run_with_precision(prepare_input(images), body, head);
+}
+
+}  // namespace faceshard

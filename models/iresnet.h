@@ -1,0 +1,54 @@
+// iresnet18/34/50/100/200: the "improved" pre-activation ResNets of insightface's
+// arcface_torch (backbones/iresnet.py), with identical parameter and buffer names so
+// released PyTorch weights load unchanged.
+#pragma once
+#include <torch/torch.h>
+
+#include <vector>
+
+#include "models/backbone.h"
+#include "models/norm_layer.h"
+
+namespace faceshard {
+
+// BN -> conv3x3 -> BN -> PReLU -> conv3x3(stride) -> BN, plus the shortcut (1x1 conv + BN
+// when the shape changes); no activation after the addition.
+class IBasicBlockImpl : public torch::nn::Module {
+ public:
+  IBasicBlockImpl(int64_t inplanes, int64_t planes, int64_t stride);
+  torch::Tensor forward(const torch::Tensor& x);
+
+ private:
+  NormLayer bn1_{nullptr};
+  torch::nn::Conv2d conv1_{nullptr};
+  NormLayer bn2_{nullptr};
+  torch::nn::PReLU prelu_{nullptr};
+  torch::nn::Conv2d conv2_{nullptr};
+  NormLayer bn3_{nullptr};
+  // "downsample.0" (conv) and "downsample.1" (BN); null when the block keeps the shape.
+  torch::nn::Conv2d down_conv_{nullptr};
+  NormLayer down_bn_{nullptr};
+};
+TORCH_MODULE(IBasicBlock);
+
+class IResNet : public Backbone {
+ public:
+  // blocks per stage, e.g. {3, 4, 14, 3} for r50.
+  IResNet(std::vector<int64_t> layers, BackboneOptions options);
+  torch::Tensor forward(torch::Tensor images) override;
+
+ private:
+  torch::nn::Conv2d conv1_{nullptr};
+  NormLayer bn1_{nullptr};
+  torch::nn::PReLU prelu_{nullptr};
+  std::vector<std::vector<IBasicBlock>> stages_;  // layer1..layer4
+  NormLayer bn2_{nullptr};
+  torch::nn::Linear fc_{nullptr};
+  NormLayer features_{nullptr};
+};
+
+// Blocks per stage of a named iresnet ("r18", "r34", "r50", "r100", "r200"); empty if the
+// name is not an iresnet.
+std::vector<int64_t> iresnet_layers(const std::string& name);
+
+}  // namespace faceshard

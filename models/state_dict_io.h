@@ -1,0 +1,28 @@
+// Reading and writing PyTorch state_dicts in torch.save's zip format, without Python:
+// a small pickle reader/writer for the subset torch.save emits for a dict of tensors.
+// (torch::pickle_load turns an OrderedDict into None, and torch::pickle_save output needs
+// torch.load(weights_only=False); this file avoids both.)
+#pragma once
+#include <torch/torch.h>
+
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace faceshard {
+
+// name -> tensor, in file/module order (PyTorch state_dicts are ordered).
+using StateDict = std::vector<std::pair<std::string, torch::Tensor>>;
+
+// Reads a file written by Python's torch.save(state_dict, path) (zip format, PyTorch >=
+// 1.6): a dict or OrderedDict whose values are tensors (or Parameters). Tensors come back
+// on the CPU with the saved dtype, sizes and strides. Throws faceshard::Error naming the
+// file on anything else (missing file, legacy format, corrupt archive, non-tensor value).
+StateDict read_state_dict(const std::string& path);
+
+// Writes `weights` so that Python's torch.load(path) (weights_only=True, the default)
+// returns an OrderedDict of CPU tensors with the same names, dtypes, sizes and values.
+// Non-contiguous and device tensors are saved as contiguous CPU copies.
+void write_state_dict(const StateDict& weights, const std::string& path);
+
+}  // namespace faceshard

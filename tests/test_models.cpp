@@ -1,0 +1,900 @@
+// Tests of models/: the iresnet and MobileFaceNet backbones, their registry, parameter and
+// MAC counts against closed forms, and weight interchange with Python torch both ways
+// against an independent reference written here with torch.nn.functional ops.
+#include <ATen/autocast_mode.h>
+#include <caffe2/serialize/inline_container.h>
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <cstdlib>
+#include <fstream>
+#include <iostream>
+#include <chrono>
+#include <cmath>
+#include <map>
+#include <sstream>
+
+#include "models/backbone.h"
+#include "models/backbone_registry.h"
+#include "models/iresnet.h"
+#include "models/model_stats.h"
+#include "models/norm_layer.h"
+#include "models/state_dict_io.h"
+#include "partial_fc/error.h"
+#include "tests/harness.h"
+
+namespace faceshard {
+namespace {
+
+// The Python reference: backbones from plain torch.nn.functional ops over a state_dict,
+// whose names and shapes are spelled out from insightface's module structure.
+const char* kReferenceScript = R"PY(
+# Reference backbones from plain torch.nn.functional ops, written for faceshard's tests.
+# Modes:
+#   make  <dir> <arch> <emb> : random weights (torch.save'd OrderedDict), an input batch,
+#                              eval/train embeddings and the state after one train step
+#   check <dir> <arch> <emb> : load faceshard's export with torch.load, check keys/shapes,
+#                              recompute its embeddings, re-save the weights for C++
+#   misc  <dir>              : write/check the small format cases (views, dtypes, errors)
+import collections, json, sys
+import torch
+import torch.nn.functional as F
+
+IRESNET = {"r18": [2, 2, 2, 2], "r34": [3, 4, 6, 3], "r50": [3, 4, 14, 3],
+           "r100": [3, 13, 30, 3], "r200": [6, 26, 60, 6]}
+MBF = {"mbf": ((1, 4, 6, 2), 2), "mbf_large": ((2, 8, 12, 4), 4)}
+
+
+class Spec:
+    """Parameter/buffer names and shapes in PyTorch state_dict order."""
+    def __init__(self):
+        self.entries = []  # (name, shape, kind)
+
+    def conv(self, n, cout, cin, k):
+        self.entries.append((n + ".weight", (cout, cin, k, k), "conv"))
+
+    def bn(self, n, c):
+        for s, kind in (("weight", "bn_w"), ("bias", "bn_b"), ("running_mean", "rm"),
+                        ("running_var", "rv")):
+            self.entries.append((n + "." + s, (c,), kind))
+        self.entries.append((n + ".num_batches_tracked", (), "nbt"))
+
+    def prelu(self, n, c):
+        self.entries.append((n + ".weight", (c,), "prelu"))
+
+    def linear(self, n, cout, cin, bias):
+        self.entries.append((n + ".weight", (cout, cin), "linear"))
+        if bias:
+            self.entries.append((n + ".bias", (cout,), "bias"))
+
+
+def iresnet_spec(layers, emb):
+    s = Spec()
+    s.conv("conv1", 64, 3, 3); s.bn("bn1", 64); s.prelu("prelu", 64)
+    cin = 64
+    for i, (planes, n) in enumerate(zip((64, 128, 256, 512), layers)):
+        for b in range(n):
+            p = "layer%d.%d" % (i + 1, b)
+            s.bn(p + ".bn1", cin); s.conv(p + ".conv1", planes, cin, 3)
+            s.bn(p + ".bn2", planes); s.prelu(p + ".prelu", planes)
+            s.conv(p + ".conv2", planes, planes, 3); s.bn(p + ".bn3", planes)
+            if b == 0:
+                s.conv(p + ".downsample.0", planes, cin, 1); s.bn(p + ".downsample.1", planes)
+            cin = planes
+    s.bn("bn2", 512); s.linear("fc", emb, 512 * 49, True); s.bn("features", emb)
+    return s
+
+
+def mbf_spec(blocks, scale, emb):
+    s = Spec()
+    def cb(p, cin, cout, k, groups, prelu=True):
+        s.conv(p + ".layers.0", cout, cin // groups, k); s.bn(p + ".layers.1", cout)
+        if prelu:
+            s.prelu(p + ".layers.2", cout)
+    def dw(p, cin, cout, groups):
+        cb(p + ".layers.0", cin, groups, 1, 1); cb(p + ".layers.1", groups, groups, 3, groups)
+        cb(p + ".layers.2", groups, cout, 1, 1, prelu=False)
+    def res(p, c, n, groups):
+        for j in range(n):
+            dw("%s.layers.%d" % (p, j), c, c, groups)
+    c64, c128 = 64 * scale, 128 * scale
+    cb("layers.0", 3, c64, 3, 1)
+    if blocks[0] == 1:
+        cb("layers.1", c64, c64, 3, 64)
+    else:
+        res("layers.1", c64, blocks[0], 128)
+    dw("layers.2", c64, c64, 128); res("layers.3", c64, blocks[1], 128)
+    dw("layers.4", c64, c128, 256); res("layers.5", c128, blocks[2], 256)
+    dw("layers.6", c128, c128, 512); res("layers.7", c128, blocks[3], 256)
+    cb("conv_sep", c128, 512, 1, 1)
+    cb("features.layers.0", 512, 512, 7, 512, prelu=False)
+    s.linear("features.layers.2", emb, 512, False); s.bn("features.layers.3", emb)
+    return s
+
+
+def spec_for(arch, emb):
+    if arch in IRESNET:
+        return iresnet_spec(IRESNET[arch], emb)
+    return mbf_spec(*MBF[arch], emb)
+
+
+class Ops:
+    """conv/linear/bn over a state_dict; counts MACs per image."""
+    def __init__(self, sd, training):
+        self.sd, self.training, self.macs = sd, training, 0
+
+    def conv(self, n, x, stride, pad, groups=1):
+        w = self.sd[n + ".weight"]
+        y = F.conv2d(x, w, None, stride, pad, 1, groups)
+        self.macs += y[0].numel() * w.shape[1] * w.shape[2] * w.shape[3]
+        return y
+
+    def linear(self, n, x):
+        w = self.sd[n + ".weight"]
+        y = F.linear(x, w, self.sd.get(n + ".bias"))
+        self.macs += y[0].numel() * w.shape[1]
+        return y
+
+    def bn(self, n, x):
+        sd = self.sd
+        if self.training:
+            sd[n + ".num_batches_tracked"] += 1
+        return F.batch_norm(x, sd[n + ".running_mean"], sd[n + ".running_var"], sd[n + ".weight"],
+                            sd[n + ".bias"], self.training, 0.1, 1e-5)
+
+    def prelu(self, n, x):
+        return F.prelu(x, self.sd[n + ".weight"])
+
+
+def iresnet_forward(o, layers, x):
+    x = o.prelu("prelu", o.bn("bn1", o.conv("conv1", x, 1, 1)))
+    for i, n in enumerate(layers):
+        for b in range(n):
+            p = "layer%d.%d" % (i + 1, b)
+            stride = 2 if b == 0 else 1
+            y = o.conv(p + ".conv1", o.bn(p + ".bn1", x), 1, 1)
+            y = o.prelu(p + ".prelu", o.bn(p + ".bn2", y))
+            y = o.bn(p + ".bn3", o.conv(p + ".conv2", y, stride, 1))
+            short = x if b else o.bn(p + ".downsample.1", o.conv(p + ".downsample.0", x, stride, 0))
+            x = y + short
+    x = torch.flatten(o.bn("bn2", x), 1)
+    return o.bn("features", o.linear("fc", x))
+
+
+def mbf_forward(o, blocks, x):
+    def cb(p, x, stride, pad, groups, prelu=True):
+        x = o.bn(p + ".layers.1", o.conv(p + ".layers.0", x, stride, pad, groups))
+        return o.prelu(p + ".layers.2", x) if prelu else x
+    def dw(p, x, stride, groups, residual):
+        y = cb(p + ".layers.0", x, 1, 0, 1)
+        y = cb(p + ".layers.1", y, stride, 1, groups)
+        y = cb(p + ".layers.2", y, 1, 0, 1, prelu=False)
+        return x + y if residual else y
+    def res(p, x, n, groups):
+        for j in range(n):
+            x = dw("%s.layers.%d" % (p, j), x, 1, groups, True)
+        return x
+    x = cb("layers.0", x, 2, 1, 1)
+    x = cb("layers.1", x, 1, 1, 64) if blocks[0] == 1 else res("layers.1", x, blocks[0], 128)
+    x = res("layers.3", dw("layers.2", x, 2, 128, False), blocks[1], 128)
+    x = res("layers.5", dw("layers.4", x, 2, 256, False), blocks[2], 256)
+    x = res("layers.7", dw("layers.6", x, 2, 512, False), blocks[3], 256)
+    x = cb("conv_sep", x, 1, 0, 1)
+    x = cb("features.layers.0", x, 1, 0, 512, prelu=False)
+    return o.bn("features.layers.3", o.linear("features.layers.2", torch.flatten(x, 1)))
+
+
+def forward(arch, sd, x, training):
+    o = Ops(sd, training)
+    with torch.no_grad():
+        y = iresnet_forward(o, IRESNET[arch], x) if arch in IRESNET else mbf_forward(o, MBF[arch][0], x)
+    return y, o.macs
+
+
+def random_weights(spec, g):
+    sd = collections.OrderedDict()
+    for name, shape, kind in spec.entries:
+        if kind in ("conv", "linear"):
+            fan_in = 1
+            for d in shape[1:]:
+                fan_in *= d
+            t = torch.randn(shape, generator=g) * (1.0 / fan_in) ** 0.5
+        elif kind == "bn_w" or kind == "rv":
+            t = torch.rand(shape, generator=g) * 0.5 + 0.75
+        elif kind in ("bn_b", "rm", "bias"):
+            t = torch.randn(shape, generator=g) * 0.1
+        elif kind == "prelu":
+            t = torch.rand(shape, generator=g) * 0.3
+        else:
+            t = torch.tensor(int(torch.randint(0, 1000, (1,), generator=g)))
+        sd[name] = t
+    return sd
+
+
+def make(d, arch, emb):
+    spec = spec_for(arch, emb)
+    g = torch.Generator().manual_seed(1234)
+    sd = random_weights(spec, g)
+    sd._metadata = collections.OrderedDict([("", {"version": 1})])  # as module.state_dict()
+    torch.save(sd, d + "/py_weights.pt")
+    x = torch.randn(3, 3, 112, 112, generator=g)
+    y_eval, macs = forward(arch, sd, x, False)
+    after = collections.OrderedDict((k, v.clone()) for k, v in sd.items())
+    y_train, _ = forward(arch, after, x, True)
+    torch.save(after, d + "/py_after_train.pt")
+    torch.save({"input": x, "eval": y_eval, "train": y_train}, d + "/py_io.pt")
+    params = sum(torch.Size(s).numel() for n, s, k in spec.entries if k not in ("rm", "rv", "nbt"))
+    json.dump({"params": params, "macs": macs, "keys": len(spec.entries)}, open(d + "/py_info.json", "w"))
+
+
+def fail(msg):
+    print("REFERENCE MISMATCH: " + msg)
+    sys.exit(3)
+
+
+def check(d, arch, emb):
+    spec = spec_for(arch, emb)
+    sd = torch.load(d + "/cpp_weights.pt")  # weights_only=True: the safe default loader
+    if not isinstance(sd, dict):
+        fail("export is a %s, not a dict" % type(sd))
+    want = [n for n, _, _ in spec.entries]
+    if list(sd.keys()) != want:
+        extra = [k for k in sd if k not in want][:3]
+        missing = [k for k in want if k not in sd][:3]
+        fail("keys differ: missing %s extra %s (order equal: %s)" % (missing, extra, sorted(sd) == sorted(want)))
+    for n, shape, kind in spec.entries:
+        t = sd[n]
+        if tuple(t.shape) != tuple(shape):
+            fail("%s: shape %s, expected %s" % (n, tuple(t.shape), shape))
+        if t.dtype != (torch.int64 if kind == "nbt" else torch.float32):
+            fail("%s: dtype %s" % (n, t.dtype))
+    io = torch.load(d + "/cpp_io.pt")
+    y, _ = forward(arch, collections.OrderedDict(sd), io["input"], False)
+    err = (y - io["eval"]).abs().max().item()
+    scale = y.abs().max().item()
+    if not err <= 1e-4 * scale + 1e-5:
+        fail("embeddings differ: max abs err %g (scale %g)" % (err, scale))
+    torch.save(sd, d + "/py_resaved.pt")
+    print("ok max_err=%g scale=%g" % (err, scale))
+
+
+def misc(d):
+    a = torch.arange(6, dtype=torch.float32).reshape(2, 3)
+    torch.save(collections.OrderedDict([
+        ("a", a), ("b", a[:, 1:]), ("p", torch.nn.Parameter(torch.ones(3))),
+        ("h", torch.arange(4).half()), ("bf", torch.arange(4).bfloat16()),
+        ("l", torch.tensor(7)), ("e", torch.empty(0, 3))]), d + "/misc.pt")
+    small = collections.OrderedDict([("w", torch.ones(2))])
+    torch.save(small, d + "/legacy.pt", _use_new_zipfile_serialization=False)
+    torch.save({"state_dict": small, "epoch": 3}, d + "/checkpoint.pt")
+    torch.save({"a": 1}, d + "/nontensor.pt")
+    torch.save([torch.ones(1)], d + "/list.pt")
+    # faceshard's writer: same cases the other way round.
+    m = torch.load(d + "/cpp_misc.pt")
+    want = {"a": a, "b": a[:, 1:], "h": torch.arange(4).half(), "bf": torch.arange(4).bfloat16(),
+            "l": torch.tensor(7), "e": torch.empty(0, 3), "big": torch.full((3,), 2.5)}
+    if list(m.keys()) != list(want.keys()):
+        fail("cpp_misc keys %s" % list(m.keys()))
+    for k, v in want.items():
+        if m[k].dtype != v.dtype or m[k].shape != v.shape or not torch.equal(m[k], v):
+            fail("cpp_misc[%s] = %s, expected %s" % (k, m[k], v))
+    print("ok")
+
+
+if __name__ == "__main__":
+    mode, d = sys.argv[1], sys.argv[2]
+    if mode == "make":
+        make(d, sys.argv[3], int(sys.argv[4]))
+    elif mode == "check":
+        check(d, sys.argv[3], int(sys.argv[4]))
+    elif mode == "misc":
+        misc(d)
+)PY";
+
+bool python_has_torch() {
+  static const bool ok =
+      std::system((std::string("'") + FACESHARD_PYTHON + "' -c 'import torch' >/dev/null 2>&1").c_str()) == 0;
+  return ok;
+}
+
+#define REQUIRE_PYTHON_TORCH()                                                            \
+  if (!python_has_torch()) GTEST_SKIP() << "no Python with torch at " << FACESHARD_PYTHON; \
+  static_assert(true)
+
+std::string read_text(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  std::stringstream ss;
+  ss << f.rdbuf();
+  return ss.str();
+}
+
+// Runs the reference script; returns its exit status and output.
+std::pair<int, std::string> run_reference(const std::string& dir, const std::string& args) {
+  const std::string script = dir + "/ref.py";
+  if (!std::ifstream(script)) std::ofstream(script) << kReferenceScript;
+  const std::string log = dir + "/ref.log";
+  const std::string cmd = std::string("'") + FACESHARD_PYTHON + "' '" + script + "' " + args + " >'" + log + "' 2>&1";
+  const int rc = std::system(cmd.c_str());
+  return {rc, read_text(log)};
+}
+
+torch::Tensor lookup(const StateDict& sd, const std::string& name) {
+  for (const auto& [k, v] : sd)
+    if (k == name) return v;
+  ADD_FAILURE() << "no entry '" << name << "'";
+  return torch::Tensor();
+}
+
+double rel_err(const torch::Tensor& a, const torch::Tensor& b) {
+  auto x = a.detach().to(torch::kDouble), y = b.detach().to(torch::kDouble);
+  return (x - y).abs().max().item<double>() / std::max(y.abs().max().item<double>(), 1e-12);
+}
+
+// The message of the faceshard::Error that f throws ("NO ERROR" / "WRONG TYPE: ..." else).
+template <typename F>
+std::string error_of(F&& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    return e.what();
+  } catch (const std::exception& e) {
+    return std::string("WRONG TYPE: ") + e.what();
+  }
+  return "NO ERROR";
+}
+
+BackboneOptions opts(const std::string& name, int64_t emb = 512) {
+  BackboneOptions o;
+  o.name = name;
+  o.embedding_size = emb;
+  return o;
+}
+
+// Fills BN statistics, BN affine and PReLU slopes with non-default values, so that
+// comparisons exercise them (fresh models have mean 0, var 1, weight 1, bias 0).
+void randomise_state(Backbone& model, uint64_t seed) {
+  torch::manual_seed(seed);
+  torch::NoGradGuard no_grad;
+  for (auto& [name, t] : model.state_dict()) {
+    auto ends = [&](const std::string& s) {
+      return name.size() >= s.size() && name.compare(name.size() - s.size(), s.size(), s) == 0;
+    };
+    if (ends("running_mean") || ends(".bias")) t.normal_(0.0, 0.1);
+    else if (ends("running_var")) t.uniform_(0.75, 1.25);
+    else if (ends("num_batches_tracked")) t.fill_(17);
+    else if (t.dim() == 1 && !ends("features.weight")) t.uniform_(0.1, 0.9);  // BN weight / PReLU
+  }
+}
+
+// ---- closed forms (independent of the model code) -------------------------------------
+
+const std::map<std::string, std::vector<int64_t>> kIresnetLayers = {
+    {"r18", {2, 2, 2, 2}}, {"r34", {3, 4, 6, 3}}, {"r50", {3, 4, 14, 3}},
+    {"r100", {3, 13, 30, 3}}, {"r200", {6, 26, 60, 6}}};
+
+int64_t iresnet_params(const std::vector<int64_t>& layers, int64_t emb) {
+  int64_t n = 3 * 64 * 9 + 2 * 64 + 64;  // stem conv, BN affine, PReLU
+  int64_t in = 64;
+  const int64_t planes[4] = {64, 128, 256, 512};
+  for (int s = 0; s < 4; ++s) {
+    const int64_t p = planes[s];
+    for (int64_t b = 0; b < layers[s]; ++b) {
+      n += 2 * in + in * p * 9 + 2 * p + p + p * p * 9 + 2 * p;  // bn1 conv1 bn2 prelu conv2 bn3
+      if (b == 0) n += in * p + 2 * p;                           // 1x1 shortcut + BN
+      in = p;
+    }
+  }
+  return n + 2 * 512 + 512 * 49 * emb + emb + 2 * emb;  // bn2, fc, features
+}
+
+int64_t iresnet_macs(const std::vector<int64_t>& layers, int64_t emb) {
+  int64_t m = 3 * 64 * 9 * 112 * 112;
+  int64_t in = 64, res = 112;
+  const int64_t planes[4] = {64, 128, 256, 512};
+  for (int s = 0; s < 4; ++s) {
+    const int64_t p = planes[s], out = res / 2;
+    for (int64_t b = 0; b < layers[s]; ++b) {
+      if (b == 0)  // conv1 at the input resolution, conv2 and the shortcut stride 2
+        m += in * p * 9 * res * res + p * p * 9 * out * out + in * p * out * out;
+      else
+        m += 2 * p * p * 9 * out * out;
+      in = p;
+    }
+    res = out;
+  }
+  return m + 512 * 49 * emb;
+}
+
+// ---- registry --------------------------------------------------------------------------
+
+TEST(ModelsRegistry, NamesOptionsAndErrors) {
+  const std::vector<std::string> want = {"r18", "r34", "r50", "r100", "r200", "mbf", "mbf_large"};
+  EXPECT_EQ(backbone_names(), want);
+  auto r18 = make_backbone(opts("r18", 128));
+  EXPECT_EQ(r18->embedding_size(), 128);
+  EXPECT_NE(dynamic_cast<IResNet*>(r18.get()), nullptr);
+
+  std::string msg = error_of([] { make_backbone(opts("r51")); });
+  EXPECT_NE(msg.find("'r51'"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("r50"), std::string::npos) << msg;
+  msg = error_of([] { make_backbone(opts("r50", 0)); });
+  EXPECT_NE(msg.find("embedding size 0"), std::string::npos) << msg;
+  msg = error_of([] {
+    auto o = opts("r50");
+    o.dropout = 1.5;
+    make_backbone(o);
+  });
+  EXPECT_NE(msg.find("dropout"), std::string::npos) << msg;
+  msg = error_of([] {
+    auto o = opts("mbf");
+    o.dropout = 0.2;
+    make_backbone(o);
+  });
+  EXPECT_NE(msg.find("no dropout"), std::string::npos) << msg;
+  EXPECT_EQ(parse_body_precision("bf16"), BodyPrecision::BFloat16);
+  EXPECT_EQ(parse_body_precision("fp16"), BodyPrecision::Float16);
+  EXPECT_EQ(parse_body_precision("fp32"), BodyPrecision::Float32);
+  msg = error_of([] { parse_body_precision("fp8"); });
+  EXPECT_NE(msg.find("'fp8'"), std::string::npos) << msg;
+  // Wrong input shape is a named usage error, not a LibTorch shape failure.
+  msg = error_of([&] { r18->forward(torch::zeros({1, 3, 64, 64})); });
+  EXPECT_NE(msg.find("[1,3,64,64]"), std::string::npos) << msg;
+  msg = error_of([&] { r18->forward(torch::zeros({1, 3, 112, 112})); });
+  EXPECT_NE(msg.find("batch of at least 2"), std::string::npos) << msg;
+}
+
+// ---- sizes -----------------------------------------------------------------------------
+
+TEST(ModelsStats, IresnetParameterCountsMatchClosedForm) {
+  for (const auto& [name, layers] : kIresnetLayers) {
+    SCOPED_TRACE(name);
+    for (int64_t emb : {512, 128}) {
+      auto model = make_backbone(opts(name, emb));
+      const auto c = count_parameters(*model);
+      EXPECT_EQ(c.total, iresnet_params(layers, emb));
+      EXPECT_EQ(c.trainable, c.total - emb);  // the embedding BN's scale is frozen
+      if (emb == 512) std::cout << "[models] " << name << " parameters " << c.total << "\n";
+    }
+  }
+  // The published sizes (insightface README / model zoo), to 0.01M.
+  EXPECT_NEAR(count_parameters(*make_backbone(opts("r50"))).total / 1e6, 43.59, 0.01);
+  EXPECT_NEAR(count_parameters(*make_backbone(opts("r100"))).total / 1e6, 65.16, 0.01);
+}
+
+TEST(ModelsStats, IresnetMacsMatchClosedForm) {
+  for (const std::string name : {"r18", "r50", "r100"}) {
+    SCOPED_TRACE(name);
+    auto model = make_backbone(opts(name));
+    const int64_t macs = count_macs(*model);
+    EXPECT_EQ(macs, iresnet_macs(kIresnetLayers.at(name), 512));
+    EXPECT_TRUE(model->is_training());  // restored
+    std::cout << "[models] " << name << " MACs at 112x112: " << macs << "\n";
+    // insightface's published "GFLOPs" (ptflops MACs): r18 2.6, r50 6.3, r100 12.1.
+    const double published = name == "r18" ? 2.6 : name == "r50" ? 6.3 : 12.1;
+    EXPECT_NEAR(macs / 1e9, published, 0.05);
+  }
+}
+
+// ---- interchange with Python -----------------------------------------------------------
+
+struct ArchCase {
+  std::string name;
+  int64_t emb;
+};
+std::ostream& operator<<(std::ostream& os, const ArchCase& c) { return os << c.name << "_" << c.emb; }
+
+class BackboneInterchange : public ::testing::TestWithParam<ArchCase> {};
+
+TEST_P(BackboneInterchange, PythonWeightsGiveSameEmbeddings) {
+  REQUIRE_PYTHON_TORCH();
+  const auto& p = GetParam();
+  const std::string dir = testing::temp_dir("models_py2cpp");
+  auto [rc, out] = run_reference(dir, "make '" + dir + "' " + p.name + " " + std::to_string(p.emb));
+  ASSERT_EQ(rc, 0) << out;
+
+  auto model = make_backbone(opts(p.name, p.emb));
+  // Sizes agree with the reference's own spec and its MAC tally.
+  const std::string info = read_text(dir + "/py_info.json");
+  auto field = [&](const std::string& key) {
+    auto at = info.find("\"" + key + "\": ");
+    EXPECT_NE(at, std::string::npos) << info;
+    return std::stoll(info.substr(at + key.size() + 4));
+  };
+  EXPECT_EQ(count_parameters(*model).total, field("params"));
+  EXPECT_EQ(count_macs(*model), field("macs"));
+  EXPECT_EQ(static_cast<int64_t>(model->state_dict().size()), field("keys"));
+  std::cout << "[models] " << p.name << " parameters " << field("params") << ", MACs " << field("macs") << "\n";
+
+  load_backbone_weights(*model, dir + "/py_weights.pt");
+  const StateDict io = read_state_dict(dir + "/py_io.pt");
+  const torch::Tensor x = lookup(io, "input");
+
+  model->eval();
+  torch::Tensor y_eval;
+  {
+    torch::NoGradGuard no_grad;
+    y_eval = model->forward(x);
+  }
+  EXPECT_LT(rel_err(y_eval, lookup(io, "eval")), 1e-4);
+
+  // Train mode: batch statistics in every BN, and the same running-stat updates.
+  model->train();
+  torch::Tensor y_train;
+  {
+    torch::NoGradGuard no_grad;
+    y_train = model->forward(x);
+  }
+  EXPECT_LT(rel_err(y_train, lookup(io, "train")), 1e-4);
+  EXPECT_GT(rel_err(y_train, y_eval), 1e-3);  // the modes really differ
+  const StateDict after = read_state_dict(dir + "/py_after_train.pt");
+  const StateDict mine = model->state_dict();
+  ASSERT_EQ(mine.size(), after.size());
+  for (size_t k = 0; k < mine.size(); ++k) {
+    ASSERT_EQ(mine[k].first, after[k].first);
+    if (mine[k].second.is_floating_point())
+      EXPECT_LT(rel_err(mine[k].second, after[k].second), 1e-4) << mine[k].first;
+    else
+      EXPECT_TRUE(torch::equal(mine[k].second, after[k].second)) << mine[k].first;
+  }
+}
+
+TEST_P(BackboneInterchange, ExportLoadsInPython) {
+  REQUIRE_PYTHON_TORCH();
+  const auto& p = GetParam();
+  const std::string dir = testing::temp_dir("models_cpp2py");
+  auto model = make_backbone(opts(p.name, p.emb));
+  randomise_state(*model, 7);
+  model->eval();
+  torch::manual_seed(3);
+  const torch::Tensor x = torch::randn({2, 3, 112, 112});
+  torch::Tensor y;
+  {
+    torch::NoGradGuard no_grad;
+    y = model->forward(x);
+  }
+  save_backbone_weights(*model, dir + "/cpp_weights.pt");
+  write_state_dict({{"input", x}, {"eval", y}}, dir + "/cpp_io.pt");
+  auto [rc, out] = run_reference(dir, "check '" + dir + "' " + p.name + " " + std::to_string(p.emb));
+  ASSERT_EQ(rc, 0) << out;
+  // Python re-saved what it loaded: same names, order and exact values.
+  const StateDict back = read_state_dict(dir + "/py_resaved.pt");
+  const StateDict mine = model->state_dict();
+  ASSERT_EQ(back.size(), mine.size());
+  for (size_t k = 0; k < mine.size(); ++k) {
+    ASSERT_EQ(back[k].first, mine[k].first);
+    EXPECT_EQ(back[k].second.scalar_type(), mine[k].second.scalar_type()) << mine[k].first;
+    EXPECT_TRUE(torch::equal(back[k].second, mine[k].second)) << mine[k].first;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Backbone, BackboneInterchange,
+                         ::testing::Values(ArchCase{"r18", 256}, ArchCase{"r50", 512},
+                                           ArchCase{"mbf", 512}, ArchCase{"mbf_large", 128}),
+                         [](const auto& info) { return info.param.name + "_" + std::to_string(info.param.emb); });
+
+// ---- file format edge cases and bad input ----------------------------------------------
+
+void write_raw_archive(const std::string& path, const std::string& pickle) {
+  caffe2::serialize::PyTorchStreamWriter w(path);
+  w.writeRecord("data.pkl", pickle.data(), pickle.size());
+  w.writeEndOfFile();
+}
+
+TEST(BackboneFiles, FormatCasesBothWaysAndBadFiles) {
+  REQUIRE_PYTHON_TORCH();
+  const std::string dir = testing::temp_dir("models_files");
+  const torch::Tensor a = torch::arange(6, torch::kFloat).reshape({2, 3});
+  write_state_dict({{"a", a},
+                    {"b", a.slice(1, 1)},  // non-contiguous view
+                    {"h", torch::arange(4).to(torch::kHalf)},
+                    {"bf", torch::arange(4).to(torch::kBFloat16)},
+                    {"l", torch::tensor(7, torch::kLong)},
+                    {"e", torch::empty({0, 3})},
+                    {"big", torch::full({3}, 2.5)}},
+                   dir + "/cpp_misc.pt");
+  auto [rc, out] = run_reference(dir, "misc '" + dir + "'");
+  ASSERT_EQ(rc, 0) << out;
+
+  const StateDict m = read_state_dict(dir + "/misc.pt");
+  std::vector<std::string> keys;
+  for (const auto& kv : m) keys.push_back(kv.first);
+  EXPECT_EQ(keys, (std::vector<std::string>{"a", "b", "p", "h", "bf", "l", "e"}));
+  EXPECT_TRUE(torch::equal(lookup(m, "a"), a));
+  EXPECT_TRUE(torch::equal(lookup(m, "b"), a.slice(1, 1)));  // a view at storage offset 1
+  EXPECT_TRUE(torch::equal(lookup(m, "p"), torch::ones({3})));
+  EXPECT_TRUE(torch::equal(lookup(m, "h"), torch::arange(4).to(torch::kHalf)));
+  EXPECT_TRUE(torch::equal(lookup(m, "bf"), torch::arange(4).to(torch::kBFloat16)));
+  EXPECT_EQ(lookup(m, "l").dim(), 0);
+  EXPECT_EQ(lookup(m, "l").item<int64_t>(), 7);
+  EXPECT_EQ(lookup(m, "e").sizes(), (std::vector<int64_t>{0, 3}));
+
+  auto expect_error = [](const std::string& path, const std::string& needle) {
+    const std::string msg = error_of([&] { read_state_dict(path); });
+    EXPECT_NE(msg.find(path), std::string::npos) << msg;
+    EXPECT_NE(msg.find(needle), std::string::npos) << msg;
+    EXPECT_EQ(msg.find('\n'), std::string::npos) << msg;
+  };
+  expect_error(dir + "/missing.pt", "cannot open");
+  expect_error(dir + "/legacy.pt", "legacy");
+  expect_error(dir + "/checkpoint.pt", "'state_dict'");
+  expect_error(dir + "/nontensor.pt", "'a' is a int");
+  expect_error(dir + "/list.pt", "got a list");
+  std::ofstream(dir + "/garbage.pt") << "this is not a checkpoint";
+  expect_error(dir + "/garbage.pt", "not a zip-format");
+  const std::string bytes = read_text(dir + "/misc.pt");
+  std::ofstream(dir + "/truncated.pt", std::ios::binary) << bytes.substr(0, bytes.size() / 2);
+  expect_error(dir + "/truncated.pt", "cannot read");
+  write_raw_archive(dir + "/badop.pt", std::string("\x80\x02\xff", 3));
+  expect_error(dir + "/badop.pt", "unsupported pickle opcode 0xff");
+  write_raw_archive(dir + "/shortpkl.pt", std::string("\x80\x02}(X\x05\x00", 7));
+  expect_error(dir + "/shortpkl.pt", "truncated");
+  // A storage record that is shorter than the tensor claims.
+  {
+    auto u = [](const std::string& text) {  // BINUNICODE
+      std::string b = "X";
+      const uint32_t n = static_cast<uint32_t>(text.size());
+      for (int k = 0; k < 4; ++k) b.push_back(static_cast<char>((n >> (8 * k)) & 0xff));
+      return b + text;
+    };
+    std::string pk = std::string("\x80\x02}", 3) + u("w") + "ctorch._utils\n_rebuild_tensor_v2\n((" +
+                     u("storage") + "ctorch\nFloatStorage\n" + u("0") + u("cpu") + "K\x04tQ" +
+                     std::string("K\0K\x04\x85K\x01\x85\x89)tRs.", 14);
+    write_raw_archive(dir + "/nostorage.pt", pk);
+  }
+  expect_error(dir + "/nostorage.pt", "'data/0' is missing");
+  EXPECT_NE(error_of([&] { write_state_dict({{"x", torch::ones(1)}}, dir + "/no/such/dir/x.pt"); })
+                .find("cannot write"),
+            std::string::npos);
+}
+
+TEST(BackboneFiles, MismatchedWeightsAreNamedAndLeaveModelUntouched) {
+  const std::string dir = testing::temp_dir("models_mismatch");
+  auto r18 = make_backbone(opts("r18"));
+  save_backbone_weights(*r18, dir + "/r18.pt");
+
+  auto r34 = make_backbone(opts("r34"));
+  const torch::Tensor before = r34->state_dict().front().second.clone();
+  std::string msg = error_of([&] { load_backbone_weights(*r34, dir + "/r18.pt"); });
+  EXPECT_NE(msg.find(dir + "/r18.pt"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("missing key 'layer1.2.bn1.weight'"), std::string::npos) << msg;
+  EXPECT_TRUE(torch::equal(r34->state_dict().front().second, before));  // nothing copied
+
+  auto small = make_backbone(opts("r18", 128));
+  msg = error_of([&] { load_backbone_weights(*small, dir + "/r18.pt"); });
+  EXPECT_NE(msg.find("'fc.weight' has shape [512,25088], backbone 'r18' expects [128,25088]"), std::string::npos) << msg;
+
+  auto mbf = make_backbone(opts("mbf"));
+  msg = error_of([&] { load_backbone_weights(*mbf, dir + "/r18.pt"); });
+  EXPECT_NE(msg.find("unexpected key"), std::string::npos) << msg;
+
+  // DDP checkpoints ("module." prefix) and checkpoints without num_batches_tracked load.
+  StateDict ddp;
+  for (const auto& [k, v] : r18->state_dict())
+    if (k.find("num_batches_tracked") == std::string::npos) ddp.emplace_back("module." + k, v);
+  write_state_dict(ddp, dir + "/ddp.pt");
+  auto r18b = make_backbone(opts("r18"));
+  load_backbone_weights(*r18b, dir + "/ddp.pt");
+  EXPECT_TRUE(torch::equal(lookup(r18b->state_dict(), "fc.weight"), lookup(r18->state_dict(), "fc.weight")));
+}
+
+// ---- forward / backward ----------------------------------------------------------------
+
+class BackboneForward : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(BackboneForward, TrainAndEvalOnCpu) {
+  torch::manual_seed(0);
+  auto model = make_backbone(opts(GetParam()));
+  {
+    // insightface's conv init N(0, 0.1) grows activations ~7x per 3x3x512 conv; with fresh
+    // running statistics (var 1) r200's eval forward overflows. Fan-in scaling keeps this
+    // test about train/eval mechanics rather than the init.
+    torch::NoGradGuard no_grad;
+    for (auto& p : model->parameters())
+      if (p.dim() == 4) p.normal_(0.0, std::sqrt(1.0 / (p.size(1) * p.size(2) * p.size(3))));
+  }
+  // Every BN is a NormLayer, which app/sync_bn can turn into SyncBatchNorm in place.
+  int norms = 0, bn_keys = 0;
+  for (const auto& m : model->modules()) {
+    EXPECT_EQ(dynamic_cast<torch::nn::BatchNorm2dImpl*>(m.get()), nullptr);
+    EXPECT_EQ(dynamic_cast<torch::nn::BatchNorm1dImpl*>(m.get()), nullptr);
+    norms += dynamic_cast<NormLayerImpl*>(m.get()) != nullptr;
+  }
+  for (const auto& kv : model->state_dict()) bn_keys += kv.first.find("running_mean") != std::string::npos;
+  EXPECT_EQ(norms, bn_keys);
+  const torch::Tensor x = torch::randn({2, 3, 112, 112});
+  // Train: batch statistics, running stats move, gradients reach every trainable tensor.
+  model->train();
+  const StateDict before = model->state_dict();
+  std::map<std::string, torch::Tensor> saved;
+  for (const auto& [k, v] : before) saved[k] = v.clone();
+  torch::Tensor y = model->forward(x);
+  ASSERT_EQ(y.sizes(), (std::vector<int64_t>{2, 512}));
+  EXPECT_EQ(y.scalar_type(), torch::kFloat);
+  ASSERT_TRUE(torch::isfinite(y).all().item<bool>());
+  y.pow(2).sum().backward();
+  for (const auto& kp : model->named_parameters()) {
+    const std::string& k = kp.key();
+    const torch::Tensor& p = kp.value();
+    if (!p.requires_grad()) {
+      EXPECT_EQ(k, "features.weight");  // iresnet's frozen embedding-BN scale
+      EXPECT_FALSE(p.grad().defined());
+      continue;
+    }
+    ASSERT_TRUE(p.grad().defined()) << k;
+    EXPECT_TRUE(torch::isfinite(p.grad()).all().item<bool>()) << k;
+  }
+  int moved = 0;
+  for (const auto& [k, v] : model->state_dict())
+    if (k.find("running_mean") != std::string::npos && !torch::equal(v, saved.at(k))) ++moved;
+  EXPECT_GT(moved, 10);
+  EXPECT_EQ(lookup(model->state_dict(), before.back().first.substr(0, before.back().first.rfind('.')) +
+                                            ".num_batches_tracked")
+                .item<int64_t>(),
+            1);
+  // Eval: running statistics, deterministic, no state change, differs from train mode.
+  model->eval();
+  torch::NoGradGuard no_grad;
+  const StateDict stats = model->state_dict();
+  std::map<std::string, torch::Tensor> frozen;
+  for (const auto& [k, v] : stats) frozen[k] = v.clone();
+  torch::Tensor e1 = model->forward(x), e2 = model->forward(x);
+  ASSERT_TRUE(torch::isfinite(e1).all().item<bool>());
+  EXPECT_TRUE(torch::equal(e1, e2));
+  for (const auto& [k, v] : model->state_dict()) EXPECT_TRUE(torch::equal(v, frozen.at(k))) << k;
+  model->train();
+  EXPECT_GT(rel_err(model->forward(x), e1), 1e-3);
+}
+
+INSTANTIATE_TEST_SUITE_P(Backbone, BackboneForward, ::testing::ValuesIn(backbone_names()),
+                         [](const auto& info) { return info.param; });
+
+TEST(BackboneForward, DropoutOnlyInTraining) {
+  auto o = opts("r18");
+  o.dropout = 0.5;
+  auto drop = make_backbone(o);
+  auto plain = make_backbone(opts("r18"));
+  const std::string dir = testing::temp_dir("models_dropout");
+  save_backbone_weights(*drop, dir + "/w.pt");
+  load_backbone_weights(*plain, dir + "/w.pt");
+  torch::manual_seed(1);
+  const torch::Tensor x = torch::randn({2, 3, 112, 112});
+  torch::NoGradGuard no_grad;
+  drop->eval();
+  plain->eval();
+  EXPECT_TRUE(torch::equal(drop->forward(x), plain->forward(x)));  // identity in eval
+  drop->train();
+  plain->train();
+  const torch::Tensor a = drop->forward(x), b = drop->forward(x), c = plain->forward(x);
+  EXPECT_GT(rel_err(a, b), 1e-3);  // a fresh mask each step
+  EXPECT_GT(rel_err(a, c), 1e-3);
+}
+
+TEST(BackboneForward, ReducedPrecisionAndChannelsLastOnCpu) {
+  const std::string dir = testing::temp_dir("models_precision");
+  for (const std::string name : {"r18", "mbf"}) {
+    SCOPED_TRACE(name);
+    auto ref = make_backbone(opts(name));
+    randomise_state(*ref, 11);
+    save_backbone_weights(*ref, dir + "/w.pt");
+    ref->eval();
+    torch::manual_seed(2);
+    const torch::Tensor x = torch::randn({2, 3, 112, 112});
+    torch::Tensor y_ref;
+    {
+      torch::NoGradGuard no_grad;
+      y_ref = ref->forward(x);
+    }
+    struct Variant {
+      BodyPrecision precision;
+      bool channels_last;
+      double tol;
+      bool backward;
+    };
+    // CPU fp16 kernels are slow reference paths: fp16 gets one eval forward of mbf here
+    // (CudaHalfChannelsLast trains it on a GPU).
+    std::vector<Variant> variants = {{BodyPrecision::Float32, true, 1e-4, true},
+                                     {BodyPrecision::BFloat16, false, 0.1, true},
+                                     {BodyPrecision::BFloat16, true, 0.1, true}};
+    if (name == "mbf") variants.push_back({BodyPrecision::Float16, true, 0.05, false});
+    for (const Variant& v : variants) {
+      SCOPED_TRACE(to_string(v.precision) + (v.channels_last ? " channels_last" : ""));
+      const auto t0 = std::chrono::steady_clock::now();
+      struct Timer {
+        std::chrono::steady_clock::time_point t0;
+        std::string what;
+        ~Timer() {
+          std::cout << "[models] " << what << " "
+                    << std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() << " s\n";
+        }
+      } timer{t0, name + " " + to_string(v.precision) + (v.channels_last ? " channels_last" : "")};
+      auto o = opts(name);
+      o.precision = v.precision;
+      o.channels_last = v.channels_last;
+      auto model = make_backbone(o);
+      load_backbone_weights(*model, dir + "/w.pt");
+      if (v.channels_last) {
+        const auto w = model->named_parameters()[name == "r18" ? "layer1.0.conv1.weight" : "layers.0.layers.0.weight"];
+        EXPECT_TRUE(w.is_contiguous(at::MemoryFormat::ChannelsLast));
+      }
+      model->eval();
+      torch::Tensor y;
+      try {
+        y = model->forward(x);
+      } catch (const c10::Error& e) {
+        if (v.precision == BodyPrecision::Float16) {
+          std::cout << "[models] fp16 autocast unavailable on CPU: " << one_line(e) << "\n";
+          continue;
+        }
+        throw;
+      }
+      EXPECT_EQ(y.scalar_type(), torch::kFloat);
+      EXPECT_LT(rel_err(y, y_ref), v.tol);
+      EXPECT_FALSE(at::autocast::is_autocast_enabled(c10::DeviceType::CPU));  // restored
+      if (!v.backward) continue;
+      // Backward through the autocast body into fp32 parameters.
+      model->train();
+      model->forward(x).pow(2).sum().backward();
+      for (const auto& kp : model->named_parameters()) {
+        const std::string& k = kp.key();
+        const torch::Tensor& p = kp.value();
+        if (!p.requires_grad()) continue;
+        {
+          ASSERT_TRUE(p.grad().defined()) << k;
+          EXPECT_EQ(p.grad().scalar_type(), torch::kFloat) << k;
+          EXPECT_TRUE(torch::isfinite(p.grad()).all().item<bool>()) << k;
+        }
+      }
+    }
+  }
+  // Inside a caller's autocast region an fp32-policy model follows the caller.
+  auto model = make_backbone(opts("r18"));
+  model->eval();
+  torch::NoGradGuard no_grad;
+  AutocastScope outer(c10::DeviceType::CPU, true, torch::kBFloat16);
+  EXPECT_EQ(model->forward(torch::randn({2, 3, 112, 112})).scalar_type(), torch::kBFloat16);
+}
+
+TEST(BackboneForward, CudaHalfChannelsLast) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
+  for (const std::string name : {"r50", "mbf"}) {
+    SCOPED_TRACE(name);
+    auto ref = make_backbone(opts(name));
+    randomise_state(*ref, 5);
+    ref->to(torch::kCUDA);
+    ref->eval();
+    const torch::Tensor x = torch::randn({8, 3, 112, 112}, torch::kCUDA);
+    torch::Tensor y_ref;
+    {
+      torch::NoGradGuard no_grad;
+      y_ref = ref->forward(x);
+    }
+    for (auto precision : {BodyPrecision::Float16, BodyPrecision::BFloat16}) {
+      auto o = opts(name);
+      o.precision = precision;
+      o.channels_last = true;
+      auto model = make_backbone(o);
+      model->to(torch::kCUDA);
+      {
+        torch::NoGradGuard no_grad;
+        for (auto& [k, v] : model->state_dict()) v.copy_(lookup(ref->state_dict(), k));
+      }
+      model->eval();
+      torch::Tensor y;
+      {
+        torch::NoGradGuard no_grad;
+        y = model->forward(x);
+      }
+      EXPECT_EQ(y.scalar_type(), torch::kFloat);
+      EXPECT_LT(rel_err(y, y_ref), 0.1) << to_string(precision);
+      model->train();
+      model->forward(x).pow(2).sum().backward();
+      for (const auto& kp : model->named_parameters()) {
+        if (!kp.value().requires_grad()) continue;
+        EXPECT_TRUE(torch::isfinite(kp.value().grad()).all().item<bool>()) << kp.key();
+      }
+    }
+  }
+}
+
+}  // namespace
+}  // namespace faceshard
