@@ -424,6 +424,7 @@ void Config::visit(FieldVisitor& v) {
   v.field("train.checkpoint_every", train.checkpoint_every, at_least(0));
   v.field("train.keep_checkpoints", train.keep_checkpoints, at_least(1));
   v.field("train.max_steps", train.max_steps, at_least(0));
+  v.field("train.loss_scaling", train.loss_scaling, choices({"auto", "on", "off"}));
   v.field("train.loss_scale_init", train.loss_scale_init, positive());
   v.field("train.loss_scale_growth_interval", train.loss_scale_growth_interval, at_least(1));
   v.field("train.tensorboard", train.tensorboard, none);

@@ -92,6 +92,9 @@ struct TrainConfig {
   int64_t checkpoint_every = 0;  // steps, 0: at the end of every epoch
   int64_t keep_checkpoints = 3;
   int64_t max_steps = 0;         // stop early (demo, tests); 0 = run the schedule
+  // Dynamic loss scaling: "auto" = on exactly for fp16; "on" also scales fp32/bf16 losses
+  // (useful to test the scaler without half-precision arithmetic).
+  std::string loss_scaling = "auto";
   double loss_scale_init = 65536.0;
   int64_t loss_scale_growth_interval = 100;
   bool tensorboard = true;

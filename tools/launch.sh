@@ -60,7 +60,10 @@ remaining=${#pids[@]}
 while [ "$remaining" -gt 0 ]; do
   wait -n -p done_pid "${pids[@]}" 2>/dev/null
   rc=$?
-  [ -z "${done_pid:-}" ] && break
+  if [ -z "${done_pid:-}" ]; then
+    [ "$rc" -eq 127 ] && break   # no children left
+    continue                     # a trapped signal interrupted the wait: keep waiting
+  fi
   remaining=$((remaining - 1))
   if [ "$rc" -ne 0 ] && [ "$status" -eq 0 ]; then
     status=$rc

@@ -1,0 +1,41 @@
+// faceshard-train --config FILE [--set key=value ...] [--resume [CHECKPOINT]] [--print-config]
+#include <cstdio>
+
+#include "app/cli.h"
+#include "app/trainer.h"
+#include "partial_fc/error.h"
+
+using namespace faceshard;
+
+static const char* kUsage =
+    "usage: faceshard-train --config FILE [--set section.key=value ...] [--resume [CHECKPOINT_DIR]] [--print-config]\n"
+    "Start several ranks with tools/launch.sh --nproc N, torchrun --no-python, or srun; alone it runs one rank.\n"
+    "--resume continues from the latest committed checkpoint in <output>/checkpoints (or the given one),\n"
+    "also with a different number of ranks. SIGTERM/SIGINT: finish the step, checkpoint, exit 0.\n";
+
+int main(int argc, char** argv) {
+  return run_main("faceshard-train", [&] {
+    ConfigArgs args = parse_config_args(argc, argv);
+    if (args.help) {
+      std::fputs(kUsage, stdout);
+      return 0;
+    }
+    TrainRequest req;
+    for (size_t i = 0; i < args.rest.size(); ++i) {
+      const std::string& a = args.rest[i];
+      if (a == "--resume") {
+        req.resume = true;
+        if (i + 1 < args.rest.size() && args.rest[i + 1].rfind("--", 0) != 0) req.resume_from = args.rest[++i];
+      } else {
+        throw usage_error("unknown argument '", a, "' (see --help)");
+      }
+    }
+    req.config = load_config_from_args(args);
+    req.config_text = config_to_yaml(req.config);
+    if (args.print_config) {
+      std::fputs(req.config_text.c_str(), stdout);
+      return 0;
+    }
+    return run_training(req);
+  });
+}

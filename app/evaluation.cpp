@@ -1,0 +1,69 @@
+#include "app/evaluation.h"
+
+#include <filesystem>
+
+#include <opencv2/imgproc.hpp>
+
+#include "data/image_transform.h"
+#include "data/verification_bin.h"
+#include "partial_fc/error.h"
+
+namespace faceshard {
+
+VerificationData load_verification_data(const std::string& path) {
+  VerificationSet set = read_verification_bin(path);
+  VerificationData d;
+  d.name = std::filesystem::path(path).stem().string();
+  d.issame = set.issame;
+  const int64_t n = static_cast<int64_t>(set.images.size());
+  d.images = torch::empty({n, 3, 112, 112});
+  float* dst = d.images.data_ptr<float>();
+  for (int64_t i = 0; i < n; ++i) {
+    const auto& bytes = set.images[i];
+    cv::Mat bgr = decode_image(bytes.data(), bytes.size(), path + " image " + std::to_string(i));
+    if (bgr.rows != 112 || bgr.cols != 112) cv::resize(bgr, bgr, cv::Size(112, 112), 0, 0, cv::INTER_LINEAR);
+    bgr_to_normalized_chw(bgr, false, dst + i * 3 * 112 * 112);
+  }
+  return d;
+}
+
+namespace {
+at::Tensor raw_flip_embeddings(Backbone& model, const at::Tensor& images, int64_t batch, torch::Device device) {
+  torch::NoGradGuard ng;
+  const bool was_training = model.is_training();
+  model.eval();
+  std::vector<at::Tensor> out;
+  for (int64_t s = 0; s < images.size(0); s += batch) {
+    at::Tensor x = images.narrow(0, s, std::min(batch, images.size(0) - s)).to(device);
+    at::Tensor e = model.forward(x) + model.forward(x.flip({3}));
+    out.push_back(e.to(torch::kFloat).cpu());
+  }
+  model.train(was_training);
+  return out.empty() ? torch::zeros({0, model.embedding_size()}) : torch::cat(out);
+}
+}  // namespace
+
+at::Tensor embed_with_flip(Backbone& model, const at::Tensor& images, int64_t batch, torch::Device device) {
+  return torch::nn::functional::normalize(raw_flip_embeddings(model, images, batch, device),
+                                          torch::nn::functional::NormalizeFuncOptions().dim(1));
+}
+
+VerificationResult evaluate_verification(Backbone& model, const VerificationData& data, int64_t batch,
+                                         torch::Device device) {
+  at::Tensor raw = raw_flip_embeddings(model, data.images, batch, device);
+  VerificationResult r;
+  r.xnorm = raw.norm(2, 1).mean().item<double>();
+  at::Tensor e1 = raw.slice(0, 0, raw.size(0), 2), e2 = raw.slice(0, 1, raw.size(0), 2);
+  at::Tensor dist = pair_distances(e1, e2);
+  r.kfold = kfold_verification(dist, data.issame);
+  // Scores for the ROC: cosine similarity (higher = same), 1 - d/2 for unit vectors.
+  at::Tensor score = (1 - dist / 2).to(torch::kDouble).contiguous();
+  std::vector<double> scores(score.data_ptr<double>(), score.data_ptr<double>() + score.numel());
+  std::vector<int> labels(data.issame.begin(), data.issame.end());
+  r.roc = roc_curve(scores, labels);
+  r.tar_at_far_1e3 = tar_at_far(r.roc, 1e-3);
+  r.tar_at_far_1e4 = tar_at_far(r.roc, 1e-4);
+  return r;
+}
+
+}  // namespace faceshard

@@ -1,0 +1,38 @@
+// Batch inference for evaluation: decoding a verification set once, embedding images with
+// the flip test (embedding of the image plus that of its mirror), and the insightface
+// verification protocol on top. Shared by the trainer and the evaluation tools.
+#pragma once
+#include <string>
+#include <vector>
+
+#include <torch/torch.h>
+
+#include "app/verification_metrics.h"
+#include "models/backbone.h"
+
+namespace faceshard {
+
+struct VerificationData {
+  std::string name;      // file stem, e.g. "lfw"
+  at::Tensor images;     // [2P, 3, 112, 112] float, normalised RGB (pair i = rows 2i, 2i+1)
+  std::vector<bool> issame;
+};
+
+// Reads and decodes an insightface .bin (images resized to 112 when they are not).
+VerificationData load_verification_data(const std::string& path);
+
+// Flip-test embeddings, L2-normalised: normalize(f(x) + f(mirror(x))), in eval mode and
+// without gradients, `batch` images at a time. The model's train/eval mode is restored.
+at::Tensor embed_with_flip(Backbone& model, const at::Tensor& images, int64_t batch, torch::Device device);
+
+struct VerificationResult {
+  KFoldResult kfold;
+  double tar_at_far_1e3 = 0, tar_at_far_1e4 = 0;
+  RocCurve roc;
+  double xnorm = 0;  // mean norm of the raw (summed) embeddings, as insightface logs
+};
+
+VerificationResult evaluate_verification(Backbone& model, const VerificationData& data, int64_t batch,
+                                         torch::Device device);
+
+}  // namespace faceshard
