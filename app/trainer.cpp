@@ -385,6 +385,8 @@ int run_training(const TrainRequest& req) {
   uint64_t epoch = static_cast<uint64_t>(j.step / j.steps_per_epoch);
   j.loader->start_epoch(epoch, static_cast<uint64_t>((j.step % j.steps_per_epoch) * j.micro));
   j.backbone->train();
+  // The starting point of the verification curve (chance for a fresh model).
+  if (cfg.train.verify_every > 0 && j.step == 0 && last_step > 0) verify(j, false);
 
   auto check_finite = [&] {
     const int64_t bad = first_bad.item<int64_t>();

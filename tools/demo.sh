@@ -1,13 +1,18 @@
 #!/usr/bin/env bash
-# The main job: installs what is missing, builds, and runs the demo on 3 local CPU ranks
-# (or the local GPUs with FACESHARD_DEVICE=cuda).
+# The main job: installs what is missing, builds, writes the synthetic face data set
+# (faceshard-synth) and trains configs/demo.yaml on 2 local CPU ranks - or on the local
+# GPUs with FACESHARD_DEVICE=cuda - with verification, checkpoints and the export.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 "$root/tools/build.sh"
 build="${FACESHARD_BUILD_DIR:-$root/build}"
-nproc="${FACESHARD_NPROC:-3}"
+cd "$root"
+[ -f runs/demo-data/train.rec ] || "$build/bin/faceshard-synth" --output runs/demo-data
+nproc="${FACESHARD_NPROC:-2}"
 extra=()
 if [ "${FACESHARD_DEVICE:-cpu}" = "cuda" ]; then
-  nproc=$(nvidia-smi -L | wc -l); extra=(--cuda)
+  nproc=$(nvidia-smi -L | wc -l); extra=(--set dist.device=cuda)
 fi
-exec "$root/tools/launch.sh" --nproc "$nproc" -- "$build/bin/faceshard-dist-check" --rounds 50 "${extra[@]}"
+rm -rf runs/demo
+"$root/tools/launch.sh" --nproc "$nproc" -- "$build/bin/faceshard-train" --config configs/demo.yaml "${extra[@]}" "$@"
+echo "demo: outputs in runs/demo (metrics.jsonl, tensorboard/, checkpoints/, model.pt, model.json)"
