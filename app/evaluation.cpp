@@ -2,6 +2,7 @@
 
 #include <filesystem>
 
+#include <ATen/Parallel.h>
 #include <opencv2/imgproc.hpp>
 
 #include "data/image_transform.h"
@@ -42,6 +43,33 @@ at::Tensor raw_flip_embeddings(Backbone& model, const at::Tensor& images, int64_
   return out.empty() ? torch::zeros({0, model.embedding_size()}) : torch::cat(out);
 }
 }  // namespace
+
+at::Tensor embed_images(Backbone& model, int64_t n, const ImageSource& load, int64_t batch, torch::Device device,
+                        bool flip, bool normalize) {
+  torch::NoGradGuard ng;
+  const bool was_training = model.is_training();
+  model.eval();
+  at::Tensor out = torch::empty({n, model.embedding_size()});
+  at::Tensor images = torch::empty({std::min(batch, std::max<int64_t>(n, 1)), 3, 112, 112});
+  for (int64_t s = 0; s < n; s += batch) {
+    const int64_t b = std::min(batch, n - s);
+    float* dst = images.data_ptr<float>();
+    at::parallel_for(0, b, 1, [&](int64_t lo, int64_t hi) {
+      for (int64_t i = lo; i < hi; ++i) {
+        cv::Mat bgr = load(s + i);
+        if (bgr.rows != 112 || bgr.cols != 112) cv::resize(bgr, bgr, cv::Size(112, 112), 0, 0, cv::INTER_LINEAR);
+        bgr_to_normalized_chw(bgr, false, dst + i * 3 * 112 * 112);
+      }
+    });
+    at::Tensor x = images.narrow(0, 0, b).to(device);
+    at::Tensor e = model.forward(x);
+    if (flip) e = e + model.forward(x.flip({3}));
+    out.narrow(0, s, b).copy_(e.to(torch::kFloat).cpu());
+  }
+  model.train(was_training);
+  if (normalize) out = torch::nn::functional::normalize(out, torch::nn::functional::NormalizeFuncOptions().dim(1));
+  return out;
+}
 
 at::Tensor embed_with_flip(Backbone& model, const at::Tensor& images, int64_t batch, torch::Device device) {
   return torch::nn::functional::normalize(raw_flip_embeddings(model, images, batch, device),

@@ -2,8 +2,11 @@
 // the flip test (embedding of the image plus that of its mirror), and the insightface
 // verification protocol on top. Shared by the trainer and the evaluation tools.
 #pragma once
+#include <functional>
 #include <string>
 #include <vector>
+
+#include <opencv2/core.hpp>
 
 #include <torch/torch.h>
 
@@ -24,6 +27,15 @@ VerificationData load_verification_data(const std::string& path);
 // Flip-test embeddings, L2-normalised: normalize(f(x) + f(mirror(x))), in eval mode and
 // without gradients, `batch` images at a time. The model's train/eval mode is restored.
 at::Tensor embed_with_flip(Backbone& model, const at::Tensor& images, int64_t batch, torch::Device device);
+
+// A source of images by index for embed_images: an 8-bit BGR image of any size (resized
+// to 112x112 when it is not). Called from several threads at once.
+using ImageSource = std::function<cv::Mat(int64_t index)>;
+
+// Embeds images 0..n-1 of `load`, `batch` at a time (the batch decoded in parallel):
+// f(x), or f(x) + f(mirror(x)) with flip; rows L2-normalised when normalize. [n, E] float.
+at::Tensor embed_images(Backbone& model, int64_t n, const ImageSource& load, int64_t batch, torch::Device device,
+                        bool flip, bool normalize);
 
 struct VerificationResult {
   KFoldResult kfold;

@@ -80,6 +80,44 @@ std::string temp_dir(const std::string& tag) {
   return std::string(buf.data());
 }
 
+std::string read_text(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  std::ostringstream os;
+  os << f.rdbuf();
+  return os.str();
+}
+
+void write_text(const std::string& path, const std::string& text) {
+  std::ofstream f(path, std::ios::binary);
+  f << text;
+  if (!f) throw std::runtime_error("cannot write " + path);
+}
+
+CommandResult run_command(const std::string& command) {
+  CommandResult r;
+  std::FILE* p = ::popen((command + " 2>&1").c_str(), "r");
+  if (!p) return r;
+  char buf[4096];
+  size_t n;
+  while ((n = std::fread(buf, 1, sizeof buf, p)) > 0) r.output.append(buf, n);
+  const int st = ::pclose(p);
+  r.status = WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+  return r;
+}
+
+CommandResult run_tool(const std::string& tool, const std::string& args) {
+  return run_command(std::string("\"") + FACESHARD_BIN_DIR + "/" + tool + "\" " + args);
+}
+
+CommandResult run_python(const std::string& dir, const std::string& name, const std::string& script,
+                         const std::vector<std::string>& args) {
+  const std::string path = dir + "/" + name;
+  write_text(path, script);
+  std::string cmd = std::string("\"") + FACESHARD_PYTHON + "\" \"" + path + "\"";
+  for (const auto& a : args) cmd += " \"" + a + "\"";
+  return run_command(cmd);
+}
+
 std::vector<RankResult> spawn_ranks(int world, const RankBody& body, const RankOptions& opts) {
   const int call = next_call_index();
   if (in_rank_process()) {

@@ -41,4 +41,21 @@ bool in_rank_process();
 // Path of a fresh temporary directory (removed at exit of the parent test process).
 std::string temp_dir(const std::string& tag);
 
+// Whole files as text (empty when missing) and back.
+std::string read_text(const std::string& path);
+void write_text(const std::string& path, const std::string& text);
+
+struct CommandResult {
+  int status = -1;  // exit status; -1 when it did not exit normally
+  std::string output;  // stdout + stderr
+};
+// Runs a shell command line and collects its exit status and output.
+CommandResult run_command(const std::string& command);
+// Runs build/bin/<tool> with an argument string (already quoted as needed).
+CommandResult run_tool(const std::string& tool, const std::string& args);
+// Writes `script` to dir/name and runs it with the project's Python (the virtual
+// environment's, which has numpy) and the given arguments.
+CommandResult run_python(const std::string& dir, const std::string& name, const std::string& script,
+                         const std::vector<std::string>& args);
+
 }  // namespace faceshard::testing

@@ -158,5 +158,45 @@ TEST(Config, ShippedConfigsLoad) {
   }
   EXPECT_GE(n, 2);
 }
+
+// The data-set presets: the file name says data set, sampling and backbone; the contents
+// must agree (class and image counts from the published data sets, arcface_torch's margins
+// and weight decays).
+TEST(Config, PresetsMatchTheirDataSets) {
+  struct Set {
+    std::string prefix;
+    int64_t classes, images;
+    double m2, m3, wd;
+  };
+  const std::vector<Set> sets = {{"ms1mv2_", 85742, 5822653, 0.5, 0.0, 5e-4},
+                                 {"ms1mv3_", 93431, 5179510, 0.5, 0.0, 5e-4},
+                                 {"glint360k_", 360232, 17091657, 0.0, 0.4, 1e-4},
+                                 {"wf42m_", 2059906, 42474557, 0.0, 0.4, 5e-4}};
+  int n = 0;
+  for (const auto& set : sets)
+    for (const std::string net : {"r50", "r100"}) {
+      std::string pfcs = set.prefix == "wf42m_" ? "pfc02_,pfc03_" : ",";
+      for (const std::string pfc : {pfcs.substr(0, pfcs.find(',')), pfcs.substr(pfcs.find(',') + 1)}) {
+        if (set.prefix != "wf42m_" && !pfc.empty()) continue;
+        const std::string name = set.prefix + pfc + net + ".yaml";
+        SCOPED_TRACE(name);
+        const std::string path = std::string(FACESHARD_SOURCE_DIR) + "/configs/" + name;
+        ASSERT_TRUE(std::filesystem::exists(path));
+        const Config c = load_config(path);
+        EXPECT_EQ(c.data.num_classes, set.classes);
+        EXPECT_EQ(c.data.num_images, set.images);
+        EXPECT_EQ(c.model.backbone, net);
+        ASSERT_EQ(c.loss.margin.size(), 3u);
+        EXPECT_EQ(c.loss.margin[0], 1.0);
+        EXPECT_EQ(c.loss.margin[1], set.m2);
+        EXPECT_EQ(c.loss.margin[2], set.m3);
+        EXPECT_EQ(c.optim.weight_decay, set.wd);
+        EXPECT_EQ(c.loss.sample_rate, pfc == "pfc02_" ? 0.2 : pfc == "pfc03_" ? 0.3 : 1.0);
+        EXPECT_EQ(c.output, "work_dirs/" + name.substr(0, name.size() - 5));
+        n++;
+      }
+    }
+  EXPECT_EQ(n, 10);
+}
 }  // namespace
 }  // namespace faceshard

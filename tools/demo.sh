@@ -7,7 +7,8 @@ root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 "$root/tools/build.sh"
 build="${FACESHARD_BUILD_DIR:-$root/build}"
 cd "$root"
-[ -f runs/demo-data/train.rec ] || "$build/bin/faceshard-synth" --output runs/demo-data
+# The data set takes about a second to write: always fresh, so it matches this build.
+"$build/bin/faceshard-synth" --output runs/demo-data
 nproc="${FACESHARD_NPROC:-2}"
 extra=()
 if [ "${FACESHARD_DEVICE:-cpu}" = "cuda" ]; then

@@ -1,6 +1,9 @@
 // faceshard-bench: performance measurements as runnable benchmarks (never timed tests).
 //   --mode classifier   the sharded classifier alone (gather, cosines, margin softmax,
 //                       backward, shard optimiser) on random embeddings
+//   --mode data         the training data loader alone (read, JPEG decode, flip, normalise,
+//                       batch) for several worker counts; --data a folder with train.rec/idx
+//                       (default: a synthetic face set written to a temporary folder)
 // Reports the median time per step over several timed windows after warm-up, images/s,
 // and peak memory (GPU: the caching allocator's peak; CPU: the process's peak RSS), as a
 // one-line summary and, with --json FILE, a JSON object.
@@ -10,13 +13,22 @@
 #include <cstring>
 #include <fstream>
 #include <sstream>
+#include <filesystem>
 #include <string>
+#include <thread>
+#include <vector>
+
+#include <unistd.h>
 
 #ifdef FACESHARD_WITH_CUDA
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
 #endif
 
+#include "data/dataset.h"
+#include "data/loader.h"
+#include "data/sampler.h"
+#include "data/synthetic_faces.h"
 #include "partial_fc/dist_env.h"
 #include "partial_fc/distributed.h"
 #include "partial_fc/error.h"
@@ -30,13 +42,20 @@ namespace {
 
 const char* kUsage =
     "usage: faceshard-bench --mode classifier [--classes-per-shard N] [--sample-rate R] [--batch B]\n"
-    "                       [--dim D] [--steps K] [--windows N] [--warmup K] [--device cpu|cuda] [--json FILE]\n";
+    "                       [--dim D] [--steps K] [--windows N] [--warmup K] [--device cpu|cuda] [--json FILE]\n"
+    "       faceshard-bench --mode data [--data DIR] [--workers LIST] [--batch B] [--epochs E]\n"
+    "                       [--identities N] [--images-per-identity M] [--json FILE]\n"
+    "  --workers LIST   comma-separated decoding thread counts; 'all' = every core (default 1,2,all)\n";
 
 struct Args {
   std::string mode = "classifier";
   int64_t classes_per_shard = 100000, batch = 128, dim = 512, steps = 5, windows = 3, warmup = 2;
   double sample_rate = 1.0;
   std::string device = "cpu", json;
+  // --mode data
+  std::string data, workers = "1,2,all";
+  int64_t epochs = 2, identities = 200, images_per_identity = 25;
+  bool batch_given = false;
 };
 
 int64_t read_status_kb(const char* key) {
@@ -139,6 +158,85 @@ int run_classifier(const Args& a, Distributed& dist) {
   return 0;
 }
 
+// Decoding thread counts from "1,2,all"; duplicates (e.g. all == 2) are measured once.
+std::vector<int> parse_workers(const std::string& list) {
+  const int cores = std::max(1u, std::thread::hardware_concurrency());
+  std::vector<int> out;
+  std::stringstream ss(list);
+  std::string item;
+  while (std::getline(ss, item, ',')) {
+    int n = item == "all" ? cores : int(parse_int("--workers", item));
+    if (n < 1) throw usage_error("--workers entries must be >= 1 or 'all', got '", item, "'");
+    if (std::find(out.begin(), out.end(), n) == out.end()) out.push_back(n);
+  }
+  if (out.empty()) throw usage_error("--workers needs at least one entry");
+  return out;
+}
+
+int run_data(const Args& a) {
+  namespace fs = std::filesystem;
+  const std::vector<int> worker_counts = parse_workers(a.workers);
+  std::string dir = a.data;
+  fs::path temp;
+  if (dir.empty()) {
+    temp = fs::temp_directory_path() / ("faceshard-bench-data-" + std::to_string(::getpid()));
+    SynthDatasetSpec spec;
+    spec.identities = uint64_t(a.identities);
+    spec.images_per_identity = uint64_t(a.images_per_identity);
+    spec.holdout_identities = 2;
+    spec.pairs = 2;
+    log_info("writing a synthetic data set (", spec.identities, " x ", spec.images_per_identity,
+             " JPEG images, 112x112) to ", temp.string());
+    write_synthetic_dataset(temp.string(), spec);
+    dir = temp.string();
+  }
+  struct Cleanup {
+    fs::path p;
+    ~Cleanup() {
+      std::error_code ec;
+      if (!p.empty()) fs::remove_all(p, ec);
+    }
+  } cleanup{temp};
+  auto ds = open_dataset(dir);
+  const int64_t batch = a.batch_given ? a.batch : 128;
+  if (int64_t(ds->size()) < batch) throw usage_error("the data set has ", ds->size(), " images, fewer than --batch ", batch);
+  const int cores = std::max(1u, std::thread::hardware_concurrency());
+  std::ostringstream js;
+  js << "{\"mode\":\"data\",\"data\":\"" << (a.data.empty() ? "synthetic" : a.data) << "\",\"images\":" << ds->size()
+     << ",\"batch\":" << batch << ",\"cores\":" << cores << ",\"results\":[";
+  bool first = true;
+  for (int workers : worker_counts) {
+    LoaderOptions o;
+    o.batch_size = batch;
+    o.num_workers = workers;
+    o.prefetch_batches = std::max(4, 2 * workers);
+    DataLoader loader(ds, DistributedSampler(ds->size(), 1, 0, 0), o);
+    auto epoch = [&](uint64_t e) {
+      uint64_t n = 0;
+      loader.start_epoch(e);
+      while (auto b = loader.next()) n += uint64_t(b->images.size(0));
+      return n;
+    };
+    epoch(0);  // warm-up: page cache, allocator, thread start
+    const auto t0 = std::chrono::steady_clock::now();
+    uint64_t images = 0;
+    for (int64_t e = 1; e <= a.epochs; ++e) images += epoch(uint64_t(e));
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    log_info("data: ", workers, " worker(s) of ", cores, " cores: ", images / s, " images/s (", images,
+             " images in ", s, " s, batch ", batch, ", bad samples ", loader.bad_samples(), ")");
+    js << (first ? "" : ",") << "{\"workers\":" << workers << ",\"images_per_s\":" << images / s
+       << ",\"images\":" << images << ",\"seconds\":" << s << "}";
+    first = false;
+  }
+  js << "]}";
+  if (!a.json.empty()) {
+    std::string tmp = a.json + ".tmp";
+    std::ofstream(tmp) << js.str() << "\n";
+    std::rename(tmp.c_str(), a.json.c_str());
+  }
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -155,7 +253,12 @@ int main(int argc, char** argv) {
         return 0;
       } else if (s == "--mode") a.mode = value();
       else if (s == "--classes-per-shard") a.classes_per_shard = parse_int(s, value());
-      else if (s == "--batch") a.batch = parse_int(s, value());
+      else if (s == "--batch") a.batch = parse_int(s, value()), a.batch_given = true;
+      else if (s == "--data") a.data = value();
+      else if (s == "--workers") a.workers = value();
+      else if (s == "--epochs") a.epochs = std::max<int64_t>(1, parse_int(s, value()));
+      else if (s == "--identities") a.identities = std::max<int64_t>(1, parse_int(s, value()));
+      else if (s == "--images-per-identity") a.images_per_identity = std::max<int64_t>(1, parse_int(s, value()));
       else if (s == "--dim") a.dim = parse_int(s, value());
       else if (s == "--steps") a.steps = std::max<int64_t>(1, parse_int(s, value()));
       else if (s == "--windows") a.windows = std::max<int64_t>(1, parse_int(s, value()));
@@ -167,10 +270,15 @@ int main(int argc, char** argv) {
     }
     if (a.device != "cpu" && a.device != "cuda") throw usage_error("--device must be cpu or cuda");
     if (a.sample_rate <= 0 || a.sample_rate > 1) throw usage_error("--sample-rate must be in (0, 1]");
+    if (a.mode != "classifier" && a.mode != "data")
+      throw usage_error("--mode '", a.mode, "' is not known (classifier, data)");
+    if (a.mode == "data") {
+      if (a.batch < 1) throw usage_error("--batch must be >= 1");
+      return run_data(a);
+    }
     DistOptions dopts;
     dopts.use_cuda = a.device == "cuda";
     auto dist = Distributed::init(DistEnv::from_environment(), dopts);
-    if (a.mode == "classifier") return run_classifier(a, *dist);
-    throw usage_error("--mode '", a.mode, "' is not known (classifier)");
+    return run_classifier(a, *dist);
   });
 }

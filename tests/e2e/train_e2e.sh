@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # End-to-end tests of faceshard-train on CPU with 2 ranks and a tiny synthetic data set.
 # usage: train_e2e.sh SOURCE_DIR BIN_DIR CASE
-#   CASE: loss_falls | resume_exact | reshard | crash_in_save | sigterm | fp16_skip | nan_stop
+#   CASE: loss_falls | resume_exact | reshard | crash_in_save | sigterm | fp16_skip | nan_stop | verify_tool
 set -u
 root="$1"; bin="$2"; case_name="$3"
 py="$root/.venv/bin/python"; [ -x "$py" ] || py=python3
@@ -160,6 +160,47 @@ nan_stop)
   FACESHARD_INJECT_INF=0:5 train --set optim.total_steps=12 > "$work/a.log" 2>&1 && fail "exit 0 despite NaN"
   grep -q "error: the loss became NaN/inf at step 6; stopping. Last good checkpoint: .*step_00000004" "$work/a.log" \
     || { cat "$work/a.log"; fail "no one-line NaN error naming step and checkpoint"; }
+  echo PASS ;;
+verify_tool)
+  # faceshard-verify on the exported model reports the accuracy the trainer logged last.
+  train --set optim.total_steps=16 > "$work/log" 2>&1 || { cat "$work/log"; fail "training failed"; }
+  "$bin/faceshard-verify" --model "$work/out" --bin "$work/data/synth.bin" --device cpu --output "$work/eval" \
+    --json "$work/verify.json" > "$work/vlog" 2>&1 || { cat "$work/vlog"; fail "faceshard-verify failed"; }
+  cat "$work/vlog"
+  "$py" - "$work/out/metrics.jsonl" "$work/verify.json" "$work/eval" "$work/log" <<'PY' || exit 1
+import json, os, re, sys
+rows = [json.loads(l) for l in open(sys.argv[1])]
+logged = [r['val/synth/accuracy'] for r in rows if 'val/synth/accuracy' in r]
+assert logged, 'the trainer logged no verification'
+got = json.load(open(sys.argv[2]))['sets'][0]
+print('trainer final %r, faceshard-verify %r' % (logged[-1], got['accuracy']))
+assert got['accuracy'] == logged[-1], 'faceshard-verify differs from the trainer'
+# The embedding norm depends on every weight: the trainer's last printed XNorm (5 decimals).
+xnorm = re.findall(r'\[synth\]\[\d+\] Accuracy-Flip: \S+  Accuracy-Highest: \S+  XNorm: (\S+)', open(sys.argv[4]).read())
+assert xnorm, 'no verification line in the training log'
+print('trainer final XNorm %s, faceshard-verify %.5f' % (xnorm[-1], got['xnorm']))
+assert '%.5f' % got['xnorm'] == xnorm[-1], 'XNorm differs'
+lines = open(os.path.join(sys.argv[3], 'synth_roc.csv')).read().split()
+assert lines[0] == 'fpr,tpr,threshold' and len(lines) > 2, lines[:3]
+png = open(os.path.join(sys.argv[3], 'roc.png'), 'rb').read()
+assert png[:8] == b'\x89PNG\r\n\x1a\n', 'roc.png is not a PNG'
+PY
+  # The same model through a checkpoint folder gives the same accuracy.
+  step_dir=$(ls -d "$work/out/checkpoints"/step_* | sort -V | tail -1)
+  "$bin/faceshard-verify" --model "$step_dir" --bin "$work/data/synth.bin" --device cpu --output "$work/eval2" \
+    --json "$work/verify2.json" > /dev/null 2>&1 || fail "faceshard-verify on $step_dir failed"
+  "$py" -c "import json,sys; a,b=(json.load(open(f))['sets'][0]['accuracy'] for f in sys.argv[1:]); assert a==b,(a,b)" \
+    "$work/verify.json" "$work/verify2.json" || fail "checkpoint and export disagree"
+  # Bad input: one line, exit 2, nothing written.
+  out=$("$bin/faceshard-verify" --model "$work/nope" --bin "$work/data/synth.bin" 2>&1); rc=$?
+  [ $rc -eq 2 ] && [ "$(echo "$out" | wc -l)" -eq 1 ] || fail "missing model: rc=$rc: $out"
+  head -c 100 "$work/data/train.rec" > "$work/garbage.bin"
+  out=$("$bin/faceshard-verify" --model "$work/out" --bin "$work/garbage.bin" --output "$work/eval3" 2>&1); rc=$?
+  [ $rc -ne 0 ] && [ "$(echo "$out" | grep -c error)" -eq 1 ] || fail "garbage .bin: rc=$rc: $out"
+  [ ! -e "$work/eval3/roc.png" ] || fail "garbage .bin still wrote a plot"
+  out=$("$bin/faceshard-verify" --model "$work/out/model.pt" --network r50 --bin "$work/data/synth.bin" 2>&1); rc=$?
+  [ $rc -eq 2 ] || fail "wrong --network accepted: $out"
+  echo "$out"
   echo PASS ;;
 *) fail "unknown case $case_name" ;;
 esac

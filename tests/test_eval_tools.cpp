@@ -1,0 +1,490 @@
+// Evaluation tools: the .npy writer, IJB alignment and template protocol, and the
+// faceshard-ijb / faceshard-extract binaries, checked against independent references
+// (the .npy format spec and numpy; skimage's Umeyama estimate and insightface's
+// eval_ijbc.py protocol re-written in numpy; a direct forward pass of the model).
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include <opencv2/imgproc.hpp>
+
+#include "app/checkpoint.h"
+#include "app/ijb.h"
+#include "app/inference_model.h"
+#include "app/npy.h"
+#include "data/image_transform.h"
+#include "data/synthetic_faces.h"
+#include "models/backbone_registry.h"
+#include "partial_fc/error.h"
+#include "tests/harness.h"
+
+namespace faceshard {
+namespace {
+
+namespace fs = std::filesystem;
+using testing::read_text;
+using testing::run_python;
+using testing::run_tool;
+using testing::temp_dir;
+using testing::write_text;
+
+// Reads a float32 .npy written by write_npy_float32 (header length from bytes 8-9).
+at::Tensor read_npy(const std::string& path, std::vector<int64_t> shape) {
+  const std::string b = read_text(path);
+  const size_t hlen = size_t(uint8_t(b[8])) | (size_t(uint8_t(b[9])) << 8);
+  at::Tensor t = torch::empty(shape);
+  EXPECT_EQ(b.size(), 10 + hlen + size_t(t.numel()) * 4) << path;
+  if (b.size() == 10 + hlen + size_t(t.numel()) * 4) std::memcpy(t.data_ptr<float>(), b.data() + 10 + hlen, t.numel() * 4);
+  return t;
+}
+
+std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return "<no error>";
+}
+
+// A small model with its export metadata; BatchNorm statistics set by a few train-mode
+// passes so that eval-mode embeddings are of a normal size.
+std::shared_ptr<Backbone> write_model(const std::string& dir, int64_t dim = 32) {
+  torch::manual_seed(11);
+  BackboneOptions o;
+  o.name = "mbf";
+  o.embedding_size = dim;
+  auto m = make_backbone(o);
+  {
+    torch::NoGradGuard ng;
+    m->train();
+    for (int i = 0; i < 3; ++i) m->forward(torch::randn({8, 3, 112, 112}));
+  }
+  m->eval();
+  fs::create_directories(dir);
+  save_backbone_weights(*m, dir + "/model.pt");
+  write_text(dir + "/model.json", "{\"backbone\": \"mbf\", \"embedding_size\": " + std::to_string(dim) + "}\n");
+  return m;
+}
+
+at::Tensor flip_embedding(Backbone& m, const cv::Mat& bgr112) {
+  at::Tensor x = torch::empty({1, 3, 112, 112});
+  bgr_to_normalized_chw(bgr112, false, x.data_ptr<float>());
+  torch::NoGradGuard ng;
+  return (m.forward(x) + m.forward(x.flip({3})))[0];
+}
+
+// ---------------------------------------------------------------------------------------
+// .npy
+
+TEST(EvalNpy, HeaderFollowsTheFormatSpecAndNumpyLoadsIt) {
+  const std::string dir = temp_dir("npy");
+  const at::Tensor v = torch::randn({5, 3});
+  write_npy_float32(v, dir + "/a.npy");
+  const std::string b = read_text(dir + "/a.npy");
+  ASSERT_GT(b.size(), 10u);
+  EXPECT_EQ(b.substr(0, 8), std::string("\x93NUMPY\x01\x00", 8));
+  const size_t hlen = size_t(uint8_t(b[8])) | (size_t(uint8_t(b[9])) << 8);
+  EXPECT_EQ((10 + hlen) % 64, 0u);
+  const std::string header = b.substr(10, hlen);
+  EXPECT_EQ(header.rfind("{'descr': '<f4', 'fortran_order': False, 'shape': (5, 3), }", 0), 0u) << header;
+  EXPECT_EQ(header.back(), '\n');
+  EXPECT_EQ(b.size(), 10 + hlen + 15 * 4);
+  EXPECT_TRUE(torch::equal(read_npy(dir + "/a.npy", {5, 3}), v));
+  write_npy_float32(torch::arange(7, torch::kDouble) / 3, dir + "/b.npy");
+  std::ostringstream expect;
+  expect.precision(9);
+  for (int i = 0; i < 15; ++i) expect << (i ? " " : "") << v.view(-1)[i].item<float>();
+  write_text(dir + "/expect.txt", expect.str());
+  const auto r = run_python(dir, "npy.py", R"PY(
+import sys, numpy as np
+d = sys.argv[1]
+a = np.load(d + '/a.npy')
+assert a.dtype == np.float32 and a.shape == (5, 3), (a.dtype, a.shape)
+e = np.array(open(d + '/expect.txt').read().split(), dtype=np.float32).reshape(5, 3)
+assert np.allclose(a, e, rtol=1e-6, atol=1e-6), (a, e)
+b = np.load(d + '/b.npy')
+assert b.shape == (7,) and np.allclose(b, np.arange(7) / 3), b
+print('numpy ok')
+)PY",
+                            {dir});
+  EXPECT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(error_of([&] { write_npy_float32(torch::zeros({2, 2, 2}), dir + "/c.npy"); }).find("2-D"), std::string::npos);
+}
+
+// ---------------------------------------------------------------------------------------
+// Alignment
+
+TEST(EvalIjb, SimilarityEstimateMatchesUmeyamaInNumpy) {
+  const std::string dir = temp_dir("umeyama");
+  // Exact recovery of a known similarity.
+  const double s = 1.7, a = 0.35, tx = 12.5, ty = -4.25;
+  std::vector<cv::Point2f> src, dst, noisy;
+  std::mt19937 g(3);
+  std::normal_distribution<float> n(0, 1.5f);
+  for (int i = 0; i < 5; ++i) {
+    const cv::Point2f p(20.f + 17.f * float(i % 3), 30.f + 23.f * float(i / 2));
+    src.push_back(p);
+    dst.emplace_back(float(s * (std::cos(a) * p.x - std::sin(a) * p.y) + tx),
+                     float(s * (std::sin(a) * p.x + std::cos(a) * p.y) + ty));
+    noisy.emplace_back(dst.back().x + n(g), dst.back().y + n(g));
+  }
+  const cv::Mat M = estimate_similarity(src, dst);
+  EXPECT_NEAR(M.at<double>(0, 0), s * std::cos(a), 1e-4);
+  EXPECT_NEAR(M.at<double>(1, 0), s * std::sin(a), 1e-4);
+  EXPECT_NEAR(M.at<double>(0, 2), tx, 1e-3);
+  EXPECT_NEAR(M.at<double>(1, 2), ty, 1e-3);
+  // Noisy points, and a reflection-forcing case, against skimage's _umeyama in numpy.
+  std::vector<cv::Point2f> mirrored;
+  for (const auto& p : src) mirrored.emplace_back(-p.x, p.y);
+  std::ostringstream pts;
+  pts.precision(9);
+  for (const auto* set : {&src, &noisy, &mirrored})
+    for (const auto& p : *set) pts << p.x << " " << p.y << "\n";
+  write_text(dir + "/pts.txt", pts.str());
+  const auto r = run_python(dir, "umeyama.py", R"PY(
+import sys, numpy as np
+def umeyama(src, dst):
+    num, dim = src.shape
+    src_mean, dst_mean = src.mean(0), dst.mean(0)
+    sd, dd = src - src_mean, dst - dst_mean
+    A = dd.T @ sd / num
+    d = np.ones((dim,))
+    if np.linalg.det(A) < 0: d[dim - 1] = -1
+    T = np.eye(dim + 1)
+    U, S, V = np.linalg.svd(A)
+    T[:dim, :dim] = U @ np.diag(d) @ V
+    scale = 1.0 / sd.var(axis=0).sum() * (S @ d)
+    T[:dim, dim] = dst_mean - scale * (T[:dim, :dim] @ src_mean.T)
+    T[:dim, :dim] *= scale
+    return T[:2]
+p = np.loadtxt(sys.argv[1] + '/pts.txt', dtype=np.float64)
+src, noisy, mirrored = p[0:5], p[5:10], p[10:15]
+for M in (umeyama(src, noisy), umeyama(mirrored, src)):
+    print(' '.join('%.17g' % x for x in M.ravel()))
+)PY",
+                            {dir});
+  ASSERT_EQ(r.status, 0) << r.output;
+  std::istringstream in(r.output);
+  for (const auto& pair : {std::make_pair(src, noisy), std::make_pair(mirrored, src)}) {
+    const cv::Mat got = estimate_similarity(pair.first, pair.second);
+    for (int k = 0; k < 6; ++k) {
+      double want = 0;
+      in >> want;
+      EXPECT_NEAR(got.at<double>(k / 3, k % 3), want, 1e-6) << "entry " << k;
+    }
+  }
+  EXPECT_NE(error_of([] { estimate_similarity({{1, 1}, {1, 1}}, {{0, 0}, {1, 1}}); }).find("coincide"), std::string::npos);
+}
+
+// A loose crop made by a known similarity from an aligned face, with the template points
+// carried along as its landmarks: alignment must give the aligned face back.
+struct LooseCrop {
+  cv::Mat image;
+  std::array<float, 10> landmarks;
+};
+LooseCrop make_loose_crop(const cv::Mat& aligned, double scale, double angle_deg, cv::Point2d shift, int size) {
+  cv::Mat S = cv::getRotationMatrix2D(cv::Point2f(56, 56), angle_deg, scale);
+  S.at<double>(0, 2) += shift.x;
+  S.at<double>(1, 2) += shift.y;
+  LooseCrop c;
+  cv::warpAffine(aligned, c.image, S, cv::Size(size, size), cv::INTER_LINEAR, cv::BORDER_REPLICATE);
+  for (int k = 0; k < 5; ++k) {
+    const cv::Point2f t = arcface_template()[size_t(k)];
+    c.landmarks[size_t(2 * k)] = float(S.at<double>(0, 0) * t.x + S.at<double>(0, 1) * t.y + S.at<double>(0, 2));
+    c.landmarks[size_t(2 * k + 1)] = float(S.at<double>(1, 0) * t.x + S.at<double>(1, 1) * t.y + S.at<double>(1, 2));
+  }
+  return c;
+}
+
+double interior_mean_abs(const cv::Mat& a, const cv::Mat& b) {
+  const cv::Rect r(6, 6, 100, 100);
+  cv::Mat d;
+  cv::absdiff(a(r), b(r), d);
+  const cv::Scalar m = cv::mean(d);
+  return (m[0] + m[1] + m[2]) / 3;
+}
+
+TEST(EvalIjb, AlignmentUndoesAKnownSimilarity) {
+  const SyntheticFaces faces(9);
+  const cv::Mat aligned = faces.view(3, 1);
+  const LooseCrop c = make_loose_crop(aligned, 1.8, 17.0, cv::Point2d(70, 55), 260);
+  const cv::Mat back = align_face(c.image, c.landmarks);
+  ASSERT_EQ(back.rows, 112);
+  ASSERT_EQ(back.cols, 112);
+  const double good = interior_mean_abs(back, aligned);
+  std::array<float, 10> off = c.landmarks;
+  for (int k = 0; k < 5; ++k) off[size_t(2 * k)] += 9.0f;  // landmarks 9 px off (5 px in the crop)
+  const double bad = interior_mean_abs(align_face(c.image, off), aligned);
+  EXPECT_LT(good, 6.0);
+  EXPECT_LT(good, 0.4 * bad) << "good " << good << " bad " << bad;
+}
+
+// ---------------------------------------------------------------------------------------
+// Meta files
+
+void write_meta(const std::string& root, const std::string& lmk, const std::string& tid, const std::string& pairs) {
+  fs::create_directories(root + "/meta");
+  write_text(root + "/meta/ijbc_name_5pts_score.txt", lmk);
+  write_text(root + "/meta/ijbc_face_tid_mid.txt", tid);
+  write_text(root + "/meta/ijbc_template_pair_label.txt", pairs);
+}
+
+TEST(EvalIjb, MetaFilesAreCheckedLineByLine) {
+  const std::string root = temp_dir("ijbmeta");
+  const std::string l1 = "1.jpg 1 2 3 4 5 6 7 8 9 10 0.9\n", l2 = "2.jpg 1 2 3 4 5 6 7 8 9 10 0.8\n";
+  write_meta(root, l1 + l2, "1.jpg 5 7\n2.jpg 6 8\n", "5 6 0\n5 5 1\n");
+  const IjbMeta m = read_ijb_meta(root, "IJBC");
+  EXPECT_EQ(m.images.size(), 2u);
+  EXPECT_EQ(m.templates, (std::vector<int64_t>{5, 6}));
+  EXPECT_EQ(m.medias, (std::vector<int64_t>{7, 8}));
+  EXPECT_FLOAT_EQ(m.landmarks[1][9], 10.0f);
+  EXPECT_DOUBLE_EQ(m.faceness[1], 0.8);
+  EXPECT_EQ(m.pair_label, (std::vector<int>{0, 1}));
+  write_meta(root, l1 + "2.jpg 1 2 3 0.8\n", "1.jpg 5 7\n2.jpg 6 8\n", "5 6 0\n");
+  EXPECT_NE(error_of([&] { read_ijb_meta(root, "ijbc"); }).find("ijbc_name_5pts_score.txt:2: expected 12 fields"),
+            std::string::npos);
+  write_meta(root, l1 + l2, "1.jpg 5 7\n3.jpg 6 8\n", "5 6 0\n");
+  EXPECT_NE(error_of([&] { read_ijb_meta(root, "ijbc"); }).find("same order"), std::string::npos);
+  write_meta(root, l1 + l2, "1.jpg 5 7\n2.jpg 6 8\n", "5 6 2\n");
+  EXPECT_NE(error_of([&] { read_ijb_meta(root, "ijbc"); }).find("label must be 0 or 1"), std::string::npos);
+  write_meta(root, l1 + l2, "1.jpg 5 7\n2.jpg x 8\n", "5 6 1\n");
+  EXPECT_NE(error_of([&] { read_ijb_meta(root, "ijbc"); }).find("'x' is not an integer"), std::string::npos);
+  EXPECT_NE(error_of([&] { read_ijb_meta(root, "IJBB"); }).find("ijbb_name_5pts_score.txt"), std::string::npos);
+  EXPECT_NE(error_of([&] { read_ijb_meta(root, "LFW"); }).find("IJBC or IJBB"), std::string::npos);
+}
+
+// ---------------------------------------------------------------------------------------
+// faceshard-ijb on a tiny IJB-style folder
+
+// The eval_ijbc.py protocol in numpy, from the tool's per-image features and the meta files.
+const char* kIjbReference = R"PY(
+import json, sys, numpy as np
+root, feats_path, out_dir, json_path = sys.argv[1:5]
+feats = np.load(feats_path).astype(np.float64)
+lines = [l.split() for l in open(root + '/meta/ijbc_name_5pts_score.txt') if l.strip()]
+faceness = np.array([float(l[-1]) for l in lines])
+tm = np.array([[int(x) for x in l.split()[1:]] for l in open(root + '/meta/ijbc_face_tid_mid.txt') if l.strip()])
+templates, medias = tm[:, 0], tm[:, 1]
+pairs = np.array([[int(x) for x in l.split()] for l in open(root + '/meta/ijbc_template_pair_label.txt') if l.strip()])
+f = feats * faceness[:, None]
+ut = np.unique(templates)
+tf = np.zeros((len(ut), f.shape[1]))
+for k, u in enumerate(ut):
+    idx = np.where(templates == u)[0]
+    fm = medias[idx]
+    for m in np.unique(fm):
+        tf[k] += f[idx[fm == m]].mean(axis=0)
+tf /= np.linalg.norm(tf, axis=1, keepdims=True)
+row = {u: k for k, u in enumerate(ut)}
+score = np.array([tf[row[a]] @ tf[row[b]] for a, b, _ in pairs])
+label = pairs[:, 2]
+order = np.argsort(-score, kind='mergesort')
+s, y = score[order], label[order]
+thr = np.r_[np.where(np.diff(s))[0], y.size - 1]
+tps = np.r_[0, np.cumsum(y)[thr]]
+fps = np.r_[0, 1 + thr - np.cumsum(y)[thr]]
+fpr, tpr = np.flipud(fps / fps[-1]), np.flipud(tps / tps[-1])
+got = json.load(open(json_path))
+saved = np.load(out_dir + '/IJBC_scores.npy')
+assert saved.dtype == np.float32 and saved.shape == score.shape, (saved.dtype, saved.shape)
+assert np.allclose(saved, score, atol=1e-6), np.abs(saved - score).max()
+for e in range(6, 0, -1):
+    want = tpr[np.argmin(np.abs(fpr - 10.0 ** -e))]
+    have = got['tar_at_far']['1e-%d' % e]
+    assert abs(have - want) < 1e-12, ('1e-%d' % e, have, want)
+    print('TAR@FAR=1e-%d %.6f' % (e, want))
+assert got['pairs'] == len(pairs) and got['templates'] == len(ut)
+)PY";
+
+struct TinyIjb {
+  std::string root;
+  std::vector<LooseCrop> crops;
+};
+
+// 6 identities x 2 templates; each template 2 media of 1-2 images; every template pair.
+TinyIjb write_tiny_ijb(const std::string& root) {
+  const SyntheticFaces faces(21);
+  std::mt19937 g(5);
+  std::uniform_real_distribution<double> u(0, 1);
+  fs::create_directories(root + "/loose_crop");
+  std::ostringstream lmk, tid, pairs;
+  TinyIjb t;
+  t.root = root;
+  int image = 0, media = 100;
+  for (int id = 0; id < 6; ++id)
+    for (int tpl = 0; tpl < 2; ++tpl) {
+      const int template_id = 10 * id + tpl + 1;
+      for (int med = 0; med < 2; ++med, ++media)
+        for (int k = 0; k < 1 + (id + tpl + med) % 2; ++k, ++image) {
+          LooseCrop c = make_loose_crop(faces.view(uint64_t(id), uint64_t(image)), 1.2 + u(g), -20 + 40 * u(g),
+                                        cv::Point2d(20 + 40 * u(g), 20 + 40 * u(g)), 220);
+          const std::string name = std::to_string(image) + ".jpg";
+          const auto bytes = encode_jpeg(c.image, 95);
+          write_text(root + "/loose_crop/" + name, std::string(bytes.begin(), bytes.end()));
+          lmk << name;
+          lmk.precision(9);
+          for (float v : c.landmarks) lmk << " " << v;
+          lmk << " " << 0.5 + 0.5 * u(g) << "\n";
+          tid << name << " " << template_id << " " << media << "\n";
+          t.crops.push_back(std::move(c));
+        }
+    }
+  for (int a = 0; a < 12; ++a)
+    for (int b = a + 1; b < 12; ++b)
+      pairs << 10 * (a / 2) + a % 2 + 1 << " " << 10 * (b / 2) + b % 2 + 1 << " " << int(a / 2 == b / 2) << "\n";
+  write_meta(root, lmk.str(), tid.str(), pairs.str());
+  return t;
+}
+
+TEST(EvalTools, IjbFollowsTheProtocolOnOneAndTwoRanks) {
+  if (!fs::exists(std::string(FACESHARD_BIN_DIR) + "/faceshard-ijb")) GTEST_SKIP() << "faceshard-ijb not built";
+  const std::string dir = temp_dir("ijb");
+  const TinyIjb ijb = write_tiny_ijb(dir + "/IJB");
+  auto model = write_model(dir + "/model");
+  auto r = run_tool("faceshard-ijb", "--model " + dir + "/model --root " + dir + "/IJB --target IJBC --device cpu --batch 5 " +
+                                         "--output " + dir + "/out --image-features " + dir + "/feats.npy --json " + dir +
+                                         "/one.json");
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("IJBC  TAR@FAR (%): 1e-6"), std::string::npos) << r.output;
+  // The per-image features are the flip-test embeddings of the aligned faces.
+  const int64_t n = int64_t(ijb.crops.size());
+  const at::Tensor feats = read_npy(dir + "/feats.npy", {n, 32});
+  for (int64_t i : {int64_t(0), n / 2, n - 1}) {
+    const at::Tensor want = flip_embedding(*model, align_face(ijb.crops[size_t(i)].image.clone(), ijb.crops[size_t(i)].landmarks));
+    // The tool reads the JPEG; the reference embeds the crop before encoding: compare by cosine.
+    const double cos = (feats[i] * want).sum().item<double>() / (feats[i].norm().item<double>() * want.norm().item<double>());
+    EXPECT_GT(cos, 0.99) << "image " << i;
+  }
+  auto py = run_python(dir, "ijb_ref.py", kIjbReference, {dir + "/IJB", dir + "/feats.npy", dir + "/out", dir + "/one.json"});
+  EXPECT_EQ(py.status, 0) << py.output;
+  EXPECT_TRUE(fs::exists(dir + "/out/IJBC_roc.csv"));
+  EXPECT_EQ(read_text(dir + "/out/IJBC_roc.png").substr(1, 3), "PNG");
+  // Two ranks split the images and give the same answer.
+  r = testing::run_command(std::string(FACESHARD_SOURCE_DIR) + "/tools/launch.sh --nproc 2 -- " + FACESHARD_BIN_DIR +
+                           "/faceshard-ijb --model " + dir + "/model --root " + dir + "/IJB --device cpu --batch 5 --output " +
+                           dir + "/out2 --image-features " + dir + "/feats2.npy --json " + dir + "/two.json");
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_TRUE(torch::allclose(read_npy(dir + "/feats2.npy", {n, 32}), feats, 1e-4, 1e-5));
+  py = run_python(dir, "ijb_ref.py", kIjbReference, {dir + "/IJB", dir + "/feats2.npy", dir + "/out2", dir + "/two.json"});
+  EXPECT_EQ(py.status, 0) << py.output;
+  // Bad input: a missing crop names the file; exit status 2.
+  fs::remove(dir + "/IJB/loose_crop/3.jpg");
+  r = run_tool("faceshard-ijb", "--model " + dir + "/model --root " + dir + "/IJB --device cpu --output " + dir + "/out3");
+  EXPECT_EQ(r.status, 2) << r.output;
+  EXPECT_NE(r.output.find("3.jpg: cannot open image"), std::string::npos) << r.output;
+  EXPECT_FALSE(fs::exists(dir + "/out3/IJBC_roc.csv"));
+  r = run_tool("faceshard-ijb", "--model " + dir + "/model --root " + dir + "/nowhere");
+  EXPECT_EQ(r.status, 2) << r.output;
+  EXPECT_NE(r.output.find("nowhere/meta/ijbc_name_5pts_score.txt"), std::string::npos) << r.output;
+}
+
+// ---------------------------------------------------------------------------------------
+// faceshard-extract
+
+TEST(EvalTools, ExtractWritesNpyThatNumpyLoadsAndTheNames) {
+  if (!fs::exists(std::string(FACESHARD_BIN_DIR) + "/faceshard-extract")) GTEST_SKIP() << "faceshard-extract not built";
+  const std::string dir = temp_dir("extract");
+  auto model = write_model(dir + "/model", 24);
+  const SyntheticFaces faces(4);
+  fs::create_directories(dir + "/imgs/sub");
+  std::vector<std::string> names = {"a.jpg", "sub/b.jpg", "c.jpg", "d.jpg", "e.jpg"};
+  std::vector<at::Tensor> want;
+  for (size_t i = 0; i < names.size(); ++i) {
+    const auto bytes = encode_jpeg(faces.view(i, i), 95);
+    write_text(dir + "/imgs/" + names[i], std::string(bytes.begin(), bytes.end()));
+    const at::Tensor e = flip_embedding(*model, decode_image(bytes.data(), bytes.size(), names[i]));
+    want.push_back(e / e.norm());
+  }
+  write_text(dir + "/imgs/list.txt", "# images\na.jpg 0\nsub/b.jpg\n\nc.jpg\td\nd.jpg\ne.jpg\n");
+  auto r = run_tool("faceshard-extract", "--model " + dir + "/model/model.pt --list " + dir + "/imgs/list.txt --device cpu " +
+                                             "--batch 2 --output " + dir + "/emb");
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_EQ(read_text(dir + "/emb.txt"), "a.jpg\nsub/b.jpg\nc.jpg\nd.jpg\ne.jpg\n");
+  const at::Tensor got = read_npy(dir + "/emb.npy", {5, 24});
+  EXPECT_TRUE(torch::allclose(got, torch::stack(want), 1e-4, 1e-5)) << got - torch::stack(want);
+  std::ostringstream expect;
+  expect.precision(9);
+  for (int64_t i = 0; i < got.numel(); ++i) expect << torch::stack(want).view(-1)[i].item<float>() << " ";
+  write_text(dir + "/expect.txt", expect.str());
+  const auto py = run_python(dir, "emb.py", R"PY(
+import sys, numpy as np
+d = sys.argv[1]
+e = np.load(d + '/emb.npy')
+assert e.dtype == np.float32 and e.shape == (5, 24), (e.dtype, e.shape)
+assert np.allclose(np.linalg.norm(e, axis=1), 1, atol=1e-5)
+w = np.array(open(d + '/expect.txt').read().split(), dtype=np.float32).reshape(5, 24)
+assert np.allclose(e, w, atol=1e-4), np.abs(e - w).max()
+names = open(d + '/emb.txt').read().split()
+assert names == ['a.jpg', 'sub/b.jpg', 'c.jpg', 'd.jpg', 'e.jpg'], names
+print('ok')
+)PY",
+                             {dir});
+  EXPECT_EQ(py.status, 0) << py.output;
+  // A folder: sorted relative paths, the same embeddings.
+  r = run_tool("faceshard-extract", "--model " + dir + "/model --images " + dir + "/imgs --device cpu --output " + dir + "/f");
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_EQ(read_text(dir + "/f.txt"), "a.jpg\nc.jpg\nd.jpg\ne.jpg\nsub/b.jpg\n");
+  // Raw (not normalised, no flip) embeddings.
+  r = run_tool("faceshard-extract", "--model " + dir + "/model --list " + dir + "/imgs/list.txt --no-flip --no-normalize " +
+                                         "--device cpu --output " + dir + "/raw");
+  ASSERT_EQ(r.status, 0) << r.output;
+  {
+    at::Tensor x = torch::empty({1, 3, 112, 112});
+    const std::string b = read_text(dir + "/imgs/a.jpg");
+    bgr_to_normalized_chw(decode_image(reinterpret_cast<const uint8_t*>(b.data()), b.size(), "a"), false, x.data_ptr<float>());
+    torch::NoGradGuard ng;
+    EXPECT_TRUE(torch::allclose(read_npy(dir + "/raw.npy", {5, 24})[0], model->forward(x)[0], 1e-4, 1e-5));
+  }
+  // Bad input: one line, exit 2, earlier outputs kept.
+  write_text(dir + "/imgs/bad.txt", "a.jpg\nmissing.jpg\n");
+  r = run_tool("faceshard-extract", "--model " + dir + "/model --list " + dir + "/imgs/bad.txt --device cpu --output " + dir + "/emb");
+  EXPECT_EQ(r.status, 2) << r.output;
+  EXPECT_NE(r.output.find("bad.txt:2: image"), std::string::npos) << r.output;
+  EXPECT_EQ(read_text(dir + "/emb.txt"), "a.jpg\nsub/b.jpg\nc.jpg\nd.jpg\ne.jpg\n");
+  r = run_tool("faceshard-extract", "--model " + dir + "/model --list a --rec b --output " + dir + "/x");
+  EXPECT_EQ(r.status, 2) << r.output;
+  r = run_tool("faceshard-extract", "--model " + dir + "/model/model.pt --network r50 --list " + dir +
+                                         "/imgs/list.txt --device cpu --output " + dir + "/x");
+  EXPECT_EQ(r.status, 2) << r.output;
+  EXPECT_FALSE(fs::exists(dir + "/x.npy"));
+}
+
+// Model resolution: export folder, weights file with metadata, bare state_dict with
+// --network, and clear errors.
+TEST(EvalModel, ResolvesExportsWeightsAndReportsMissingMetadata) {
+  const std::string dir = temp_dir("model");
+  auto model = write_model(dir + "/export", 16);
+  const at::Tensor x = torch::randn({2, 3, 112, 112});
+  torch::NoGradGuard ng;
+  const at::Tensor want = model->forward(x);
+  for (const std::string& p : {dir + "/export", dir + "/export/model.pt"}) {
+    ModelSpec s;
+    s.path = p;
+    InferenceModel m = load_inference_model(s, torch::kCPU);
+    EXPECT_TRUE(torch::allclose(m.backbone->forward(x), want, 1e-5, 1e-6)) << p;
+  }
+  fs::create_directories(dir + "/bare");
+  fs::copy_file(dir + "/export/model.pt", dir + "/bare/backbone.pth");
+  ModelSpec s;
+  s.path = dir + "/bare/backbone.pth";
+  EXPECT_NE(error_of([&] { load_inference_model(s, torch::kCPU); }).find("--network"), std::string::npos);
+  s.network = "mbf";
+  s.embedding_size = 16;
+  EXPECT_TRUE(torch::allclose(load_inference_model(s, torch::kCPU).backbone->forward(x), want, 1e-5, 1e-6));
+  s.path = dir + "/nothing";
+  EXPECT_NE(error_of([&] { load_inference_model(s, torch::kCPU); }).find("does not exist"), std::string::npos);
+  s.path = dir;
+  EXPECT_NE(error_of([&] { load_inference_model(s, torch::kCPU); }).find("not a faceshard run"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace faceshard

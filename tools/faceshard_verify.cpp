@@ -1,0 +1,112 @@
+// faceshard-verify: insightface's 10-fold verification protocol on .bin sets (LFW,
+// CFP-FP, AgeDB-30, ...) for an exported model, a checkpoint or a run folder. Prints
+// accuracy +- std, the best threshold and TAR at FAR 1e-3 / 1e-4 per set; writes the ROC
+// of each set as CSV and all of them in one PNG plot. The numbers are computed by the code
+// the trainer uses, so they equal the trainer's final verification of the same model.
+#include <cstdio>
+#include <filesystem>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "app/checkpoint.h"
+#include "app/evaluation.h"
+#include "app/inference_model.h"
+#include "app/tool_args.h"
+#include "app/verification_metrics.h"
+#include "partial_fc/error.h"
+#include "partial_fc/log.h"
+
+using namespace faceshard;
+
+namespace {
+
+const char* kUsage =
+    "usage: faceshard-verify --model PATH --bin FILE.bin [--bin FILE.bin ...] [options]\n"
+    "  --model PATH          faceshard export (folder or model.pt), checkpoint step folder, run\n"
+    "                        folder, or a state_dict file such as insightface's backbone.pth\n"
+    "  --network NAME        backbone when the model has no metadata (r18 r34 r50 r100 r200 mbf ...)\n"
+    "  --embedding-size N    embedding size when the model has no metadata (default 512)\n"
+    "  --bin FILE            an insightface verification set (.bin); repeatable\n"
+    "  --batch N             images per forward pass (default 64)\n"
+    "  --device D            auto | cpu | cuda | cuda:N (default auto)\n"
+    "  --precision P         fp32 | bf16 | fp16 for the backbone body (default fp32)\n"
+    "  --folds K             folds of the protocol (default 10)\n"
+    "  --output DIR          where <set>_roc.csv and roc.png go (default verify_out)\n"
+    "  --json FILE           also write the results as JSON\n";
+
+std::string g17(double v) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.17g", v);
+  return buf;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  return run_main("faceshard-verify", [&] {
+    ModelSpec spec;
+    std::vector<std::string> bins;
+    int64_t batch = 64, folds = 10;
+    std::string device_name = "auto", output = "verify_out", json;
+    ToolArgs a(argc, argv);
+    while (a.next()) {
+      if (a.is("--help") || a.is("-h")) {
+        std::fputs(kUsage, stdout);
+        return 0;
+      } else if (a.is("--model")) spec.path = a.value();
+      else if (a.is("--network")) spec.network = a.value();
+      else if (a.is("--embedding-size")) spec.embedding_size = a.integer(1);
+      else if (a.is("--bin")) bins.push_back(a.value());
+      else if (a.is("--batch")) batch = a.integer(1);
+      else if (a.is("--device")) device_name = a.value();
+      else if (a.is("--precision")) spec.precision = a.value();
+      else if (a.is("--folds")) folds = a.integer(2);
+      else if (a.is("--output")) output = a.value();
+      else if (a.is("--json")) json = a.value();
+      else a.unknown();
+    }
+    if (spec.path.empty()) throw usage_error("--model is required (see --help)");
+    if (bins.empty()) throw usage_error("at least one --bin is required (see --help)");
+    for (const auto& b : bins)
+      if (!std::filesystem::is_regular_file(b)) throw usage_error("--bin: '", b, "' is not a file");
+    const torch::Device device = parse_eval_device(device_name, 0);
+    InferenceModel model = load_inference_model(spec, device);
+    log_info("model: ", model.description, " on ", device.str());
+    std::error_code ec;
+    std::filesystem::create_directories(output, ec);
+    if (ec) throw usage_error("--output: cannot create '", output, "': ", ec.message());
+
+    std::vector<std::pair<std::string, RocCurve>> curves;
+    std::ostringstream js;
+    js << "{\"model\": \"" << model.weights << "\", \"sets\": [";
+    for (size_t i = 0; i < bins.size(); ++i) {
+      const VerificationData data = load_verification_data(bins[i]);
+      VerificationResult r = evaluate_verification(*model.backbone, data, batch, device);
+      if (folds != 10) {
+        // Same embeddings, another fold count.
+        at::Tensor emb = embed_with_flip(*model.backbone, data.images, batch, device);
+        r.kfold = kfold_verification(pair_distances(emb.slice(0, 0, emb.size(0), 2), emb.slice(0, 1, emb.size(0), 2)),
+                                     data.issame, int(folds));
+      }
+      const double auc = roc_auc(r.roc);
+      std::printf("%s: accuracy %.5f +- %.5f  best threshold %.3f  TAR@FAR=1e-3 %.4f  TAR@FAR=1e-4 %.4f  AUC %.5f  "
+                  "XNorm %.3f  (%zu pairs)\n",
+                  data.name.c_str(), r.kfold.accuracy_mean, r.kfold.accuracy_std, r.kfold.best_threshold,
+                  r.tar_at_far_1e3, r.tar_at_far_1e4, auc, r.xnorm, data.issame.size());
+      std::fflush(stdout);
+      write_roc_csv(r.roc, output + "/" + data.name + "_roc.csv");
+      js << (i ? ", " : "") << "{\"name\": \"" << data.name << "\", \"pairs\": " << data.issame.size()
+         << ", \"accuracy\": " << g17(r.kfold.accuracy_mean) << ", \"accuracy_std\": " << g17(r.kfold.accuracy_std)
+         << ", \"best_threshold\": " << g17(r.kfold.best_threshold) << ", \"tar_at_far_1e-3\": " << g17(r.tar_at_far_1e3)
+         << ", \"tar_at_far_1e-4\": " << g17(r.tar_at_far_1e4) << ", \"auc\": " << g17(auc)
+         << ", \"xnorm\": " << g17(r.xnorm) << "}";
+      curves.emplace_back(data.name, std::move(r.roc));
+    }
+    js << "]}\n";
+    write_roc_png(curves, output + "/roc.png", "verification ROC");
+    log_info("ROC curves: ", output, "/<set>_roc.csv, ", output, "/roc.png");
+    if (!json.empty()) write_text_durably(js.str(), json);
+    return 0;
+  });
+}
