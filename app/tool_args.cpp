@@ -1,5 +1,6 @@
 #include "app/tool_args.h"
 
+#include <cstdio>
 #include <cstdlib>
 
 #include "partial_fc/error.h"
@@ -37,6 +38,15 @@ double ToolArgs::number() {
 }
 
 void ToolArgs::unknown() const { throw usage_error("unknown argument '", args_[i_], "' (see --help)"); }
+
+bool parse_model_flag(ToolArgs& a, ModelSpec& spec) {
+  if (a.is("--model")) spec.path = a.value();
+  else if (a.is("--network")) spec.network = a.value();
+  else if (a.is("--embedding-size")) spec.embedding_size = a.integer(1);
+  else if (a.is("--precision")) spec.precision = a.value();
+  else return false;
+  return true;
+}
 
 torch::Device parse_eval_device(const std::string& text, int local_rank) {
   const bool have_cuda = torch::cuda::is_available();

@@ -7,6 +7,8 @@
 
 #include <torch/torch.h>
 
+#include "app/inference_model.h"
+
 namespace faceshard {
 
 class ToolArgs {
@@ -27,6 +29,10 @@ class ToolArgs {
   std::vector<std::string> args_;
   size_t i_ = size_t(-1);
 };
+
+// The model flags every evaluation tool shares: --model, --network, --embedding-size,
+// --precision. Returns true when the current argument was one of them (value consumed).
+bool parse_model_flag(ToolArgs& args, ModelSpec& spec);
 
 // "cpu", "cuda" or "cuda:N" (usage error when CUDA is asked for and not available);
 // "auto": the local rank's GPU when there is one, else the CPU.

@@ -131,9 +131,7 @@ int main(int argc, char** argv) {
       if (a.is("--help") || a.is("-h")) {
         std::fputs(kUsage, stdout);
         return 0;
-      } else if (a.is("--model")) spec.path = a.value();
-      else if (a.is("--network")) spec.network = a.value();
-      else if (a.is("--embedding-size")) spec.embedding_size = a.integer(1);
+      } else if (parse_model_flag(a, spec)) continue;
       else if (a.is("--list")) list = a.value();
       else if (a.is("--images")) images = a.value();
       else if (a.is("--rec")) rec = a.value();
@@ -142,7 +140,6 @@ int main(int argc, char** argv) {
       else if (a.is("--no-normalize")) normalize = false;
       else if (a.is("--batch")) batch = a.integer(1);
       else if (a.is("--device")) device_name = a.value();
-      else if (a.is("--precision")) spec.precision = a.value();
       else a.unknown();
     }
     if (spec.path.empty()) throw usage_error("--model is required (see --help)");

@@ -16,6 +16,7 @@
 #include "app/evaluation.h"
 #include "app/ijb.h"
 #include "app/inference_model.h"
+#include "app/metrics_log.h"
 #include "app/npy.h"
 #include "app/tool_args.h"
 #include "app/verification_metrics.h"
@@ -46,12 +47,6 @@ const char* kUsage =
     "  --image-features F    also write the per-image features (before weighting) as F (.npy)\n"
     "  --json FILE           also write TAR@FAR as JSON\n";
 
-std::string g17(double v) {
-  char buf[32];
-  std::snprintf(buf, sizeof buf, "%.17g", v);
-  return buf;
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -65,14 +60,11 @@ int main(int argc, char** argv) {
       if (a.is("--help") || a.is("-h")) {
         std::fputs(kUsage, stdout);
         return 0;
-      } else if (a.is("--model")) spec.path = a.value();
-      else if (a.is("--network")) spec.network = a.value();
-      else if (a.is("--embedding-size")) spec.embedding_size = a.integer(1);
+      } else if (parse_model_flag(a, spec)) continue;
       else if (a.is("--root")) root = a.value();
       else if (a.is("--target")) target = a.value();
       else if (a.is("--batch")) batch = a.integer(1);
       else if (a.is("--device")) device_name = a.value();
-      else if (a.is("--precision")) spec.precision = a.value();
       else if (a.is("--no-flip")) flip = false;
       else if (a.is("--no-faceness")) faceness = false;
       else if (a.is("--output")) output = a.value();
@@ -122,13 +114,13 @@ int main(int argc, char** argv) {
     write_roc_png({{meta.target, roc}}, stem + "_roc.png", meta.target + " 1:1 verification");
     std::ostringstream js;
     js << "{\"target\": \"" << meta.target << "\", \"images\": " << n << ", \"templates\": " << templates.size()
-       << ", \"pairs\": " << scores.size() << ", \"auc\": " << g17(roc_auc(roc)) << ", \"tar_at_far\": {";
+       << ", \"pairs\": " << scores.size() << ", \"auc\": " << json_number(roc_auc(roc)) << ", \"tar_at_far\": {";
     std::printf("%s  TAR@FAR (%%): ", meta.target.c_str());
     const double fars[] = {1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 1e-1};
     for (int k = 0; k < 6; ++k) {
       const double tar = tar_at_far(roc, fars[k]);
       std::printf("%s1e-%d %.2f", k ? "  " : "", 6 - k, tar * 100);
-      js << (k ? ", " : "") << "\"1e-" << 6 - k << "\": " << g17(tar);
+      js << (k ? ", " : "") << "\"1e-" << 6 - k << "\": " << json_number(tar);
     }
     js << "}}\n";
     std::printf("  (AUC %.5f, %zu pairs)\n", roc_auc(roc), scores.size());

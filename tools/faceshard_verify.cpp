@@ -12,6 +12,7 @@
 #include "app/checkpoint.h"
 #include "app/evaluation.h"
 #include "app/inference_model.h"
+#include "app/metrics_log.h"
 #include "app/tool_args.h"
 #include "app/verification_metrics.h"
 #include "partial_fc/error.h"
@@ -35,12 +36,6 @@ const char* kUsage =
     "  --output DIR          where <set>_roc.csv and roc.png go (default verify_out)\n"
     "  --json FILE           also write the results as JSON\n";
 
-std::string g17(double v) {
-  char buf[32];
-  std::snprintf(buf, sizeof buf, "%.17g", v);
-  return buf;
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -54,13 +49,10 @@ int main(int argc, char** argv) {
       if (a.is("--help") || a.is("-h")) {
         std::fputs(kUsage, stdout);
         return 0;
-      } else if (a.is("--model")) spec.path = a.value();
-      else if (a.is("--network")) spec.network = a.value();
-      else if (a.is("--embedding-size")) spec.embedding_size = a.integer(1);
+      } else if (parse_model_flag(a, spec)) continue;
       else if (a.is("--bin")) bins.push_back(a.value());
       else if (a.is("--batch")) batch = a.integer(1);
       else if (a.is("--device")) device_name = a.value();
-      else if (a.is("--precision")) spec.precision = a.value();
       else if (a.is("--folds")) folds = a.integer(2);
       else if (a.is("--output")) output = a.value();
       else if (a.is("--json")) json = a.value();
@@ -97,10 +89,10 @@ int main(int argc, char** argv) {
       std::fflush(stdout);
       write_roc_csv(r.roc, output + "/" + data.name + "_roc.csv");
       js << (i ? ", " : "") << "{\"name\": \"" << data.name << "\", \"pairs\": " << data.issame.size()
-         << ", \"accuracy\": " << g17(r.kfold.accuracy_mean) << ", \"accuracy_std\": " << g17(r.kfold.accuracy_std)
-         << ", \"best_threshold\": " << g17(r.kfold.best_threshold) << ", \"tar_at_far_1e-3\": " << g17(r.tar_at_far_1e3)
-         << ", \"tar_at_far_1e-4\": " << g17(r.tar_at_far_1e4) << ", \"auc\": " << g17(auc)
-         << ", \"xnorm\": " << g17(r.xnorm) << "}";
+         << ", \"accuracy\": " << json_number(r.kfold.accuracy_mean) << ", \"accuracy_std\": " << json_number(r.kfold.accuracy_std)
+         << ", \"best_threshold\": " << json_number(r.kfold.best_threshold) << ", \"tar_at_far_1e-3\": " << json_number(r.tar_at_far_1e3)
+         << ", \"tar_at_far_1e-4\": " << json_number(r.tar_at_far_1e4) << ", \"auc\": " << json_number(auc)
+         << ", \"xnorm\": " << json_number(r.xnorm) << "}";
       curves.emplace_back(data.name, std::move(r.roc));
     }
     js << "]}\n";
