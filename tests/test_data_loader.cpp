@@ -37,34 +37,17 @@
 #include "data/synthetic_faces.h"
 #include "data/verification_bin.h"
 #include "partial_fc/error.h"
+#include "tests/test_files.h"
 
 namespace faceshard {
 namespace {
 
 namespace fs = std::filesystem;
 
-struct TempDir {
-  TempDir() {
-    std::string tmpl = (fs::temp_directory_path() / "fs_data_XXXXXX").string();
-    if (!::mkdtemp(tmpl.data())) throw std::runtime_error("mkdtemp failed");
-    path = tmpl;
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path, ec);
-  }
-  std::string operator/(const std::string& name) const { return (fs::path(path) / name).string(); }
-  std::string path;
-};
+using testing::TempDir;
+using testing::slurp;
+using testing::spit;
 
-std::vector<uint8_t> slurp(const std::string& p) {
-  std::ifstream in(p, std::ios::binary);
-  return std::vector<uint8_t>((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-}
-void spit(const std::string& p, const std::vector<uint8_t>& b) {
-  std::ofstream out(p, std::ios::binary);
-  out.write(reinterpret_cast<const char*>(b.data()), std::streamsize(b.size()));
-}
 
 std::string error_of(const std::function<void()>& f) {
   try {

@@ -17,30 +17,16 @@
 
 #include "data/verification_bin.h"
 #include "partial_fc/error.h"
+#include "tests/test_files.h"
 
 namespace faceshard {
 namespace {
 
 namespace fs = std::filesystem;
 
-struct TempDir {
-  TempDir() {
-    std::string tmpl = (fs::temp_directory_path() / "fs_vbin_XXXXXX").string();
-    if (!::mkdtemp(tmpl.data())) throw std::runtime_error("mkdtemp failed");
-    path = tmpl;
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path, ec);
-  }
-  std::string operator/(const std::string& name) const { return (fs::path(path) / name).string(); }
-  std::string path;
-};
+using testing::TempDir;
+using testing::spit;
 
-void spit(const std::string& p, const std::vector<uint8_t>& b) {
-  std::ofstream out(p, std::ios::binary);
-  out.write(reinterpret_cast<const char*>(b.data()), std::streamsize(b.size()));
-}
 void spit_text(const std::string& p, const std::string& s) {
   std::ofstream out(p, std::ios::binary);
   out << s;
