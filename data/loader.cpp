@@ -2,6 +2,7 @@
 
 #include <cmath>
 
+#include "data/seed_mix.h"
 #include "partial_fc/error.h"
 #include "partial_fc/log.h"
 
@@ -15,12 +16,6 @@
 namespace faceshard {
 
 namespace {
-uint64_t mix(uint64_t x) {
-  x += 0x9e3779b97f4a7c15ull;
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
-  return x ^ (x >> 31);
-}
 // A replacement draw never repeats the failed position; a few tries cover scattered bad
 // records, while a run of failures means the data set itself is broken.
 constexpr int kReplaceTries = 16;
@@ -171,7 +166,7 @@ void DataLoader::load_sample(uint64_t epoch, uint64_t pos, const std::vector<uin
   uint64_t index = order[pos];
   if (fill_one(index, epoch, pos, dst, label, &error)) return;
   note_bad(index, error);
-  std::mt19937_64 g(mix(mix(opt_.seed ^ 0x5eed) ^ mix(epoch) ^ pos));
+  std::mt19937_64 g(seed_mix(seed_mix(opt_.seed ^ 0x5eed) ^ seed_mix(epoch) ^ pos));
   for (int t = 0; t < kReplaceTries; ++t) {
     const uint64_t alt = order[g() % order.size()];
     if (alt == index) continue;
@@ -187,7 +182,7 @@ bool DataLoader::fill_one(uint64_t index, uint64_t epoch, uint64_t pos, float* d
   const int S = opt_.image_size;
   // Augmentation draws depend on (seed, epoch, position) only, so the batches do not
   // depend on the number of workers or on thread timing.
-  std::mt19937_64 rng(mix(mix(opt_.seed) ^ mix(epoch + 0x100000000ull) ^ pos));
+  std::mt19937_64 rng(seed_mix(seed_mix(opt_.seed) ^ seed_mix(epoch + 0x100000000ull) ^ pos));
   const bool flip = opt_.flip && (rng() & 1);
   cv::Mat bgr;
   try {

@@ -3,18 +3,12 @@
 #include <numeric>
 #include <random>
 
+#include "data/seed_mix.h"
 #include "partial_fc/error.h"
 
 namespace faceshard {
 
 namespace {
-// splitmix64: turns (seed, epoch) into well-separated generator seeds.
-uint64_t mix(uint64_t x) {
-  x += 0x9e3779b97f4a7c15ull;
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
-  return x ^ (x >> 31);
-}
 // Unbiased draw in [0, bound) with rejection; std::uniform_int_distribution is not the
 // same across standard libraries, and every rank must agree.
 uint64_t draw(std::mt19937_64& g, uint64_t bound) {
@@ -42,7 +36,7 @@ std::vector<uint64_t> DistributedSampler::permutation(uint64_t epoch) const {
   std::vector<uint64_t> perm(n_);
   std::iota(perm.begin(), perm.end(), uint64_t(0));
   if (shuffle_) {
-    std::mt19937_64 g(mix(mix(seed_) ^ epoch));
+    std::mt19937_64 g(seed_mix(seed_mix(seed_) ^ epoch));
     for (uint64_t i = n_ - 1; i > 0; --i) std::swap(perm[i], perm[draw(g, i + 1)]);
   }
   return perm;

@@ -7,6 +7,7 @@
 
 #include <opencv2/imgproc.hpp>
 
+#include "data/seed_mix.h"
 #include "data/image_transform.h"
 #include "data/insightface_rec.h"
 #include "data/verification_bin.h"
@@ -16,12 +17,6 @@ namespace faceshard {
 
 namespace {
 
-uint64_t mix(uint64_t x) {
-  x += 0x9e3779b97f4a7c15ull;
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
-  return x ^ (x >> 31);
-}
 
 struct Rng {
   explicit Rng(uint64_t s) : g(s) {}
@@ -42,14 +37,14 @@ void SyntheticFaces::draw_face(uint64_t identity, cv::Mat& img) const {
   // Colours come from the identity's family, the geometry from the identity itself, so
   // siblings look alike to a colour histogram and differ in shape only.
   const uint64_t family = identity / uint64_t(opt_.family_size);
-  Rng f(mix(mix(seed_ ^ 0xfa3117ull) ^ mix(family + 1)));
+  Rng f(seed_mix(seed_mix(seed_ ^ 0xfa3117ull) ^ seed_mix(family + 1)));
   const cv::Scalar skin(f.integer(60, 200), f.integer(90, 210), f.integer(120, 240));
   const cv::Scalar hair = f.color(0, 120);
   const cv::Scalar iris = f.color(0, 160);
   const cv::Scalar lips(f.integer(40, 120), f.integer(30, 90), f.integer(120, 230));
   const double face_w = f.uni(29, 36), face_h = f.uni(37, 44);
 
-  Rng r(mix(mix(seed_) ^ mix(identity + 1)));
+  Rng r(seed_mix(seed_mix(seed_) ^ seed_mix(identity + 1)));
   const cv::Point2d c(56 + r.uni(-3, 3), 60 + r.uni(-3, 3));
   const cv::Size face(int(face_w + r.uni(-3, 3)), int(face_h + r.uni(-3, 3)));
   // Hair: a cap over the top of the face, its height, width and tilt identity-specific.
@@ -102,7 +97,7 @@ cv::Mat SyntheticFaces::identity_image(uint64_t identity) const {
 
 cv::Mat SyntheticFaces::view(uint64_t identity, uint64_t view) const {
   // Everything is drawn in a 112-px frame and scaled, so faces look alike at any size.
-  Rng r(mix(mix(seed_ ^ 0xfacefaceull) ^ mix(identity + 1) ^ mix(mix(view + 7))));
+  Rng r(seed_mix(seed_mix(seed_ ^ 0xfacefaceull) ^ seed_mix(identity + 1) ^ seed_mix(seed_mix(view + 7))));
   const int S = 112;
   // A background of this view only: a gradient between two colours and a few blobs.
   cv::Mat img(S, S, CV_8UC3);
@@ -169,7 +164,7 @@ void write_synthetic_dataset(const std::string& out_dir, const SynthDatasetSpec&
   // boundary; their views use view numbers the training set never drew. A different pair
   // is two siblings (one family) whenever the family has two held-out members.
   VerificationSet set;
-  Rng r(mix(spec.seed ^ 0xb1b1b1ull));
+  Rng r(seed_mix(spec.seed ^ 0xb1b1b1ull));
   const uint64_t fam = uint64_t(spec.face.family_size);
   const uint64_t first = (spec.identities + fam - 1) / fam * fam, h = spec.holdout_identities;
   for (uint64_t p = 0; p < spec.pairs; ++p) {
