@@ -108,12 +108,14 @@ void CheckpointManager::save(int64_t step, int64_t num_classes, const StateDict&
   dist_.barrier();
 }
 
-std::string CheckpointManager::latest() const {
+std::string CheckpointManager::latest() const { return latest_checkpoint(root_); }
+
+std::string latest_checkpoint(const std::string& root) {
   std::string best;
   int64_t best_step = -1;
   std::error_code ec;
-  if (!fs::is_directory(root_, ec)) return "";
-  for (const auto& e : fs::directory_iterator(root_, ec)) {
+  if (!fs::is_directory(root, ec)) return "";
+  for (const auto& e : fs::directory_iterator(root, ec)) {
     if (!e.is_directory() || !fs::exists(e.path() / kMarker)) continue;
     try {
       auto info = read_checkpoint_info(e.path().string());

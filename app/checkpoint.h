@@ -41,6 +41,10 @@ class CheckpointManager {
   int64_t keep_;
 };
 
+// The newest committed checkpoint (step folder) under root, "" when none; folders with an
+// unreadable marker are passed over.
+std::string latest_checkpoint(const std::string& root);
+
 // Reads the COMMITTED marker of a step directory (usage error when it is missing or not a
 // faceshard checkpoint).
 CheckpointInfo read_checkpoint_info(const std::string& dir);

@@ -41,19 +41,6 @@ Meta read_meta(const fs::path& file, bool is_run_config) {
   return m;
 }
 
-// The newest committed checkpoint under <run>/checkpoints ("" when none).
-std::string newest_checkpoint(const fs::path& root) {
-  std::string best;
-  int64_t best_step = -1;
-  std::error_code ec;
-  for (const auto& e : fs::directory_iterator(root, ec)) {
-    if (!e.is_directory() || !fs::exists(e.path() / "COMMITTED")) continue;
-    const CheckpointInfo info = read_checkpoint_info(e.path().string());
-    if (info.step > best_step) best_step = info.step, best = e.path().string();
-  }
-  return best;
-}
-
 }  // namespace
 
 InferenceModel load_inference_model(const ModelSpec& spec, torch::Device device) {
@@ -70,13 +57,13 @@ InferenceModel load_inference_model(const ModelSpec& spec, torch::Device device)
     if (fs::exists(cfg)) meta = read_meta(cfg, true);
   };
   if (fs::is_directory(p)) {
-    if (fs::exists(p / "COMMITTED")) {
-      checkpoint(p);
+    if (fs::exists(p / "COMMITTED") || fs::exists(p / "backbone.pt")) {
+      checkpoint(p);  // an uncommitted step folder is an error naming it
     } else if (fs::exists(p / "model.pt")) {
       weights = p / "model.pt";
       if (fs::exists(p / "model.json")) meta = read_meta(p / "model.json", false);
     } else if (fs::is_directory(p / "checkpoints")) {
-      const std::string newest = newest_checkpoint(p / "checkpoints");
+      const std::string newest = latest_checkpoint((p / "checkpoints").string());
       if (newest.empty()) throw usage_error("--model: '", spec.path, "' has no model.pt and no committed checkpoint");
       checkpoint(newest);
     } else {

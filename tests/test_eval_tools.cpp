@@ -480,6 +480,23 @@ TEST(EvalModel, ResolvesExportsWeightsAndReportsMissingMetadata) {
   s.network = "mbf";
   s.embedding_size = 16;
   EXPECT_TRUE(torch::allclose(load_inference_model(s, torch::kCPU).backbone->forward(x), want, 1e-5, 1e-6));
+  // A run folder without an export: its newest committed checkpoint, the backbone named by
+  // the run's config.yaml; an uncommitted newer step is passed over.
+  const std::string run = dir + "/run";
+  for (int step : {4, 8, 12}) fs::create_directories(run + "/checkpoints/step_" + std::to_string(step));
+  write_text(run + "/config.yaml", "output: run\nmodel:\n  backbone: mbf\n  embedding_size: 16\n");
+  write_text(run + "/checkpoints/step_4/COMMITTED", "step 4\nworld_size 2\nnum_classes 10\n");
+  write_text(run + "/checkpoints/step_8/COMMITTED", "step 8\nworld_size 2\nnum_classes 10\n");
+  fs::copy_file(dir + "/export/model.pt", run + "/checkpoints/step_8/backbone.pt");
+  write_text(run + "/checkpoints/step_4/backbone.pt", "not a checkpoint");
+  write_text(run + "/checkpoints/step_12/backbone.pt", "not a checkpoint");
+  ModelSpec r;
+  r.path = run;
+  InferenceModel from_run = load_inference_model(r, torch::kCPU);
+  EXPECT_EQ(from_run.weights, run + "/checkpoints/step_8/backbone.pt");
+  EXPECT_TRUE(torch::allclose(from_run.backbone->forward(x), want, 1e-5, 1e-6));
+  r.path = run + "/checkpoints/step_12";
+  EXPECT_NE(error_of([&] { load_inference_model(r, torch::kCPU); }).find("not committed"), std::string::npos);
   s.path = dir + "/nothing";
   EXPECT_NE(error_of([&] { load_inference_model(s, torch::kCPU); }).find("does not exist"), std::string::npos);
   s.path = dir;
