@@ -173,11 +173,11 @@ TEST(Config, PresetsMatchTheirDataSets) {
                                  {"glint360k_", 360232, 17091657, 0.0, 0.4, 1e-4},
                                  {"wf42m_", 2059906, 42474557, 0.0, 0.4, 5e-4}};
   int n = 0;
-  for (const auto& set : sets)
-    for (const std::string net : {"r50", "r100"}) {
-      std::string pfcs = set.prefix == "wf42m_" ? "pfc02_,pfc03_" : ",";
-      for (const std::string pfc : {pfcs.substr(0, pfcs.find(',')), pfcs.substr(pfcs.find(',') + 1)}) {
-        if (set.prefix != "wf42m_" && !pfc.empty()) continue;
+  for (const auto& set : sets) {
+    const std::vector<std::string> pfcs =
+        set.prefix == "wf42m_" ? std::vector<std::string>{"pfc02_", "pfc03_"} : std::vector<std::string>{""};
+    for (const std::string& pfc : pfcs)
+      for (const std::string& net : {std::string("r50"), std::string("r100")}) {
         const std::string name = set.prefix + pfc + net + ".yaml";
         SCOPED_TRACE(name);
         const std::string path = std::string(FACESHARD_SOURCE_DIR) + "/configs/" + name;
@@ -195,7 +195,7 @@ TEST(Config, PresetsMatchTheirDataSets) {
         EXPECT_EQ(c.output, "work_dirs/" + name.substr(0, name.size() - 5));
         n++;
       }
-    }
+  }
   EXPECT_EQ(n, 10);
 }
 }  // namespace
