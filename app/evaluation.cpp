@@ -1,5 +1,6 @@
 #include "app/evaluation.h"
 
+#include <chrono>
 #include <filesystem>
 
 #include <ATen/Parallel.h>
@@ -8,6 +9,7 @@
 #include "data/image_transform.h"
 #include "data/verification_bin.h"
 #include "partial_fc/error.h"
+#include "partial_fc/log.h"
 
 namespace faceshard {
 
@@ -45,8 +47,10 @@ at::Tensor raw_flip_embeddings(Backbone& model, const at::Tensor& images, int64_
 }  // namespace
 
 at::Tensor embed_images(Backbone& model, int64_t n, const ImageSource& load, int64_t batch, torch::Device device,
-                        bool flip, bool normalize) {
+                        bool flip, bool normalize, bool progress) {
   torch::NoGradGuard ng;
+  const auto t0 = std::chrono::steady_clock::now();
+  auto last_log = t0;
   const bool was_training = model.is_training();
   model.eval();
   at::Tensor out = torch::empty({n, model.embedding_size()});
@@ -65,6 +69,12 @@ at::Tensor embed_images(Backbone& model, int64_t n, const ImageSource& load, int
     at::Tensor e = model.forward(x);
     if (flip) e = e + model.forward(x.flip({3}));
     out.narrow(0, s, b).copy_(e.to(torch::kFloat).cpu());
+    const auto now = std::chrono::steady_clock::now();
+    if (progress && now - last_log > std::chrono::seconds(30)) {
+      last_log = now;
+      const double secs = std::chrono::duration<double>(now - t0).count();
+      log_info("embedded ", s + b, "/", n, " images (", int64_t((s + b) / secs), " images/s)");
+    }
   }
   model.train(was_training);
   if (normalize) out = torch::nn::functional::normalize(out, torch::nn::functional::NormalizeFuncOptions().dim(1));

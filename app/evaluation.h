@@ -34,8 +34,9 @@ using ImageSource = std::function<cv::Mat(int64_t index)>;
 
 // Embeds images 0..n-1 of `load`, `batch` at a time (the batch decoded in parallel):
 // f(x), or f(x) + f(mirror(x)) with flip; rows L2-normalised when normalize. [n, E] float.
+// With progress, logs the count and rate about every 30 seconds (long IJB/extract runs).
 at::Tensor embed_images(Backbone& model, int64_t n, const ImageSource& load, int64_t batch, torch::Device device,
-                        bool flip, bool normalize);
+                        bool flip, bool normalize, bool progress = false);
 
 struct VerificationResult {
   KFoldResult kfold;

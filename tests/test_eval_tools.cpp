@@ -444,6 +444,22 @@ print('ok')
     torch::NoGradGuard ng;
     EXPECT_TRUE(torch::allclose(read_npy(dir + "/raw.npy", {5, 24})[0], model->forward(x)[0], 1e-4, 1e-5));
   }
+  // A .rec: names "<index> <label>", in record order.
+  SynthDatasetSpec spec;
+  spec.identities = 3;
+  spec.images_per_identity = 2;
+  spec.pairs = 0;
+  spec.seed = 2;
+  write_synthetic_dataset(dir + "/rec", spec);
+  r = run_tool("faceshard-extract", "--model " + dir + "/model --rec " + dir + "/rec --device cpu --batch 4 --output " + dir + "/r");
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_EQ(read_text(dir + "/r.txt"), "0 0\n1 0\n2 1\n3 1\n4 2\n5 2\n");
+  {
+    const SyntheticFaces gen(spec.seed, spec.face);
+    const auto bytes = gen.view_jpeg(2, 1);  // record 5: identity 2, view 1
+    const at::Tensor e = flip_embedding(*model, decode_image(bytes.data(), bytes.size(), "record 5"));
+    EXPECT_TRUE(torch::allclose(read_npy(dir + "/r.npy", {6, 24})[5], e / e.norm(), 1e-4, 1e-5));
+  }
   // Bad input: one line, exit 2, earlier outputs kept.
   write_text(dir + "/imgs/bad.txt", "a.jpg\nmissing.jpg\n");
   r = run_tool("faceshard-extract", "--model " + dir + "/model --list " + dir + "/imgs/bad.txt --device cpu --output " + dir + "/emb");

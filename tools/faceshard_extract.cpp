@@ -4,6 +4,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -44,6 +45,7 @@ const char* kUsage =
 struct Source {
   std::vector<std::string> names;
   ImageSource load;
+  std::function<void(std::vector<std::string>&)> finish_names;  // names known only after loading
 };
 
 Source from_files(std::vector<std::string> paths, std::vector<std::string> names) {
@@ -105,15 +107,17 @@ Source from_rec(const std::string& dir) {
   if (!fs::exists(fs::path(dir) / "train.rec")) throw usage_error("--rec: '", dir, "' has no train.rec");
   std::shared_ptr<Dataset> ds = open_dataset(dir);
   Source s;
-  for (uint64_t i = 0; i < ds->size(); ++i) {
-    RawSample r;
-    ds->read(i, r);  // labels for the names; the images are decoded again below, in parallel
-    s.names.push_back(std::to_string(i) + " " + std::to_string(r.label));
-  }
-  s.load = [ds](int64_t i) {
+  s.names.resize(ds->size());
+  // The labels for the names are read with the images (one pass over the file).
+  auto labels = std::make_shared<std::vector<int64_t>>(ds->size(), -1);
+  s.load = [ds, labels](int64_t i) {
     RawSample r;
     ds->read(uint64_t(i), r);
+    (*labels)[size_t(i)] = r.label;
     return decode_image(r.bytes.data(), r.bytes.size(), ds->describe(uint64_t(i)));
+  };
+  s.finish_names = [labels](std::vector<std::string>& names) {
+    for (size_t i = 0; i < names.size(); ++i) names[i] = std::to_string(i) + " " + std::to_string((*labels)[i]);
   };
   return s;
 }
@@ -149,12 +153,13 @@ int main(int argc, char** argv) {
     const fs::path parent = fs::path(output).parent_path();
     if (!parent.empty() && !fs::is_directory(parent))
       throw usage_error("--output: folder '", parent.string(), "' does not exist");
-    const Source src = !list.empty() ? from_list(list) : !images.empty() ? from_folder(images) : from_rec(rec);
+    Source src = !list.empty() ? from_list(list) : !images.empty() ? from_folder(images) : from_rec(rec);
     const torch::Device device = parse_eval_device(device_name, 0);
     InferenceModel model = load_inference_model(spec, device);
     log_info("model: ", model.description, " on ", device.str(), "; ", src.names.size(), " images");
     const at::Tensor emb =
-        embed_images(*model.backbone, int64_t(src.names.size()), src.load, batch, device, flip, normalize);
+        embed_images(*model.backbone, int64_t(src.names.size()), src.load, batch, device, flip, normalize, true);
+    if (src.finish_names) src.finish_names(src.names);
     std::string names;
     for (const auto& n : src.names) names += n + "\n";
     write_npy_float32(emb, output + ".npy");

@@ -97,7 +97,7 @@ int main(int argc, char** argv) {
       std::vector<uint8_t> bytes((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
       return align_face(decode_image(bytes.data(), bytes.size(), path), meta.landmarks[size_t(lo + i)]);
     };
-    at::Tensor mine = embed_images(*model.backbone, hi - lo, load, batch, device, flip, false);
+    at::Tensor mine = embed_images(*model.backbone, hi - lo, load, batch, device, flip, false, true);
     at::Tensor features = world > 1 ? dist->all_gather(device.is_cuda() ? mine.to(device) : mine).cpu() : mine;
     if (rank != 0) return 0;  // rank 0 scores the pairs; the others are done
     std::error_code ec;
