@@ -17,6 +17,7 @@ namespace {
 struct Meta {
   std::string network;
   int64_t embedding_size = 0;
+  std::string precision;
   std::string source;  // where the metadata came from ("" when none)
 };
 
@@ -33,6 +34,8 @@ Meta read_meta(const fs::path& file, bool is_run_config) {
   try {
     if (node && node["backbone"]) m.network = node["backbone"].as<std::string>();
     if (node && node["embedding_size"]) m.embedding_size = node["embedding_size"].as<int64_t>();
+    const YAML::Node prec = is_run_config ? (root["train"] ? root["train"]["precision"] : YAML::Node()) : root["precision"];
+    if (prec && prec.IsScalar()) m.precision = prec.as<std::string>();
   } catch (const std::exception& e) {
     throw usage_error(file.string(), ": bad model metadata: ", one_line(e));
   }
@@ -87,14 +90,15 @@ InferenceModel load_inference_model(const ModelSpec& spec, torch::Device device)
     throw usage_error("--model: '", spec.path,
                       "' carries no metadata (model.json or the run's config.yaml); name the network with --network");
   o.embedding_size = spec.embedding_size > 0 ? spec.embedding_size : meta.embedding_size > 0 ? meta.embedding_size : 512;
-  o.precision = parse_body_precision(spec.precision);
+  const std::string precision = !spec.precision.empty() ? spec.precision : !meta.precision.empty() ? meta.precision : "fp32";
+  o.precision = parse_body_precision(precision);
   InferenceModel m;
   m.backbone = make_backbone(o);
   load_backbone_weights(*m.backbone, weights.string());
   m.backbone->to(device);
   m.backbone->eval();
   m.weights = weights.string();
-  m.description = o.name + ", " + std::to_string(o.embedding_size) + "-d, " + spec.precision + ", from " +
+  m.description = o.name + ", " + std::to_string(o.embedding_size) + "-d, " + precision + ", from " +
                   weights.string() + (meta.source.empty() ? "" : " (metadata: " + meta.source + ")");
   return m;
 }

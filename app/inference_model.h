@@ -16,7 +16,7 @@ struct ModelSpec {
   std::string path;            // file or folder, see resolve order below
   std::string network;         // overrides the metadata ("r50", "mbf", ...)
   int64_t embedding_size = 0;  // overrides the metadata; 0: metadata or 512
-  std::string precision = "fp32";
+  std::string precision;        // body precision; empty: the metadata's (the training precision) or fp32
 };
 
 struct InferenceModel {

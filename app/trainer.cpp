@@ -211,7 +211,7 @@ void export_model(Job& j) {
   std::ostringstream js;
   js << "{\"backbone\": \"" << j.cfg.model.backbone << "\", \"embedding_size\": " << j.cfg.model.embedding_size
      << ", \"input_size\": [112, 112], \"input\": \"RGB, (x / 255 - 0.5) / 0.5, CHW\", \"step\": " << j.step
-     << ", \"num_classes\": " << j.cfg.data.num_classes << "}\n";
+     << ", \"num_classes\": " << j.cfg.data.num_classes << ", \"precision\": \"" << j.cfg.train.precision << "\"}\n";
   write_text_durably(js.str(), j.cfg.output + "/model.json");
   log_info("exported backbone: ", out, " (+ model.json)");
 }

@@ -488,6 +488,17 @@ TEST(EvalModel, ResolvesExportsWeightsAndReportsMissingMetadata) {
     InferenceModel m = load_inference_model(s, torch::kCPU);
     EXPECT_TRUE(torch::allclose(m.backbone->forward(x), want, 1e-5, 1e-6)) << p;
   }
+  // The training precision in the metadata is the default; --precision overrides it.
+  write_text(dir + "/export/model.json", "{\"backbone\": \"mbf\", \"embedding_size\": 16, \"precision\": \"bf16\"}\n");
+  {
+    ModelSpec p;
+    p.path = dir + "/export";
+    EXPECT_EQ(load_inference_model(p, torch::kCPU).backbone->options().precision, BodyPrecision::BFloat16);
+    p.precision = "fp32";
+    EXPECT_EQ(load_inference_model(p, torch::kCPU).backbone->options().precision, BodyPrecision::Float32);
+    p.precision = "fp8";
+    EXPECT_NE(error_of([&] { load_inference_model(p, torch::kCPU); }).find("fp8"), std::string::npos);
+  }
   fs::create_directories(dir + "/bare");
   fs::copy_file(dir + "/export/model.pt", dir + "/bare/backbone.pth");
   ModelSpec s;

@@ -40,7 +40,7 @@ const char* kUsage =
     "  --no-normalize        keep the raw embeddings (default: rows L2-normalised)\n"
     "  --batch N             images per forward pass (default 64)\n"
     "  --device D            auto | cpu | cuda | cuda:N (default auto)\n"
-    "  --precision P         fp32 | bf16 | fp16 (default fp32)\n";
+    "  --precision P         fp32 | bf16 | fp16 (default: the training precision from the metadata, else fp32)\n";
 
 struct Source {
   std::vector<std::string> names;

@@ -40,7 +40,7 @@ const char* kUsage =
     "  --target T            IJBC (default) or IJBB\n"
     "  --batch N             images per forward pass (default 128)\n"
     "  --device D            auto | cpu | cuda (default auto: the local rank's GPU when there is one)\n"
-    "  --precision P         fp32 | bf16 | fp16 (default fp32)\n"
+    "  --precision P         fp32 | bf16 | fp16 (default: the training precision from the metadata, else fp32)\n"
     "  --no-flip             image embedding only (default: image + mirror, summed)\n"
     "  --no-faceness         do not weight image features by the faceness score\n"
     "  --output DIR          <target>_roc.csv, <target>_roc.png, <target>_scores.npy (default ijb_out)\n"

@@ -31,7 +31,7 @@ const char* kUsage =
     "  --bin FILE            an insightface verification set (.bin); repeatable\n"
     "  --batch N             images per forward pass (default 64)\n"
     "  --device D            auto | cpu | cuda | cuda:N (default auto)\n"
-    "  --precision P         fp32 | bf16 | fp16 for the backbone body (default fp32)\n"
+    "  --precision P         fp32 | bf16 | fp16 (default: the training precision from the metadata, else fp32)\n"
     "  --folds K             folds of the protocol (default 10)\n"
     "  --output DIR          where <set>_roc.csv and roc.png go (default verify_out)\n"
     "  --json FILE           also write the results as JSON\n";
