@@ -96,7 +96,9 @@ struct Job {
   std::unique_ptr<MetricsLog> metrics;
   std::unique_ptr<TensorBoardWriter> tb;
   std::map<std::string, double> best_accuracy;
-  int64_t step = 0;  // optimiser steps done
+  int64_t step = 0;            // optimiser steps done
+  int64_t epoch = 0;           // the loader's epoch
+  int64_t batch_in_epoch = 0;  // micro-batches this rank consumed in that epoch
 };
 
 torch::Device pick_device(const Config& cfg, const DistEnv& env) {
@@ -114,6 +116,10 @@ StateDict train_state(Job& j) {
   StateDict s;
   s.emplace_back("step", scalar_long(j.step));
   s.emplace_back("world_size", scalar_long(j.dist->world_size()));
+  // Where the data stands, in global samples: a resume on another number of ranks or batch
+  // size continues the same epoch at the same point.
+  s.emplace_back("data.epoch", scalar_long(j.epoch));
+  s.emplace_back("data.epoch_samples", scalar_long(j.batch_in_epoch * j.cfg.data.batch_size * j.dist->world_size()));
   for (auto& kv : j.opt->state()) s.emplace_back("opt/" + kv.first, kv.second.cpu());
   for (auto& kv : j.scaler->state()) s.emplace_back("scaler/" + kv.first, kv.second.cpu());
   for (auto& kv : j.best_accuracy) s.emplace_back("best/" + kv.first, torch::tensor({kv.second}, torch::kDouble));
@@ -127,6 +133,7 @@ StateDict shard_state(Job& j) {
   s.emplace_back("rows/weight", j.fc->weight().detach().cpu());
   for (auto& kv : j.fc_opt->state()) s.emplace_back("rows/opt." + kv.first, kv.second.cpu());
   s.emplace_back("rng.cpu", at::detail::getDefaultCPUGenerator().get_state());
+  if (j.device.is_cuda()) s.emplace_back("rng.cuda", at::globalContext().defaultGenerator(j.device).get_state());
   return s;
 }
 
@@ -165,14 +172,37 @@ void load_checkpoint(Job& j, const std::string& dir) {
           throw usage_error("checkpoint '", dir, "': classifier optimiser state '", kv.first.substr(9),
                             "' does not match optim.fc_optimizer");
         it->second.copy_(kv.second);
-      } else if (kv.first == "rng.cpu" && info.world_size == j.dist->world_size()) {
-        at::Generator gen = at::detail::getDefaultCPUGenerator();
+      } else if ((kv.first == "rng.cpu" || (kv.first == "rng.cuda" && j.device.is_cuda())) &&
+                 info.world_size == j.dist->world_size()) {
+        at::Generator gen = kv.first == "rng.cpu" ? at::detail::getDefaultCPUGenerator()
+                                                  : at::globalContext().defaultGenerator(j.device);
         std::lock_guard<std::mutex> lock(gen.mutex());
         gen.set_state(kv.second);
       }
     }
   }
-  j.fc->set_step(j.step);
+  // The sampling RNG counts forwards: micro-batches.
+  j.fc->set_step(j.step * j.micro);
+  // The data position: saved in global samples, converted to this job's micro-batches
+  // (exact when the ranks and the batch size are those of the saved run).
+  const int64_t per_batch = j.cfg.data.batch_size * j.dist->world_size();
+  bool has_data_state = false;
+  for (const auto& kv : ts) has_data_state |= kv.first == "data.epoch";
+  if (has_data_state) {
+    j.epoch = state_get(ts, "data.epoch", tsrc).item<int64_t>();
+    const int64_t samples = state_get(ts, "data.epoch_samples", tsrc).item<int64_t>();
+    j.batch_in_epoch = samples / per_batch / j.micro * j.micro;
+    if (samples % (per_batch * j.micro) != 0)
+      log_info("resume: ", samples, " samples of epoch ", j.epoch, " were used; continuing at the nearest full step (",
+               j.batch_in_epoch * per_batch, " samples)");
+  } else {  // checkpoints without the data position: derive it from the step
+    j.epoch = j.step / j.steps_per_epoch;
+    j.batch_in_epoch = (j.step % j.steps_per_epoch) * j.micro;
+  }
+  if (j.batch_in_epoch >= j.steps_per_epoch * j.micro) {
+    j.epoch++;
+    j.batch_in_epoch = 0;
+  }
   log_info("resumed from ", dir, " at step ", j.step, info.world_size != j.dist->world_size()
                                                           ? " (classifier resharded from " + std::to_string(info.world_size) +
                                                                 " to " + std::to_string(j.dist->world_size()) + " ranks)"
@@ -205,9 +235,7 @@ void verify(Job& j, bool final_round) {
 void export_model(Job& j) {
   if (j.dist->rank() != 0) return;
   const std::string out = j.cfg.output + "/model.pt";
-  const std::string tmp = out + ".tmp";
-  save_backbone_weights(*j.backbone, tmp);
-  std::rename(tmp.c_str(), out.c_str());
+  write_state_dict_durably(j.backbone->state_dict(), out);
   std::ostringstream js;
   js << "{\"backbone\": \"" << j.cfg.model.backbone << "\", \"embedding_size\": " << j.cfg.model.embedding_size
      << ", \"input_size\": [112, 112], \"input\": \"RGB, (x / 255 - 0.5) / 0.5, CHW\", \"step\": " << j.step
@@ -344,13 +372,14 @@ void build(Job& j, const TrainRequest& req) {
 }
 
 // Test hook: FACESHARD_INJECT_INF=<rank>:<step> puts an inf into one backbone gradient of
-// that rank at that step (the fp16 loss scaler must then skip the step on every rank).
+// that rank at that step, counted from 1 as in the logs (the fp16 loss scaler must then
+// skip the step on every rank; without it, the loss of the next step is NaN).
 void maybe_inject_inf(Job& j) {
   static const char* v = std::getenv("FACESHARD_INJECT_INF");
   if (!v) return;
   int r = -1;
   long long s = -1;
-  if (std::sscanf(v, "%d:%lld", &r, &s) != 2 || r != j.dist->rank() || s != j.step) return;
+  if (std::sscanf(v, "%d:%lld", &r, &s) != 2 || r != j.dist->rank() || s != j.step + 1) return;
   for (auto& p : j.backbone_params)
     if (p.grad().defined()) {
       torch::NoGradGuard ng;
@@ -381,9 +410,11 @@ int run_training(const TrainRequest& req) {
   auto t_log = Clock::now();
   auto t_start = Clock::now();
   const int64_t start_step = j.step;
-  int64_t micro_i = 0;
-  uint64_t epoch = static_cast<uint64_t>(j.step / j.steps_per_epoch);
-  j.loader->start_epoch(epoch, static_cast<uint64_t>((j.step % j.steps_per_epoch) * j.micro));
+  // An epoch is steps_per_epoch whole steps: micro-batches left over at its end (batches
+  // per epoch not a multiple of grad_accumulation) are never read, so no gradient of them
+  // leaks into the next step.
+  const int64_t batches_per_epoch = j.steps_per_epoch * j.micro;
+  j.loader->start_epoch(static_cast<uint64_t>(j.epoch), static_cast<uint64_t>(j.batch_in_epoch));
   j.backbone->train();
   // The starting point of the verification curve (chance for a fresh model).
   if (cfg.train.verify_every > 0 && j.step == 0 && last_step > 0) verify(j, false);
@@ -392,20 +423,21 @@ int run_training(const TrainRequest& req) {
     const int64_t bad = first_bad.item<int64_t>();
     if (bad >= 0) {
       const std::string last = j.ckpt->latest();
-      throw runtime_error("the loss became NaN/inf at step ", bad, "; stopping. Last good checkpoint: ",
+      throw runtime_error("the loss became NaN/inf at step ", bad + 1, "; stopping. Last good checkpoint: ",
                           last.empty() ? "none" : last);
     }
   };
 
   while (j.step < last_step) {
-    std::optional<Batch> batch = j.loader->next();
-    if (!batch) {
-      epoch++;
-      j.loader->start_epoch(epoch, 0);
-      micro_i = 0;
-      continue;
+    if (j.batch_in_epoch == batches_per_epoch) {
+      j.epoch++;
+      j.batch_in_epoch = 0;
+      j.loader->start_epoch(static_cast<uint64_t>(j.epoch), 0);
     }
-    const bool sync_step = micro_i == j.micro - 1;
+    std::optional<Batch> batch = j.loader->next();
+    if (!batch) throw runtime_error("data loader: epoch ", j.epoch, " ended after ", j.batch_in_epoch, " of ", batches_per_epoch, " batches");
+    j.batch_in_epoch++;
+    const bool sync_step = j.batch_in_epoch % j.micro == 0;
     auto out = j.fc->forward(j.backbone->forward(batch->images), batch->labels);
     at::Tensor loss = j.micro > 1 ? out.loss / static_cast<double>(j.micro) : out.loss;
     at::Tensor scaled = j.scaler->scale(loss).reshape(loss.sizes());
@@ -426,17 +458,17 @@ int run_training(const TrainRequest& req) {
       }
     }
     if (j.device.is_cpu() && !fp16) check_finite();  // free on CPU: stop at the very step
-    // The classifier's sampled rows change every micro-batch: step it each time.
     const double lr = j.schedule.lr(j.step), fc_lr = j.fc_schedule.lr(j.step);
     if (!sync_step) {
-      micro_i++;
+      // The classifier's sampled rows change every micro-batch: keep their gradient.
+      j.fc_opt->accumulate();
       continue;
     }
-    micro_i = 0;
 
     maybe_inject_inf(j);
     bool skip = false;
     if (fp16) {
+      j.fc_opt->merge_accumulated();
       std::vector<at::Tensor> all = j.backbone_params;
       if (j.fc->sampled_weight().defined()) all.push_back(j.fc->sampled_weight());
       at::Tensor found_inf = j.scaler->unscale_(all);
@@ -449,7 +481,8 @@ int run_training(const TrainRequest& req) {
       skipped++;
       j.opt->zero_grad();
       j.fc_opt->zero_grad();
-      log_info("loss scaling: non-finite gradients at step ", j.step, ", step skipped; loss scale now ", j.scaler->current_scale());
+      log_info("loss scaling: non-finite gradients at step ", j.step + 1, ", step skipped; loss scale now ",
+               j.scaler->current_scale());
     } else {
       if (cfg.optim.grad_clip > 0) clip_grad_norm(j.backbone_params, cfg.optim.grad_clip);
       j.opt->step(lr);
@@ -474,7 +507,7 @@ int run_training(const TrainRequest& req) {
       const double sps = logged_steps * j.micro * cfg.data.batch_size * d.world_size() / std::max(secs, 1e-9);
       const double per_step = seconds_since(t_start) / std::max<int64_t>(1, j.step - start_step);
       std::ostringstream os;
-      os << std::fixed << "step " << j.step << "/" << last_step << "  epoch " << j.step / j.steps_per_epoch
+      os << std::fixed << "step " << j.step << "/" << last_step << "  epoch " << j.epoch
          << std::setprecision(4) << "  loss " << loss_v << "  acc " << acc_v << std::setprecision(6) << "  lr " << lr
          << std::setprecision(1) << "  " << sps << " samples/s  ETA " << format_duration(per_step * (last_step - j.step));
       if (fp16) os << "  loss scale " << j.scaler->current_scale();
@@ -483,7 +516,7 @@ int run_training(const TrainRequest& req) {
       log_info(os.str());
       if (j.metrics) {
         std::vector<std::pair<std::string, double>> f{{"step", static_cast<double>(j.step)},
-                                                      {"epoch", static_cast<double>(j.step / j.steps_per_epoch)},
+                                                      {"epoch", static_cast<double>(j.epoch)},
                                                       {"loss", loss_v},
                                                       {"accuracy", acc_v},
                                                       {"lr", lr},
@@ -505,7 +538,7 @@ int run_training(const TrainRequest& req) {
       t_log = Clock::now();
     }
     if (cfg.train.verify_every > 0 && j.step % cfg.train.verify_every == 0 && j.step != last_step) verify(j, false);
-    const bool epoch_end = j.step % j.steps_per_epoch == 0;
+    const bool epoch_end = j.batch_in_epoch == batches_per_epoch;
     const bool want_ckpt = cfg.train.checkpoint_every > 0 ? j.step % cfg.train.checkpoint_every == 0 : epoch_end;
     // SIGTERM/SIGINT on any rank: every rank learns it at the same step.
     at::Tensor stop = torch::tensor({static_cast<float>(g_stop_signal.load() != 0)});

@@ -34,6 +34,13 @@ PartialFC::PartialFC(Distributed& dist, const PartialFCOptions& opts, torch::Dev
   }
 }
 
+void PartialFC::set_sampled(const at::Tensor& index, const at::Tensor& grad) {
+  TORCH_CHECK(samples(), "PartialFC::set_sampled: nothing is sampled");
+  index_ = index;
+  sub_weight_ = weight_.index_select(0, index_).requires_grad_(true);
+  sub_weight_.mutable_grad() = grad;
+}
+
 PartialFCOutput PartialFC::forward(const at::Tensor& local_emb, const at::Tensor& local_labels) {
   TORCH_CHECK(local_emb.dim() == 2 && local_emb.size(1) == opts_.embedding_size, "PartialFC: embeddings must be [B, ",
               opts_.embedding_size, "], got ", local_emb.sizes());

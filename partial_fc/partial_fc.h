@@ -50,8 +50,12 @@ class PartialFC {
   // .grad holds their gradient after backward: weight() itself when nothing is sampled.
   const at::Tensor& sampled_index() const { return index_; }
   at::Tensor& sampled_weight() { return sub_weight_; }
+  // Replaces the sampled rows by `index` (local, sorted, unique) with gradient `grad`
+  // [index.size(0), d]: how accumulated micro-batches become one step (ShardOptimizer).
+  void set_sampled(const at::Tensor& index, const at::Tensor& grad);
   bool samples() const { return num_sample_ < shard_.count; }
-  // Steps taken (the sampling RNG is a function of seed, rank and step: resumable).
+  // Forwards taken (the sampling RNG is a function of seed, rank and this count: resumable;
+  // with gradient accumulation it counts micro-batches).
   int64_t step() const { return step_; }
   void set_step(int64_t s) { step_ = s; }
 

@@ -25,9 +25,33 @@ std::map<std::string, at::Tensor> ShardOptimizer::state() {
 void ShardOptimizer::zero_grad() {
   at::Tensor& sub = fc_.sampled_weight();
   if (sub.defined() && sub.grad().defined()) sub.mutable_grad().reset();
+  pending_index_.clear();
+  pending_grad_.clear();
+}
+
+void ShardOptimizer::accumulate() {
+  at::Tensor& sub = fc_.sampled_weight();
+  if (!fc_.samples() || !sub.defined() || !sub.grad().defined()) return;
+  pending_index_.push_back(fc_.sampled_index());
+  pending_grad_.push_back(sub.grad());
+  sub.mutable_grad().reset();
+}
+
+void ShardOptimizer::merge_accumulated() {
+  if (pending_index_.empty()) return;
+  torch::NoGradGuard ng;
+  accumulate();  // the last micro-batch's gradient joins the others
+  at::Tensor index = torch::cat(pending_index_), grad = torch::cat(pending_grad_);
+  auto uniq = at::_unique(index, /*sorted=*/true, /*return_inverse=*/true);
+  at::Tensor rows = std::get<0>(uniq);
+  at::Tensor sum = torch::zeros({rows.size(0), grad.size(1)}, grad.options()).index_add_(0, std::get<1>(uniq), grad);
+  pending_index_.clear();
+  pending_grad_.clear();
+  fc_.set_sampled(rows, sum);
 }
 
 void ShardOptimizer::step(double lr, double grad_scale) {
+  merge_accumulated();
   torch::NoGradGuard ng;
   at::Tensor& sub = fc_.sampled_weight();
   if (!sub.defined() || !sub.grad().defined()) return;  // no classifier gradient this step

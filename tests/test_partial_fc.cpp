@@ -215,6 +215,46 @@ TEST_P(PartialFCSampling, SampledSoftmaxAndUntouchedRows) {
 
 INSTANTIATE_TEST_SUITE_P(Optimisers, PartialFCSampling, ::testing::Values("sgd", "adamw"));
 
+// Gradient accumulation with sampling: each micro-batch samples its own rows; one step must
+// apply the summed gradient of both micro-batch losses (each divided by 2, as the trainer
+// does) to the union of the rows, and nothing else. Reference: one process, autograd on the
+// whole weight matrix, a hand-written SGD step.
+TEST(PartialFCSampling, AccumulatedMicroBatchesStepTheUnionOfRows) {
+  testing::run_ranks(2, [](Distributed& d) {
+    const int64_t C = 301, D = 8;
+    const double lr = 0.1, wd = 5e-4;
+    PartialFCOptions o;
+    o.num_classes = C;
+    o.embedding_size = D;
+    o.sample_rate = 0.2;
+    PartialFC fc(d, o);
+    ShardOptimizer opt(fc, ShardOptimizerOptions{"sgd", 0.9, wd});
+    const at::Tensor full = PartialFC::initial_rows(0, C, D, o.seed);
+    Data first = make_data(d.world_size(), d.rank(), C, D), second = first;
+    second.emb = -first.emb + 0.3;
+    second.labels = (first.labels * 7 + 11) % C;
+    at::Tensor dense_grad = torch::zeros_like(full);
+    at::Tensor touched = torch::zeros({C}, torch::kBool);
+    int k = 0;
+    for (const Data* data : {&first, &second}) {
+      auto out = fc.forward(data->emb.narrow(0, data->offset, data->rows), data->labels.narrow(0, data->offset, data->rows));
+      (out.loss / 2).backward();
+      at::Tensor cols = std::get<0>(torch::sort(d.all_gather(fc.sampled_index() + fc.shard().start)));
+      dense_grad += reference(data->emb, full, data->labels, o.margin, cols).weight_grad / 2;
+      touched.index_fill_(0, fc.sampled_index() + fc.shard().start, true);
+      if (k++ == 0) opt.accumulate();
+    }
+    opt.step(lr);
+    const int64_t s = fc.shard().start, n = fc.shard().count;
+    at::Tensor w0 = full.narrow(0, s, n), g = dense_grad.narrow(0, s, n), mask = touched.narrow(0, s, n).unsqueeze(1);
+    at::Tensor expected = torch::where(mask, w0 - lr * (g + wd * w0), w0);
+    EXPECT_LE(rel(fc.weight(), expected), 1e-5);
+    EXPECT_TRUE(torch::equal(fc.weight().masked_select(~mask), w0.masked_select(~mask)));
+    // Two micro-batches with different labels sample different rows: more than one forward's worth.
+    EXPECT_GT(fc.sampled_index().size(0), fc.num_sample());
+  });
+}
+
 TEST(PartialFCSampling, RateOneEqualsFullComputation) {
   testing::run_ranks(2, [](Distributed& d) {
     PartialFCOptions o;

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # End-to-end tests of faceshard-train on CPU with 2 ranks and a tiny synthetic data set.
 # usage: train_e2e.sh SOURCE_DIR BIN_DIR CASE
-#   CASE: loss_falls | resume_exact | reshard | crash_in_save | sigterm | fp16_skip | nan_stop | verify_tool
+#   CASE: loss_falls | resume_exact | resume_accumulate | reshard | crash_in_save | sigterm | fp16_skip | nan_stop |
+#         verify_tool | bad_input
 set -u
 root="$1"; bin="$2"; case_name="$3"
 py="$root/.venv/bin/python"; [ -x "$py" ] || py=python3
@@ -29,7 +30,10 @@ for l in open(sys.argv[1]):
 
 case "$case_name" in
 loss_falls)
-  train --set optim.total_steps=16 > "$work/log" 2>&1 || { cat "$work/log"; fail "training failed"; }
+  train --set optim.total_steps=16 --set train.keep_checkpoints=2 > "$work/log" 2>&1 || { cat "$work/log"; fail "training failed"; }
+  # Checkpoints at steps 4, 8, 12 and 16; the last two are kept.
+  kept=$(cd "$work/out/checkpoints" && echo step_*)
+  [ "$kept" = "step_00000012 step_00000016" ] || fail "keep_checkpoints=2 left: $kept"
   "$py" - "$work/out/metrics.jsonl" <<'PY' || exit 1
 import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1])]
@@ -100,6 +104,21 @@ resume_exact)
   losses "$work/out/metrics.jsonl" > "$work/b.txt"
   diff "$work/a.txt" "$work/b.txt" > /dev/null || { paste "$work/a.txt" "$work/b.txt"; fail "losses differ after resume"; }
   echo "PASS: steps 1-8 identical, bit for bit:"; cat "$work/b.txt" ;;
+resume_accumulate)
+  # Partial FC sampling with 3 micro-batches per step: 8 batches per epoch make 2 steps and 2
+  # batches that are never read. Stopping at the end of epoch 0 and resuming must give the
+  # uninterrupted run's losses bit for bit (no leftover gradient, same sampled rows).
+  acc=(--set optim.total_steps=6 --set loss.sample_rate=0.5 --set optim.grad_accumulation=3)
+  train "${acc[@]}" > "$work/a.log" 2>&1 || { cat "$work/a.log"; fail "run A"; }
+  grep -q "2 steps/epoch" "$work/a.log" || { cat "$work/a.log"; fail "expected 2 steps per epoch"; }
+  losses "$work/out/metrics.jsonl" > "$work/a.txt"; mv "$work/out" "$work/outA"
+  train "${acc[@]}" --set train.max_steps=2 > "$work/b1.log" 2>&1 || { cat "$work/b1.log"; fail "run B part 1"; }
+  train "${acc[@]}" --resume > "$work/b2.log" 2>&1 || { cat "$work/b2.log"; fail "run B part 2"; }
+  grep -q "resumed from .*step_00000002 at step 2" "$work/b2.log" || { cat "$work/b2.log"; fail "did not resume at step 2"; }
+  losses "$work/out/metrics.jsonl" > "$work/b.txt"
+  [ "$(wc -l < "$work/a.txt")" -eq 6 ] || fail "expected 6 logged steps"
+  diff "$work/a.txt" "$work/b.txt" > /dev/null || { paste "$work/a.txt" "$work/b.txt"; fail "losses differ after resume"; }
+  echo "PASS: steps 1-6 identical, bit for bit:"; cat "$work/b.txt" ;;
 reshard)
   train --set optim.total_steps=8 --set train.max_steps=4 > "$work/a.log" 2>&1 || { cat "$work/a.log"; fail "2-rank run"; }
   cp -r "$work/out/checkpoints/step_00000004" "$work/saved"
@@ -138,16 +157,22 @@ sigterm)
   for _ in $(seq 1 600); do grep -q "step 3/" "$work/a.log" && break; sleep 0.2; done
   kill -TERM "$pid"; wait "$pid"; rc=$?
   [ "$rc" -eq 0 ] || { cat "$work/a.log"; fail "exit status $rc after SIGTERM"; }
-  grep -q "stop requested" "$work/a.log" || fail "no stop message"
-  ls "$work/out/checkpoints"/step_*/COMMITTED > /dev/null 2>&1 || fail "no committed checkpoint"
-  echo "PASS: $(ls -d "$work/out/checkpoints"/step_*)" ;;
+  n=$(sed -n 's/.*stop requested (signal): checkpointing at step \([0-9]*\) and exiting.*/\1/p' "$work/a.log" | head -1)
+  [ -n "$n" ] || { cat "$work/a.log"; fail "no stop message"; }
+  dir=$(printf "%s/out/checkpoints/step_%08d" "$work" "$n")
+  [ -f "$dir/COMMITTED" ] || fail "the stop checkpoint $dir is not committed"
+  # The run continues from exactly that step.
+  train --set optim.total_steps=1000 --set train.max_steps=$((n + 1)) --resume > "$work/b.log" 2>&1 \
+    || { cat "$work/b.log"; fail "resume after SIGTERM"; }
+  grep -q "resumed from .*step_$(printf %08d "$n") at step $n" "$work/b.log" || { cat "$work/b.log"; fail "did not resume at step $n"; }
+  echo "PASS: stopped and checkpointed at step $n, resumed there" ;;
 fp16_skip)
   # The scaler's decision path in fp32 arithmetic (fp16 convolutions are impractically slow on
   # CPU): the inf lands in rank 1's gradients only; rank 0 must skip the same step.
-  FACESHARD_INJECT_INF=1:2 train --set optim.total_steps=5 --set train.loss_scaling=on \
+  FACESHARD_INJECT_INF=1:3 train --set optim.total_steps=5 --set train.loss_scaling=on \
     --set train.loss_scale_init=1024 > "$work/a.log" 2>&1 || { cat "$work/a.log"; fail "loss-scaled run"; }
-  grep -q "\[rank 0/2\] loss scaling: non-finite gradients at step 2, step skipped" "$work/a.log" \
-    || { cat "$work/a.log"; fail "rank 0 did not skip step 2"; }
+  grep -q "\[rank 0/2\] loss scaling: non-finite gradients at step 3, step skipped" "$work/a.log" \
+    || { cat "$work/a.log"; fail "rank 0 did not skip step 3"; }
   [ "$(grep -c "step skipped" "$work/a.log")" -eq 1 ] || { cat "$work/a.log"; fail "expected exactly one skipped step"; }
   "$py" - "$work/out/metrics.jsonl" <<'PY' || exit 1
 import json, sys
@@ -157,8 +182,9 @@ print('loss scale per step', s)
 PY
   echo PASS ;;
 nan_stop)
-  FACESHARD_INJECT_INF=0:5 train --set optim.total_steps=12 > "$work/a.log" 2>&1 && fail "exit 0 despite NaN"
-  grep -q "error: the loss became NaN/inf at step 6; stopping. Last good checkpoint: .*step_00000004" "$work/a.log" \
+  # An inf in rank 0's gradients at step 6 makes the weights, and so step 7's loss, NaN.
+  FACESHARD_INJECT_INF=0:6 train --set optim.total_steps=12 > "$work/a.log" 2>&1 && fail "exit 0 despite NaN"
+  grep -q "error: the loss became NaN/inf at step 7; stopping. Last good checkpoint: .*step_00000004" "$work/a.log" \
     || { cat "$work/a.log"; fail "no one-line NaN error naming step and checkpoint"; }
   echo PASS ;;
 verify_tool)
@@ -201,6 +227,31 @@ PY
   out=$("$bin/faceshard-verify" --model "$work/out/model.pt" --network r50 --bin "$work/data/synth.bin" 2>&1); rc=$?
   [ $rc -eq 2 ] || fail "wrong --network accepted: $out"
   echo "$out"
+  echo PASS ;;
+bad_input)
+  # Bad command lines, configs and checkpoints: one error line, the documented exit status,
+  # and nothing already written is lost.
+  expect() {  # status, fragment, command...
+    local want="$1" frag="$2"; shift 2
+    "$@" > "$work/o" 2> "$work/e"; local rc=$?
+    echo "exit $rc: $(cat "$work/e")"
+    [ "$rc" -eq "$want" ] || fail "exit $rc (expected $want): $*"
+    [ "$(grep -c "error" "$work/e")" -eq 1 ] || { cat "$work/e"; fail "expected one error line: $*"; }
+    grep -qF -- "$frag" "$work/e" || fail "'$frag' not named: $(cat "$work/e")"
+  }
+  expect 2 "optim.lr_rate" "$bin/faceshard-train" --config "$work/tiny.yaml" --set optim.lr_rate=1
+  expect 2 "data.batch_size" "$bin/faceshard-train" --config "$work/tiny.yaml" --set data.batch_size=-3
+  expect 2 "--frobnicate" "$bin/faceshard-train" --config "$work/tiny.yaml" --frobnicate
+  expect 2 "nope.yaml" "$bin/faceshard-train" --config "$work/nope.yaml"
+  train --set optim.total_steps=4 > "$work/a.log" 2>&1 || { cat "$work/a.log"; fail "training failed"; }
+  ck="$work/out/checkpoints/step_00000004"
+  cp -r "$ck" "$work/uncommitted"; rm "$work/uncommitted/COMMITTED"
+  expect 2 "uncommitted" "$bin/faceshard-train" --config "$work/tiny.yaml" --resume "$work/uncommitted"
+  cp -r "$ck" "$work/corrupt"; head -c 200 "$ck/fc_shard_0.pt" > "$work/corrupt/fc_shard_0.pt"
+  before=$(md5sum "$work/out/metrics.jsonl" "$work/out/model.pt")
+  expect 1 "fc_shard_0.pt" "$bin/faceshard-train" --config "$work/tiny.yaml" --resume "$work/corrupt"
+  expect 2 "num_classes" "$bin/faceshard-train" --config "$work/tiny.yaml" --set data.num_classes=17 --resume "$ck"
+  [ "$before" = "$(md5sum "$work/out/metrics.jsonl" "$work/out/model.pt")" ] || fail "a failed start changed the run's outputs"
   echo PASS ;;
 *) fail "unknown case $case_name" ;;
 esac
