@@ -192,6 +192,17 @@ TEST(Config, PresetsMatchTheirDataSets) {
         EXPECT_EQ(c.loss.margin[2], set.m3);
         EXPECT_EQ(c.optim.weight_decay, set.wd);
         EXPECT_EQ(c.loss.sample_rate, pfc == "pfc02_" ? 0.2 : pfc == "pfc03_" ? 0.3 : 1.0);
+        // arcface_torch's common settings: SGD 0.9, 8 x 128 (the pfc03 jobs: 32 x 128 at lr 0.4
+        // with 2 warm-up epochs), 20 epochs, 512-d embeddings, scale 64.
+        EXPECT_EQ(c.optim.optimizer, "sgd");
+        EXPECT_EQ(c.optim.momentum, 0.9);
+        EXPECT_EQ(c.optim.lr, pfc == "pfc03_" ? 0.4 : 0.1);
+        EXPECT_EQ(c.optim.warmup_epochs, pfc == "pfc03_" ? 2.0 : 0.0);
+        EXPECT_EQ(c.optim.epochs, 20);
+        EXPECT_EQ(c.data.batch_size, 128);
+        EXPECT_EQ(c.model.embedding_size, 512);
+        EXPECT_EQ(c.loss.scale, 64.0);
+        EXPECT_EQ(c.train.precision, "bf16");  // arcface_torch: fp16 + GradScaler; bf16 needs no scaler
         EXPECT_EQ(c.output, "work_dirs/" + name.substr(0, name.size() - 5));
         n++;
       }
