@@ -2,7 +2,7 @@
 # End-to-end tests of faceshard-train on CPU with 2 ranks and a tiny synthetic data set.
 # usage: train_e2e.sh SOURCE_DIR BIN_DIR CASE
 #   CASE: loss_falls | resume_exact | resume_accumulate | reshard | crash_in_save | sigterm | fp16_skip | nan_stop |
-#         verify_tool | bad_input
+#         verify_tool | bad_input | bf16
 set -u
 root="$1"; bin="$2"; case_name="$3"
 py="$root/.venv/bin/python"; [ -x "$py" ] || py=python3
@@ -227,6 +227,23 @@ PY
   out=$("$bin/faceshard-verify" --model "$work/out/model.pt" --network r50 --bin "$work/data/synth.bin" 2>&1); rc=$?
   [ $rc -eq 2 ] || fail "wrong --network accepted: $out"
   echo "$out"
+  echo PASS ;;
+bf16)
+  # Real bf16 training (backbone in bf16, the classifier's logits in fp32): no loss scaler,
+  # the loss falls, and the export records the precision.
+  train --set optim.total_steps=16 --set train.precision=bf16 > "$work/log" 2>&1 || { cat "$work/log"; fail "bf16 training"; }
+  grep -q "precision bf16" "$work/log" || fail "not trained in bf16"
+  "$py" - "$work/out/metrics.jsonl" "$work/out/model.json" <<'PY' || exit 1
+import json, math, sys
+steps = [r for r in map(json.loads, open(sys.argv[1])) if 'loss' in r]
+assert len(steps) == 16 and all(math.isfinite(r['loss']) for r in steps), steps
+assert not any('loss_scale' in r for r in steps), 'bf16 must not use the loss scaler'
+first = sum(r['loss'] for r in steps[:3]) / 3
+last = sum(r['loss'] for r in steps[-3:]) / 3
+print('bf16 loss first 3 steps %.4f, last 3 steps %.4f' % (first, last))
+assert last < 0.9 * first, 'loss did not fall'
+assert json.load(open(sys.argv[2]))['precision'] == 'bf16'
+PY
   echo PASS ;;
 bad_input)
   # Bad command lines, configs and checkpoints: one error line, the documented exit status,
