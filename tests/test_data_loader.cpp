@@ -8,6 +8,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -21,6 +22,7 @@
 #include <random>
 #include <set>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <opencv2/imgcodecs.hpp>
@@ -386,8 +388,63 @@ TEST(DataLoader, SyntheticDatasetSkipsDecoding) {
   EXPECT_EQ(batches[1].labels[2].item<int64_t>(), int64_t(order[18] % 10));
 }
 
+// Raw 8x8 pixels that count reads, to see how far ahead of the consumer the workers get.
+class CountingDataset : public Dataset {
+ public:
+  explicit CountingDataset(uint64_t n) : n_(n) {}
+  uint64_t size() const override { return n_; }
+  int64_t num_classes() const override { return 4; }
+  void read(uint64_t index, RawSample& out) const override {
+    ++reads;
+    out.label = int64_t(index % 4);
+    out.bytes.assign(8 * 8 * 3, uint8_t(index));
+  }
+  std::string describe(uint64_t index) const override { return detail::concat("counting sample ", index); }
+  bool raw_pixels() const override { return true; }
+  int raw_size() const override { return 8; }
+  mutable std::atomic<uint64_t> reads{0};
+
+ private:
+  uint64_t n_;
+};
+
+// Workers claim batch b only while b < (batches handed out) + prefetch_batches, and a batch
+// being built counts as claimed: so however many workers there are, at most
+// prefetch_batches batches are built (or being built) ahead of the consumer.
+TEST(DataLoader, PrefetchQueueIsBoundedForASlowConsumer) {
+  const int64_t B = 4;
+  const int prefetch = 2;
+  auto ds = std::make_shared<CountingDataset>(B * 10);
+  LoaderOptions o;
+  o.batch_size = B;
+  o.num_workers = 4;  // more workers than prefetch slots
+  o.prefetch_batches = prefetch;
+  o.image_size = 8;
+  o.flip = false;
+  DataLoader loader(ds, DistributedSampler(uint64_t(B * 10), 1, 0, 0), o);
+  auto settle = [&](uint64_t want) {
+    // Wait until the workers have filled the queue, then give them time to overrun it.
+    const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+    while (ds->reads.load() < want && std::chrono::steady_clock::now() < until) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(30));
+    return ds->reads.load();
+  };
+  loader.start_epoch(0);
+  EXPECT_EQ(settle(uint64_t(B * prefetch)), uint64_t(B * prefetch));
+  for (uint64_t consumed = 1; consumed <= 10; ++consumed) {
+    ASSERT_TRUE(loader.next().has_value());
+    const uint64_t want = uint64_t(B) * std::min<uint64_t>(consumed + prefetch, 10);
+    EXPECT_EQ(settle(want), want) << "after " << consumed << " batches";
+  }
+  EXPECT_FALSE(loader.next().has_value());
+}
+
 // A .rec whose image records 1..n have labels i % classes; `bad` keys hold garbage.
-void write_rec_with_bad(const std::string& dir, int n, int classes, const std::set<int>& bad, int size = 112) {
+// `labels` overrides the label of some keys.
+void write_rec_with_bad(const std::string& dir, int n, int classes, const std::set<int>& bad, int size = 112,
+                        const std::map<int, float>& labels = {}) {
   fs::create_directories(dir);
   const SyntheticFaces faces(0, [&] {
     SynthFaceOptions f;
@@ -399,7 +456,8 @@ void write_rec_with_bad(const std::string& dir, int n, int classes, const std::s
   for (int k = 0; k < n; ++k) {
     std::vector<uint8_t> img = faces.view_jpeg(uint64_t(k % classes), uint64_t(k));
     if (bad.count(k)) img = std::vector<uint8_t>(300, uint8_t(k));
-    w.write(uint64_t(k), pack_image_record(float(k % classes), {}, 0, 0, img.data(), img.size()));
+    const float label = labels.count(k) ? labels.at(k) : float(k % classes);
+    w.write(uint64_t(k), pack_image_record(label, {}, 0, 0, img.data(), img.size()));
   }
   w.commit();
 }
@@ -433,6 +491,51 @@ TEST(DataLoader, BadRecordsAreReplacedCountedAndLimited) {
   const std::string msg = error_of([&] { run_epoch(strict, 0); });
   EXPECT_NE(msg.find("max_bad_fraction"), std::string::npos) << msg;
   EXPECT_NE(msg.find("train.rec: key"), std::string::npos) << msg;
+}
+
+// A label that is not a class index is a mislabelled data set, not a bad image: it stops
+// the run even when bad samples are tolerated, naming the file, the key and the label.
+TEST(DataLoader, NonClassLabelsStopTheRunInsteadOfBeingReplaced) {
+  for (const float label : {-1.f, 2.5f, std::nanf("")}) {
+    TempDir d;
+    write_rec_with_bad(d.path, 12, 3, {}, 112, {{7, label}});
+    auto ds = open_dataset(d.path);
+    LoaderOptions o;
+    o.batch_size = 4;
+    o.num_classes = 3;
+    o.max_bad_fraction = 1.0;  // every decode failure would be replaced
+    DataLoader loader(ds, DistributedSampler(12, 1, 0, 0), o);
+    const std::string msg = error_of([&] { run_epoch(loader, 0); });
+    EXPECT_NE(msg.find("train.rec: key 7 "), std::string::npos) << msg;
+    EXPECT_NE(msg.find("label " + detail::concat(label) + " is not a class index"), std::string::npos) << msg;
+    EXPECT_EQ(loader.bad_samples(), 0u);
+    // Other readers of the data set still get a faceshard::Error.
+    RawSample s;
+    EXPECT_THROW(ds->read(7, s), Error);
+  }
+}
+
+// Each rank reads 1/world of the data set per epoch; the bad-sample limit is a fraction
+// of that share, not of the whole set.
+TEST(DataLoader, BadSampleLimitIsPerRankShare) {
+  const auto order = DistributedSampler(40, 2, 0, 5).indices(0);  // rank 0's 20 samples
+  const std::set<int> bad = {int(order[0]), int(order[5]), int(order[11])};
+  TempDir d;
+  write_rec_with_bad(d.path, 40, 4, bad);
+  auto ds = open_dataset(d.path);
+  LoaderOptions o;
+  o.batch_size = 10;
+  o.num_classes = 4;
+  o.max_bad_fraction = 0.1;  // 2 of rank 0's 20 (but 4 of the 40 in the data set)
+  DataLoader strict(ds, DistributedSampler(40, 2, 0, 5), o);
+  const std::string msg = error_of([&] { run_epoch(strict, 0); });
+  EXPECT_NE(msg.find("of this rank's 20 samples"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("max_bad_fraction"), std::string::npos) << msg;
+  o.max_bad_fraction = 0.15;  // 3 of 20: accepted, in this epoch and the next
+  DataLoader ok(ds, DistributedSampler(40, 2, 0, 5), o);
+  EXPECT_EQ(run_epoch(ok, 0).size(), 2u);
+  EXPECT_EQ(ok.bad_samples(), 3u);
+  EXPECT_EQ(run_epoch(ok, 1).size(), 2u);
 }
 
 TEST(DataLoader, ClearErrorsForLabelsSizesAndMissingIndex) {
@@ -507,8 +610,6 @@ TEST(DataLoader, CudaCopyMatchesCpuBatches) {
   }
 }
 
-// Loader throughput with 1 and 2 workers on 112x112 JPEGs (reported, not asserted: speed
-// targets belong to benchmarks).
 // ---------------------------------------------------------------------------------------
 // The binaries
 
