@@ -28,6 +28,7 @@
 #include <opencv2/imgcodecs.hpp>
 #include <opencv2/imgproc.hpp>
 
+#include "app/config.h"
 #include "app/verification_metrics.h"
 #include "data/dataset.h"
 #include "data/image_record.h"
@@ -565,6 +566,36 @@ TEST(DataLoader, ClearErrorsForLabelsSizesAndMissingIndex) {
   o.num_classes = 4;
   msg = error_of([&] { DataLoader l(open_dataset(d / "c"), DistributedSampler(10, 1, 0, 0), o); });
   EXPECT_NE(msg.find("5 classes"), std::string::npos) << msg;
+}
+
+// The data.* keys the loader depends on: worker count 1..256 (the loader needs a thread),
+// and the optional extra augmentations, off unless asked for, each a probability.
+TEST(DataConfig, WorkersAndAugmentProbabilities) {
+  const std::string base = "data: {rec: synthetic, num_classes: 10}\n";
+  const Config def = load_config_text(base, "d.yaml");
+  EXPECT_EQ(def.data.augment_gray_prob, 0.0);
+  EXPECT_EQ(def.data.augment_blur_prob, 0.0);
+  EXPECT_EQ(def.data.augment_downscale_prob, 0.0);
+  const Config on = load_config_text(base, "d.yaml",
+                                     {"data.augment.gray_prob=0.2", "data.augment.blur_prob=1",
+                                      "data.augment.downscale_prob=0.05", "data.num_workers=256"});
+  EXPECT_EQ(on.data.augment_gray_prob, 0.2);
+  EXPECT_EQ(on.data.augment_blur_prob, 1.0);
+  EXPECT_EQ(on.data.augment_downscale_prob, 0.05);
+  EXPECT_EQ(on.data.num_workers, 256);
+  EXPECT_NE(config_to_yaml(on).find("downscale_prob: 0.05"), std::string::npos) << config_to_yaml(on);
+  const std::vector<std::pair<std::string, std::string>> bad = {
+      {"data.num_workers=0", "key 'data.num_workers': must be >= 1"},
+      {"data.num_workers=257", "key 'data.num_workers': must be <= 256"},
+      {"data.augment.gray_prob=1.5", "key 'data.augment.gray_prob': must be <= 1"},
+      {"data.augment.blur_prob=-0.1", "key 'data.augment.blur_prob': must be >= 0"},
+      {"data.augment.downscale_prob=x", "key 'data.augment.downscale_prob': expected a number"},
+      {"data.augment.sharpen_prob=0.1", "unknown key 'data.augment.sharpen_prob'"},
+  };
+  for (const auto& [set, want] : bad) {
+    const std::string msg = error_of([&] { load_config_text(base, "d.yaml", {set}); });
+    EXPECT_NE(msg.find(want), std::string::npos) << set << ": " << msg;
+  }
 }
 
 TEST(DataLoader, ImageFolderDataset) {
