@@ -660,10 +660,12 @@ Ran run_bin(const std::string& name, const std::string& args) {
   fs::remove(out);
   return r;
 }
+// The tools are built with faceshard_tests (a dependency in tests/CMakeLists.txt), so a
+// missing binary is a failure, not a reason to skip.
 bool have_bin(const std::string& name) { return fs::exists(std::string(FACESHARD_BIN_DIR) + "/" + name); }
 
 TEST(DataTools, PackRoundTripIsByteIdentical) {
-  if (!have_bin("faceshard-pack")) GTEST_SKIP() << "faceshard-pack not built";
+  ASSERT_TRUE(have_bin("faceshard-pack")) << "faceshard-pack missing from " << FACESHARD_BIN_DIR;
   TempDir d;
   const SyntheticFaces faces(8);
   std::vector<std::pair<std::string, int64_t>> files;  // sorted order, class
@@ -733,8 +735,42 @@ TEST(DataTools, PackRoundTripIsByteIdentical) {
   EXPECT_EQ(run_bin("faceshard-pack", "verify " + d / "nope.rec").code, 2);
 }
 
+// Identity records must give sorted, disjoint image ranges; verify names the record that
+// breaks the order.
+TEST(DataTools, PackVerifyChecksIdentityRangesAreSortedAndDisjoint) {
+  ASSERT_TRUE(have_bin("faceshard-pack")) << "faceshard-pack missing from " << FACESHARD_BIN_DIR;
+  TempDir d;
+  const SyntheticFaces faces(1);
+  // Header (images [1, 5), identities [5, 8)), 4 images, then the identity records.
+  auto write = [&](const std::string& name, const std::vector<std::pair<float, float>>& ranges) {
+    RecordIOWriter w(d / (name + ".rec"), d / (name + ".idx"));
+    w.write(0, pack_image_record(0.f, {5.f, 8.f}, 0, 0, nullptr, 0));
+    for (int k = 1; k < 5; ++k) {
+      const std::vector<uint8_t> img = faces.view_jpeg(uint64_t(k / 3), uint64_t(k));
+      w.write(uint64_t(k), pack_image_record(float(k / 3), {}, 0, 0, img.data(), img.size()));
+    }
+    for (size_t c = 0; c < ranges.size(); ++c) {
+      w.write(5 + c, pack_image_record(0.f, {ranges[c].first, ranges[c].second}, 0, 0, nullptr, 0));
+    }
+    w.commit();
+  };
+  write("good", {{1, 3}, {3, 3}, {3, 5}});  // an empty range in between is fine
+  Ran r = run_bin("faceshard-pack", "verify " + d / "good.rec");
+  EXPECT_EQ(r.code, 0) << r.output;
+  write("overlap", {{1, 3}, {2, 5}, {5, 5}});
+  r = run_bin("faceshard-pack", "verify " + d / "overlap.rec");
+  EXPECT_EQ(r.code, 1) << r.output;
+  EXPECT_NE(r.output.find("overlap.rec: key 6: identity range [2, 5) starts before the end (3) of the range of key 5"),
+            std::string::npos)
+      << r.output;
+  write("unsorted", {{3, 5}, {1, 3}, {5, 5}});
+  r = run_bin("faceshard-pack", "verify " + d / "unsorted.rec");
+  EXPECT_EQ(r.code, 1) << r.output;
+  EXPECT_NE(r.output.find("unsorted.rec: key 6: identity range [1, 3)"), std::string::npos) << r.output;
+}
+
 TEST(DataTools, SynthWritesAVerifiableDataSet) {
-  if (!have_bin("faceshard-synth") || !have_bin("faceshard-pack")) GTEST_SKIP() << "tools not built";
+  ASSERT_TRUE(have_bin("faceshard-synth") && have_bin("faceshard-pack")) << "tools missing from " << FACESHARD_BIN_DIR;
   TempDir d;
   Ran r = run_bin("faceshard-synth", "--output " + d / "s --identities 12 --images 6 --holdout 4 --pairs 20 --seed 3");
   ASSERT_EQ(r.code, 0) << r.output;
@@ -748,7 +784,7 @@ TEST(DataTools, SynthWritesAVerifiableDataSet) {
 }
 
 TEST(DataTools, BenchDataModeReadsEveryImageForEachWorkerCount) {
-  if (!have_bin("faceshard-bench")) GTEST_SKIP() << "faceshard-bench not built";
+  ASSERT_TRUE(have_bin("faceshard-bench")) << "faceshard-bench missing from " << FACESHARD_BIN_DIR;
   TempDir d;
   write_synthetic_dataset(d / "s", small_spec(5, 8, 0));  // 40 images
   Ran r = run_bin("faceshard-bench", "--mode data --data " + d / "s --batch 8 --workers 1,2,1 --epochs 2 --json " +
@@ -757,12 +793,17 @@ TEST(DataTools, BenchDataModeReadsEveryImageForEachWorkerCount) {
   const auto j = slurp(d / "bench.json");
   const std::string json(j.begin(), j.end());
   // Worker counts 1 and 2 (the repeated 1 is measured once), each 2 epochs x 5 batches x 8.
+  EXPECT_NE(json.find("\"cores\":"), std::string::npos) << json;
   EXPECT_NE(json.find("\"images\":40,"), std::string::npos) << json;
   EXPECT_NE(json.find("{\"workers\":1,"), std::string::npos) << json;
   EXPECT_NE(json.find("{\"workers\":2,"), std::string::npos) << json;
   size_t count = 0;
   for (size_t p = json.find("\"images\":80,"); p != std::string::npos; p = json.find("\"images\":80,", p + 1)) ++count;
-  EXPECT_EQ(count, 2u) << json;
+  EXPECT_EQ(count, 3u) << json;  // and the baseline over the same images
+  EXPECT_NE(json.find(",\"baseline\":{\"what\":\"decode+normalise only\",\"threads\":1,\"images_per_s\":"),
+            std::string::npos)
+      << json;
+  EXPECT_NE(r.output.find("decode+normalise only"), std::string::npos) << r.output;
   EXPECT_EQ(run_bin("faceshard-bench", "--mode data --data " + d / "s --workers 0").code, 2);
   EXPECT_EQ(run_bin("faceshard-bench", "--mode data --data " + d / "s --batch 41").code, 2);
   EXPECT_EQ(run_bin("faceshard-bench", "--mode nothing").code, 2);
