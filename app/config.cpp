@@ -378,12 +378,15 @@ void Config::visit(FieldVisitor& v) {
   v.field("data.num_classes", data.num_classes, required_pos);
   v.field("data.num_images", data.num_images, at_least(0));
   v.field("data.batch_size", data.batch_size, at_least(1));
-  v.field("data.num_workers", data.num_workers, range(0, 256));
+  v.field("data.num_workers", data.num_workers, range(1, 256));  // the loader needs a worker thread
   v.field("data.val_targets", data.val_targets, none);
   v.field("data.val_dir", data.val_dir, none);
   v.field("data.flip", data.flip, none);
   v.field("data.max_bad_fraction", data.max_bad_fraction, range(0, 1));
   v.field("data.prefetch", data.prefetch, range(1, 64));
+  v.field("data.augment.gray_prob", data.augment_gray_prob, range(0, 1));
+  v.field("data.augment.blur_prob", data.augment_blur_prob, range(0, 1));
+  v.field("data.augment.downscale_prob", data.augment_downscale_prob, range(0, 1));
 
   v.field("model.backbone", model.backbone, none);
   v.field("model.embedding_size", model.embedding_size, range(1, 65536));

@@ -47,6 +47,11 @@ struct DataConfig {
   bool flip = true;
   double max_bad_fraction = 0.001;
   int64_t prefetch = 4;
+  // data.augment.*: probabilities of the optional extra augmentations (grayscale,
+  // Gaussian blur, downscale-then-upscale); all 0, i.e. off, as in arcface_torch.
+  double augment_gray_prob = 0.0;
+  double augment_blur_prob = 0.0;
+  double augment_downscale_prob = 0.0;
 };
 
 struct ModelConfig {

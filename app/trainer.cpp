@@ -272,6 +272,9 @@ void build(Job& j, const TrainRequest& req) {
   lo.num_workers = static_cast<int>(cfg.data.num_workers);
   lo.prefetch_batches = static_cast<int>(cfg.data.prefetch);
   lo.flip = cfg.data.flip;
+  lo.extra.gray_prob = cfg.data.augment_gray_prob;
+  lo.extra.blur_prob = cfg.data.augment_blur_prob;
+  lo.extra.downscale_prob = cfg.data.augment_downscale_prob;
   lo.seed = static_cast<uint64_t>(cfg.seed);
   lo.max_bad_fraction = cfg.data.max_bad_fraction;
   lo.num_classes = cfg.data.num_classes;

@@ -29,9 +29,19 @@ void RecordIODataset::read(uint64_t index, RawSample& out) const {
   const uint64_t k = key(index);
   thread_local std::vector<uint8_t> buf;
   rec_.read(k, buf);
-  const std::string where = describe(index);
-  const ImageRecordView v = unpack_image_record(buf, where);
-  out.label = label_to_class(v.class_label(), where);
+  // The parsers prefix their messages with `where`; it is built only on failure (an empty
+  // prefix, then describe() in front) since read() runs for every image of every epoch.
+  ImageRecordView v;
+  try {
+    v = unpack_image_record(buf, "");
+  } catch (const Error& e) {
+    throw runtime_error(describe(index), e.what());
+  }
+  try {
+    out.label = label_to_class(v.class_label(), "");
+  } catch (const Error& e) {
+    throw LabelError(describe(index) + e.what());
+  }
   out.bytes.assign(v.image, v.image + v.image_size);
 }
 

@@ -9,12 +9,21 @@
 
 #include "data/insightface_rec.h"
 #include "data/recordio.h"
+#include "partial_fc/error.h"
 
 namespace faceshard {
 
 struct RawSample {
   int64_t label = -1;
   std::vector<uint8_t> bytes;  // encoded image, or HWC RGB pixels when raw_pixels()
+};
+
+// A record whose label is not a class index. Unlike a sample that cannot be read or
+// decoded (the loader replaces and counts those), a wrong label means the data set itself
+// is mislabelled, so the loader stops on it. Still a faceshard::Error for every other caller.
+class LabelError : public Error {
+ public:
+  explicit LabelError(const std::string& msg) : Error(ErrorKind::Runtime, msg) {}
 };
 
 class Dataset {
@@ -24,6 +33,7 @@ class Dataset {
   // Number of classes the data set declares (-1 when it does not know without a scan).
   virtual int64_t num_classes() const = 0;
   // Reads sample `index` (0 <= index < size()); safe to call from several threads.
+  // Throws LabelError for a label that is not a class index, Error for anything else.
   virtual void read(uint64_t index, RawSample& out) const = 0;
   // Names a sample in messages: "<file> key 17" or the image path.
   virtual std::string describe(uint64_t index) const = 0;

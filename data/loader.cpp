@@ -165,13 +165,13 @@ void DataLoader::load_sample(uint64_t epoch, uint64_t pos, const std::vector<uin
   std::string error;
   uint64_t index = order[pos];
   if (fill_one(index, epoch, pos, dst, label, &error)) return;
-  note_bad(index, error);
+  note_bad(epoch, index, error);
   std::mt19937_64 g(seed_mix(seed_mix(opt_.seed ^ 0x5eed) ^ seed_mix(epoch) ^ pos));
   for (int t = 0; t < kReplaceTries; ++t) {
     const uint64_t alt = order[g() % order.size()];
     if (alt == index) continue;
     if (fill_one(alt, epoch, pos, dst, label, &error)) return;
-    note_bad(alt, error);
+    note_bad(epoch, alt, error);
   }
   throw runtime_error("loader: ", kReplaceTries, " replacement samples in a row failed to load; last: ", error);
 }
@@ -185,15 +185,29 @@ bool DataLoader::fill_one(uint64_t index, uint64_t epoch, uint64_t pos, float* d
   std::mt19937_64 rng(seed_mix(seed_mix(opt_.seed) ^ seed_mix(epoch + 0x100000000ull) ^ pos));
   const bool flip = opt_.flip && (rng() & 1);
   cv::Mat bgr;
+  // Only unreadable or undecodable samples are replaced; a LabelError (a mislabelled data
+  // set) propagates and stops the run. Sample names are built on the error path only.
   try {
     dataset_->read(index, sample);
-    if (!dataset_->raw_pixels()) bgr = decode_image(sample.bytes.data(), sample.bytes.size(), dataset_->describe(index));
+  } catch (const LabelError&) {
+    throw;
   } catch (const Error& e) {
     *error = e.what();
     return false;
   } catch (const std::exception& e) {
     *error = detail::concat(dataset_->describe(index), ": ", e.what());
     return false;
+  }
+  if (!dataset_->raw_pixels()) {
+    try {
+      bgr = decode_image(sample.bytes.data(), sample.bytes.size(), "");  // message starts ": ..."
+    } catch (const Error& e) {
+      *error = dataset_->describe(index) + e.what();
+      return false;
+    } catch (const std::exception& e) {
+      *error = detail::concat(dataset_->describe(index), ": ", e.what());
+      return false;
+    }
   }
   if (opt_.num_classes >= 0 && (sample.label < 0 || sample.label >= opt_.num_classes)) {
     throw runtime_error(dataset_->describe(index), ": label ", sample.label, " is out of range [0, ", opt_.num_classes,
@@ -213,14 +227,25 @@ bool DataLoader::fill_one(uint64_t index, uint64_t epoch, uint64_t pos, float* d
   return true;
 }
 
-void DataLoader::note_bad(uint64_t index, const std::string& error) {
+void DataLoader::note_bad(uint64_t epoch, uint64_t index, const std::string& error) {
   std::lock_guard<std::mutex> lk(bad_mu_);
-  if (!bad_.insert(index).second) return;  // logged once per record
-  log_warn("loader: skipping a bad sample (", error, "); replaced by another sample");
-  const double limit = opt_.max_bad_fraction * double(dataset_->size());
-  if (double(bad_.size()) > limit) {
-    throw runtime_error("loader: ", bad_.size(), " of ", dataset_->size(), " samples failed to load, more than ",
-                        "max_bad_fraction = ", opt_.max_bad_fraction, "; last: ", error);
+  if (epoch != bad_epoch_) {
+    bad_epoch_ = epoch;
+    epoch_bad_.clear();
+  }
+  const bool new_in_epoch = epoch_bad_.insert(index).second;
+  if (bad_.insert(index).second) {  // logged once per record
+    log_warn("loader: skipping a bad sample (", error, "); replaced by another sample");
+  }
+  if (!new_in_epoch) return;
+  // This rank reads only its sampler share (1/world of the data set) per epoch, so the
+  // limit is a fraction of that share; counting the whole data set would let a rank
+  // accept world times too many bad samples.
+  const double limit = opt_.max_bad_fraction * double(sampler_.size());
+  if (double(epoch_bad_.size()) > limit) {
+    throw runtime_error("loader: ", epoch_bad_.size(), " of this rank's ", sampler_.size(), " samples in epoch ",
+                        epoch, " failed to load, more than max_bad_fraction = ", opt_.max_bad_fraction,
+                        "; last: ", error);
   }
 }
 

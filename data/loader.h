@@ -29,7 +29,7 @@ struct LoaderOptions {
   bool flip = true;              // random horizontal flip, p = 0.5
   ExtraAugment extra;            // off by default
   uint64_t seed = 0;             // flips and extras are a function of (seed, epoch, position)
-  double max_bad_fraction = 0.01;  // stop when more than this fraction of the data set is bad
+  double max_bad_fraction = 0.01;  // stop when more than this fraction of the rank's epoch share is bad
   int64_t num_classes = -1;      // labels must lie in [0, num_classes) when >= 0
   torch::Device device = torch::kCPU;
   bool pin_memory = true;        // pinned host batches (only used for a CUDA device)
@@ -67,7 +67,7 @@ class DataLoader {
   void build_batch(uint64_t epoch, uint64_t b, const std::vector<uint64_t>& order, Batch& out);
   void load_sample(uint64_t epoch, uint64_t pos, const std::vector<uint64_t>& order, float* dst, int64_t* label);
   bool fill_one(uint64_t index, uint64_t epoch, uint64_t pos, float* dst, int64_t* label, std::string* error);
-  void note_bad(uint64_t index, const std::string& error);
+  void note_bad(uint64_t epoch, uint64_t index, const std::string& error);
   Batch to_device(Batch b);
 
   std::shared_ptr<const Dataset> dataset_;
@@ -91,7 +91,9 @@ class DataLoader {
   std::exception_ptr error_;
 
   mutable std::mutex bad_mu_;
-  std::set<uint64_t> bad_;
+  std::set<uint64_t> bad_;        // every distinct bad index seen (reported)
+  std::set<uint64_t> epoch_bad_;  // distinct bad indices of epoch bad_epoch_ (the limit)
+  uint64_t bad_epoch_ = 0;
 };
 
 }  // namespace faceshard

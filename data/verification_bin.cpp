@@ -18,14 +18,34 @@ namespace faceshard {
 
 namespace {
 
-// The few kinds of Python object a .bin can hold. Lists only ever receive scalars
-// (APPEND rejects containers), so values form no cycles and shared_ptr frees them all.
+// A valid .bin nests containers two deep at most: the (bins, issame) pair holds two lists
+// of scalars (and a REDUCE argument tuple holds strings). Deeper values are rejected as
+// they are built, so no value is ever deeper than this and freeing one (shared_ptr
+// destructors recurse per level) cannot exhaust the C++ stack.
+constexpr int kMaxDepth = 2;
+// Bounds on what the parser keeps (each BINGET pushes another reference for two input
+// bytes): far above a real set's needs (lfw: 12000 images, batched 1000 per APPENDS) while
+// keeping a hostile file from growing memory without limit.
+constexpr size_t kMaxStack = size_t(1) << 22;
+constexpr size_t kMaxMemo = size_t(1) << 22;
+
+struct Items;
+
+// The few kinds of Python object a .bin can hold.
 struct Value {
   enum Kind { Bytes, Text, Bool, Int, None, List, Tuple, Global } kind = None;
-  std::shared_ptr<std::vector<uint8_t>> bytes;  // Bytes; Text keeps its UTF-8 here
-  std::shared_ptr<std::vector<Value>> items;    // List, Tuple
+  std::shared_ptr<std::vector<uint8_t>> bytes;  // Bytes; Text keeps its UTF-8 here; Global its name
+  std::shared_ptr<Items> items;                 // List, Tuple
   int64_t number = 0;                           // Bool, Int
-  std::string global;                           // "module.name"
+};
+
+// A container's elements plus what the depth rule needs: its nesting depth (1: only
+// scalars) and whether it already sits inside another container. A contained list may
+// still receive scalars but no containers, so the recorded depth of every container that
+// holds it stays true; together with the depth limit this keeps values acyclic and shallow.
+struct Items : std::vector<Value> {
+  int depth = 1;
+  bool contained = false;
 };
 
 const char* kind_name(Value::Kind k) {
@@ -61,7 +81,10 @@ class PickleParser {
           if (len > n_ - pos_) fail("frame runs past the end of the data");
           break;
         }
-        case '(': marks_.push_back(stack_.size()); break;  // MARK
+        case '(':  // MARK
+          if (marks_.size() >= kMaxStack) fail(detail::concat("more than ", kMaxStack, " open MARKs"));
+          marks_.push_back(stack_.size());
+          break;
         case '.': return stop();                          // STOP
         case '0': pop(); break;                           // POP
         case '1': pop_mark(); break;                      // POP_MARK
@@ -186,16 +209,29 @@ class PickleParser {
     return s[0] == '-' ? -v : v;
   }
 
-  static Value list(std::vector<Value> items) {
+  Value list(std::vector<Value> items) const {
     Value v;
     v.kind = Value::List;
-    v.items = std::make_shared<std::vector<Value>>(std::move(items));
+    v.items = std::make_shared<Items>();
+    for (auto& x : items) {
+      if (x.kind == Value::Global) fail("a container element is a global");
+      if (x.items) {
+        x.items->contained = true;
+        v.items->depth = std::max(v.items->depth, 1 + x.items->depth);
+      }
+    }
+    if (v.items->depth > kMaxDepth) fail(too_deep());
+    static_cast<std::vector<Value>&>(*v.items) = std::move(items);
     return v;
   }
-  static Value tuple(std::vector<Value> items) {
+  Value tuple(std::vector<Value> items) const {
     Value v = list(std::move(items));
     v.kind = Value::Tuple;
     return v;
+  }
+  static std::string too_deep() {
+    return detail::concat("containers nested more than ", kMaxDepth,
+                          " deep (a .bin is a pair of lists of images and labels)");
   }
   static Value boolean(bool b) {
     Value v;
@@ -220,10 +256,10 @@ class PickleParser {
     v.kind = Value::Text;
     return v;
   }
-  static Value global(std::string g) {
+  static Value global(const std::string& g) {
     Value v;
     v.kind = Value::Global;
-    v.global = std::move(g);
+    v.bytes = std::make_shared<std::vector<uint8_t>>(g.begin(), g.end());
     return v;
   }
   static std::string as_string(const Value& v) { return std::string(v.bytes->begin(), v.bytes->end()); }
@@ -256,22 +292,26 @@ class PickleParser {
  private:
   Value reduce(const Value& fn, const Value& args) {
     if (fn.kind != Value::Global) fail("REDUCE of a non-global");
+    const std::string fn_name = as_string(fn);
     if (args.kind != Value::Tuple) fail("REDUCE arguments are not a tuple");
     const auto& a = *args.items;
-    const bool is_encode = fn.global == "_codecs.encode";
-    const bool is_bytes = fn.global == "__builtin__.bytes" || fn.global == "builtins.bytes" ||
-                          fn.global == "__builtin__.bytearray" || fn.global == "builtins.bytearray";
-    if (!is_encode && !is_bytes) fail(detail::concat("pickle calls ", fn.global, ", which a .bin never does"));
+    const bool is_encode = fn_name == "_codecs.encode";
+    const bool is_bytes = fn_name == "__builtin__.bytes" || fn_name == "builtins.bytes" ||
+                          fn_name == "__builtin__.bytearray" || fn_name == "builtins.bytearray";
+    if (!is_encode && !is_bytes) fail(detail::concat("pickle calls ", fn_name, ", which a .bin never does"));
     if (is_bytes && a.empty()) return bytes(std::make_shared<std::vector<uint8_t>>());
     if (is_bytes && a.size() == 1 && a[0].kind == Value::Bytes) return a[0];
     if (a.size() == 2 && a[0].kind == Value::Text && a[1].kind == Value::Text) {
       const std::string enc = as_string(a[1]);
       if (enc == "latin1" || enc == "latin-1" || enc == "iso-8859-1") return bytes(latin1(a[0]));
     }
-    fail(detail::concat("unsupported arguments to ", fn.global));
+    fail(detail::concat("unsupported arguments to ", fn_name));
   }
 
-  void push(Value v) { stack_.push_back(std::move(v)); }
+  void push(Value v) {
+    if (stack_.size() >= kMaxStack) fail(detail::concat("pickle stack grows past ", kMaxStack, " items"));
+    stack_.push_back(std::move(v));
+  }
   Value pop() {
     const size_t floor = marks_.empty() ? 0 : marks_.back();
     if (stack_.size() <= floor) fail("stack underflow");
@@ -297,25 +337,30 @@ class PickleParser {
   void append(std::vector<Value> items) {
     const size_t floor = marks_.empty() ? 0 : marks_.back();
     if (stack_.size() <= floor || stack_.back().kind != Value::List) fail("APPEND to something that is not a list");
-    auto& target = stack_.back();
+    Items& target = *stack_.back().items;
     for (auto& v : items) {
-      // [bins, issame] appends lists to a list. Only containers of scalars (and never the
-      // list itself) may be appended: a new edge then never closes a cycle, so the
-      // shared_ptr graph stays a DAG and is freed.
+      // [bins, issame] appends lists to a list. The depth rule (see Items) keeps the
+      // shared_ptr graph acyclic and at most kMaxDepth deep, so it is freed without
+      // deep recursion.
       if (v.kind == Value::Global) fail("a list element is a global");
-      if (v.kind == Value::List || v.kind == Value::Tuple) {
-        if (v.items == target.items) fail("a list appended to itself");
-        for (const auto& x : *v.items) {
-          if (x.kind == Value::List || x.kind == Value::Tuple || x.kind == Value::Global) {
-            fail("nested containers are not part of a verification .bin");
-          }
+      if (v.items) {
+        if (v.items.get() == &target) fail("a list appended to itself");
+        const int depth = std::max(target.depth, 1 + v.items->depth);
+        if (depth > kMaxDepth) fail(too_deep());
+        if (depth > target.depth && target.contained) {
+          fail("a container appended to a list that is already inside another container");
         }
+        target.depth = depth;
+        v.items->contained = true;
       }
-      target.items->push_back(std::move(v));
+      target.push_back(std::move(v));
     }
   }
   void memo_put(uint64_t index) {
     if (stack_.empty()) fail("PUT with an empty stack");
+    if (memo_.size() >= kMaxMemo && memo_.count(index) == 0) {
+      fail(detail::concat("pickle memo grows past ", kMaxMemo, " entries"));
+    }
     memo_[index] = stack_.back();
   }
   void memo_get(uint64_t index) {

@@ -172,7 +172,7 @@ TEST(VerificationBin, ReadsPicklesWrittenByPython) {
   const std::vector<std::pair<const char*, const char*>> refused = {
       {"evil.bin", "posix.system"}, {"evil4.bin", "system"},   {"dict.bin", "not allowed"},
       {"three.bin", "of 3 items"},  {"strsame.bin", "issame"}, {"odd.bin", "2 per pair"},
-      {"nested.bin", "bins[0] is a list"}, {"float.bin", "not allowed"}};
+      {"nested.bin", "nested more than 2 deep"}, {"float.bin", "not allowed"}};
   for (const auto& [name, why] : refused) {
     const std::string msg = error_of([&] { read_verification_bin(d / name); });
     EXPECT_NE(msg.find(name), std::string::npos) << name << ": " << msg;
@@ -235,6 +235,71 @@ TEST(VerificationBinCorrupt, GarbageTruncationAndLies) {
   deep.push_back('.');
   EXPECT_NE(error_of([&] { parse_verification_bin(deep.data(), deep.size(), "deep.bin"); }), "<no error>");
   EXPECT_EQ(error_of([&] { read_verification_bin("/nonexistent/lfw.bin"); }).find("/nonexistent/lfw.bin"), 0u);
+}
+
+// Nested containers are built without recursion, but freeing them recurses once per
+// level: each of these would overflow the C++ stack if the parser accepted it.
+TEST(VerificationBinCorrupt, DeepNestingIsRejectedWithFileAndOffset) {
+  auto expect_rejected = [](const std::vector<uint8_t>& b, const std::string& what) {
+    const std::string msg = error_of([&] { parse_verification_bin(b.data(), b.size(), "deep.bin"); });
+    EXPECT_EQ(msg.find("deep.bin"), 0u) << what << ": " << msg;
+    EXPECT_NE(msg.find("offset"), std::string::npos) << what << ": " << msg;
+  };
+  // EMPTY_LIST, then a million TUPLE1s: ((([],),),)...
+  std::vector<uint8_t> tuple1(1, ']');
+  tuple1.insert(tuple1.end(), 1000000, 0x85);
+  tuple1.push_back('.');
+  const std::string msg = error_of([&] { parse_verification_bin(tuple1.data(), tuple1.size(), "deep.bin"); });
+  EXPECT_NE(msg.find("nested"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("offset 2)"), std::string::npos) << msg;  // the second TUPLE1
+  expect_rejected(tuple1, "TUPLE1");
+  // The same with TUPLE2/TUPLE3 and with MARK ... TUPLE / LIST.
+  for (uint8_t op : {uint8_t(0x86), uint8_t(0x87)}) {
+    std::vector<uint8_t> b(1, ']');
+    for (int i = 0; i < 300000; ++i) {
+      b.push_back('N');
+      if (op == 0x87) b.push_back('N');
+      b.push_back(op);
+    }
+    b.push_back('.');
+    expect_rejected(b, "TUPLE2/3");
+  }
+  for (uint8_t op : {uint8_t('t'), uint8_t('l')}) {
+    std::vector<uint8_t> b(300000, '(');
+    b.push_back(']');
+    b.insert(b.end(), 300000, op);
+    b.push_back('.');
+    expect_rejected(b, "MARK ... TUPLE/LIST");
+  }
+  // A chain of lists through the memo: L0 = [L1], then GET L1 and append L2 to it, ...
+  // Each append alone adds a list of scalars, yet the chain grows one level per step.
+  auto u32 = [](std::vector<uint8_t>& b, uint32_t v) {
+    for (int i = 0; i < 4; ++i) b.push_back(uint8_t(v >> (8 * i)));
+  };
+  std::vector<uint8_t> chain = {0x80, 0x04, ']', 0x94};  // memo 0 = L0
+  for (uint32_t k = 0; k < 500000; ++k) {
+    chain.push_back('j');  // LONG_BINGET L_k
+    u32(chain, k);
+    chain.insert(chain.end(), {']', 0x94, 'a', '0'});  // memo k+1 = L_k+1; L_k.append(L_k+1); POP
+  }
+  chain.push_back('j');
+  u32(chain, 0);
+  chain.push_back('.');
+  expect_rejected(chain, "memo chain");
+  // A valid set still parses: a tuple of two lists, each filled by APPENDS.
+  const VerificationSet set = random_set(10, 3);
+  const std::vector<uint8_t> good = encode_verification_bin(set);
+  EXPECT_EQ(parse_verification_bin(good.data(), good.size(), "ok.bin").num_pairs(), 3u);
+}
+
+// BINGET pushes another reference for two bytes of input; the stack is capped.
+TEST(VerificationBinCorrupt, StackGrowthIsCapped) {
+  std::vector<uint8_t> b = {0x80, 0x02, ']', 'q', 0};
+  for (int i = 0; i < (1 << 22) + 10; ++i) b.insert(b.end(), {'h', 0});
+  b.push_back('.');
+  const std::string msg = error_of([&] { parse_verification_bin(b.data(), b.size(), "big.bin"); });
+  EXPECT_EQ(msg.find("big.bin"), 0u) << msg;
+  EXPECT_NE(msg.find("stack grows past"), std::string::npos) << msg;
 }
 
 TEST(VerificationBinCorrupt, RandomMutationsNeverCrash) {

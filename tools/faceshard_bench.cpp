@@ -3,7 +3,8 @@
 //                       backward, shard optimiser) on random embeddings
 //   --mode data         the training data loader alone (read, JPEG decode, flip, normalise,
 //                       batch) for several worker counts; --data a folder with train.rec/idx
-//                       (default: a synthetic face set written to a temporary folder)
+//                       (default: a synthetic face set written to a temporary folder),
+//                       after a single-threaded "decode+normalise only" baseline (no loader)
 // Reports the median time per step over several timed windows after warm-up, images/s,
 // and peak memory (GPU: the caching allocator's peak; CPU: the process's peak RSS), as a
 // one-line summary and, with --json FILE, a JSON object.
@@ -26,6 +27,7 @@
 #endif
 
 #include "data/dataset.h"
+#include "data/image_transform.h"
 #include "data/loader.h"
 #include "data/sampler.h"
 #include "data/synthetic_faces.h"
@@ -203,14 +205,54 @@ int run_data(const Args& a) {
   const int cores = std::max(1u, std::thread::hardware_concurrency());
   std::ostringstream js;
   js << "{\"mode\":\"data\",\"data\":\"" << (a.data.empty() ? "synthetic" : a.data) << "\",\"images\":" << ds->size()
-     << ",\"batch\":" << batch << ",\"cores\":" << cores << ",\"results\":[";
+     << ",\"batch\":" << batch << ",\"cores\":" << cores;
+  const DistributedSampler sampler(ds->size(), 1, 0, 0);
+  {
+    // Baseline: a worker's per-image work (read, decode, normalise) in a plain loop on one
+    // thread over the same images, without the loader. The 1-worker row's time per image
+    // minus this one's is the loader's own overhead (threads, queue, batching, checks).
+    const uint64_t per_epoch = sampler.size() / uint64_t(batch) * uint64_t(batch);
+    RawSample sample;
+    std::vector<float> dst;
+    auto epoch = [&](uint64_t e) {
+      const std::vector<uint64_t> order = sampler.indices(e);
+      for (uint64_t i = 0; i < per_epoch; ++i) {
+        ds->read(order[i], sample);
+        if (ds->raw_pixels()) {
+          const int n = ds->raw_size();
+          dst.resize(size_t(3) * n * n);
+          rgb_to_normalized_chw(sample.bytes.data(), n, n, false, dst.data());
+        } else {
+          cv::Mat bgr;
+          try {  // the sample's name is built on failure only, as in the loader
+            bgr = decode_image(sample.bytes.data(), sample.bytes.size(), "");
+          } catch (const Error& e) {
+            throw runtime_error(ds->describe(order[i]), e.what());
+          }
+          dst.resize(size_t(3) * bgr.rows * bgr.cols);
+          bgr_to_normalized_chw(bgr, false, dst.data());
+        }
+      }
+      return per_epoch;
+    };
+    epoch(0);  // warm-up, as for the loader rows
+    const auto t0 = std::chrono::steady_clock::now();
+    uint64_t images = 0;
+    for (int64_t e = 1; e <= a.epochs; ++e) images += epoch(uint64_t(e));
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    log_info("data: decode+normalise only (1 thread, no loader): ", images / s, " images/s (", images, " images in ",
+             s, " s)");
+    js << ",\"baseline\":{\"what\":\"decode+normalise only\",\"threads\":1,\"images_per_s\":" << images / s
+       << ",\"images\":" << images << ",\"seconds\":" << s << "}";
+  }
+  js << ",\"results\":[";
   bool first = true;
   for (int workers : worker_counts) {
     LoaderOptions o;
     o.batch_size = batch;
     o.num_workers = workers;
     o.prefetch_batches = std::max(4, 2 * workers);
-    DataLoader loader(ds, DistributedSampler(ds->size(), 1, 0, 0), o);
+    DataLoader loader(ds, sampler, o);
     auto epoch = [&](uint64_t e) {
       uint64_t n = 0;
       loader.start_epoch(e);

@@ -168,11 +168,24 @@ int cmd_verify(const Args& a) {
   // 3. The insightface layout and every image record.
   const faceshard::InsightFaceLayout layout = faceshard::read_insightface_layout(r);
   const int64_t classes = int64_t(layout.num_identities());
+  // Identity records list each class's images in class order (what samplers that draw by
+  // identity rely on): the ranges must be sorted and disjoint, or an image would belong to
+  // two identities. Empty ranges are allowed (classes without images).
+  uint64_t prev_end = 1, prev_key = 0;
   for (uint64_t k = layout.identity_begin; k < layout.identity_end; ++k) {
     const auto range = faceshard::read_identity_range(r, k);
     if (range.first < 1 || (layout.has_header && range.second > layout.identity_begin)) {
       throw faceshard::runtime_error(rec, ": key ", k, ": identity range [", range.first, ", ", range.second,
                                      ") is outside the image keys");
+    }
+    if (range.first < range.second) {
+      if (range.first < prev_end) {
+        throw faceshard::runtime_error(rec, ": key ", k, ": identity range [", range.first, ", ", range.second,
+                                       ") starts before the end (", prev_end, ") of the range of key ", prev_key,
+                                       " (expected sorted, non-overlapping ranges)");
+      }
+      prev_end = range.second;
+      prev_key = k;
     }
   }
   std::vector<uint8_t> buf;
