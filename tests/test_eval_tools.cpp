@@ -17,6 +17,7 @@
 #include <opencv2/imgproc.hpp>
 
 #include "app/checkpoint.h"
+#include "app/evaluation.h"
 #include "app/ijb.h"
 #include "app/inference_model.h"
 #include "app/npy.h"
@@ -385,6 +386,68 @@ TEST(EvalTools, IjbFollowsTheProtocolOnOneAndTwoRanks) {
   r = run_tool("faceshard-ijb", "--model " + dir + "/model --root " + dir + "/nowhere");
   EXPECT_EQ(r.status, 2) << r.output;
   EXPECT_NE(r.output.find("nowhere/meta/ijbc_name_5pts_score.txt"), std::string::npos) << r.output;
+}
+
+// ---------------------------------------------------------------------------------------
+// Verification protocol (the trainer and faceshard-verify share evaluate_verification)
+
+// verification.py's XNorm and flip-test scores recomputed in numpy from the two raw passes
+// (the model run directly here): XNorm is the mean norm over the rows of both passes, the
+// flip sum is taken in float64.
+TEST(EvalVerification, XNormAndFlipSumFollowInsightfaceInNumpy) {
+  const std::string dir = temp_dir("xnorm");
+  auto model = write_model(dir + "/model", 16);
+  torch::manual_seed(4);
+  VerificationData data;
+  data.name = "tiny";
+  const int64_t pairs = 20;
+  data.images = torch::rand({2 * pairs, 3, 112, 112}) * 2 - 1;
+  for (int64_t i = 0; i < pairs; ++i) data.issame.push_back(i % 3 == 0);
+  at::Tensor plain, mirrored;
+  {
+    torch::NoGradGuard ng;
+    plain = model->forward(data.images);
+    mirrored = model->forward(data.images.flip({3}));
+  }
+  const VerificationResult r = evaluate_verification(*model, data, 2 * pairs, torch::kCPU);
+  std::ostringstream raw;
+  raw.precision(9);
+  for (const at::Tensor& t : {plain, mirrored})
+    for (int64_t i = 0; i < t.numel(); ++i) raw << t.view(-1)[i].item<float>() << (i % 16 == 15 ? "\n" : " ");
+  write_text(dir + "/raw.txt", raw.str());
+  const auto py = run_python(dir, "xnorm.py", R"PY(
+import sys, numpy as np
+raw = np.loadtxt(sys.argv[1] + '/raw.txt', dtype=np.float32)
+n = raw.shape[0] // 2
+embeddings_list = [np.zeros((n, 16)), np.zeros((n, 16))]  # float64, as verification.py
+embeddings_list[0][:] = raw[:n]
+embeddings_list[1][:] = raw[n:]
+xnorm, cnt = 0.0, 0
+for embed in embeddings_list:
+    for i in range(embed.shape[0]):
+        xnorm += np.linalg.norm(embed[i]); cnt += 1
+xnorm /= cnt
+e = embeddings_list[0] + embeddings_list[1]
+e = e / np.linalg.norm(e, axis=1, keepdims=True)
+dist = np.sum((e[0::2] - e[1::2]) ** 2, axis=1)
+score = 1 - dist / 2
+print('%.17g' % xnorm)
+print(' '.join('%.17g' % x for x in np.unique(score)[::-1]))
+)PY",
+                             {dir});
+  ASSERT_EQ(py.status, 0) << py.output;
+  std::istringstream in(py.output);
+  double xnorm = 0;
+  in >> xnorm;
+  EXPECT_NEAR(r.xnorm, xnorm, 1e-9 * xnorm);
+  // Not the norm of the summed embeddings (what an earlier version reported).
+  EXPECT_GT(std::abs(r.xnorm - (plain + mirrored).norm(2, 1).mean().item<double>()), 0.1 * xnorm);
+  // ROC thresholds are the distinct scores, descending, after +inf. At 1e-12 a flip sum
+  // taken in float32 (errors ~1e-8) would not pass.
+  std::vector<double> want;
+  for (double v; in >> v;) want.push_back(v);
+  ASSERT_EQ(r.roc.thresholds.size(), want.size() + 1);
+  for (size_t i = 0; i < want.size(); ++i) EXPECT_NEAR(r.roc.thresholds[i + 1], want[i], 1e-12) << "score " << i;
 }
 
 // ---------------------------------------------------------------------------------------
