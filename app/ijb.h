@@ -44,7 +44,8 @@ cv::Mat align_face(const cv::Mat& bgr, const std::array<float, 10>& landmarks);
 at::Tensor ijb_template_features(const at::Tensor& image_features, const IjbMeta& meta,
                                  std::vector<int64_t>* unique_templates, bool use_faceness = true);
 
-// Cosine score per template pair (template features are unit vectors).
+// Cosine score per template pair (template features are unit vectors), computed a
+// chunk of pairs at a time so that memory stays O(templates + pairs).
 std::vector<double> ijb_pair_scores(const at::Tensor& template_features, const std::vector<int64_t>& unique_templates,
                                     const IjbMeta& meta);
 

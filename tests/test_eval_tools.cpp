@@ -263,6 +263,34 @@ TEST(EvalIjb, MetaFilesAreCheckedLineByLine) {
   EXPECT_NE(error_of([&] { read_ijb_meta(root, "LFW"); }).find("IJBC or IJBB"), std::string::npos);
 }
 
+// Pair scores are computed a chunk at a time: more pairs than two chunks, every pair
+// checked against its dot product summed here.
+TEST(EvalIjb, PairScoresCoverEveryChunk) {
+  torch::manual_seed(8);
+  const int64_t t = 50, e = 8, p = 70001;
+  const at::Tensor f = torch::nn::functional::normalize(torch::randn({t, e}, torch::kDouble),
+                                                        torch::nn::functional::NormalizeFuncOptions().dim(1));
+  std::vector<int64_t> ids;
+  for (int64_t i = 0; i < t; ++i) ids.push_back(100 + 3 * i);
+  IjbMeta m;
+  std::mt19937 g(2);
+  for (int64_t i = 0; i < p; ++i) {
+    m.pair_t1.push_back(ids[size_t(g() % t)]);
+    m.pair_t2.push_back(ids[size_t(g() % t)]);
+  }
+  const std::vector<double> s = ijb_pair_scores(f, ids, m);
+  ASSERT_EQ(s.size(), size_t(p));
+  const double* fp = f.data_ptr<double>();
+  int64_t bad = 0;
+  for (int64_t i = 0; i < p; ++i) {
+    const int64_t a = (m.pair_t1[size_t(i)] - 100) / 3, b = (m.pair_t2[size_t(i)] - 100) / 3;
+    double want = 0;
+    for (int64_t k = 0; k < e; ++k) want += fp[a * e + k] * fp[b * e + k];
+    bad += std::abs(s[size_t(i)] - want) > 1e-12 ? 1 : 0;
+  }
+  EXPECT_EQ(bad, 0);
+}
+
 // ---------------------------------------------------------------------------------------
 // faceshard-ijb on a tiny IJB-style folder
 
@@ -298,11 +326,15 @@ got = json.load(open(json_path))
 saved = np.load(out_dir + '/IJBC_scores.npy')
 assert saved.dtype == np.float32 and saved.shape == score.shape, (saved.dtype, saved.shape)
 assert np.allclose(saved, score, atol=1e-6), np.abs(saved - score).max()
+chosen = {}
 for e in range(6, 0, -1):
-    want = tpr[np.argmin(np.abs(fpr - 10.0 ** -e))]
+    chosen[e] = np.argmin(np.abs(fpr - 10.0 ** -e))
+    want = tpr[chosen[e]]
     have = got['tar_at_far']['1e-%d' % e]
     assert abs(have - want) < 1e-12, ('1e-%d' % e, have, want)
-    print('TAR@FAR=1e-%d %.6f' % (e, want))
+    print('TAR@FAR=1e-%d %.6f (FPR %.5f)' % (e, want, fpr[chosen[e]]))
+# The data set resolves the larger FARs: each on its own ROC point, none at FPR 0.
+assert len({chosen[3], chosen[2], chosen[1]}) == 3 and min(fpr[chosen[e]] for e in (3, 2, 1)) > 0, chosen
 assert got['pairs'] == len(pairs) and got['templates'] == len(ut)
 )PY";
 
@@ -311,7 +343,9 @@ struct TinyIjb {
   std::vector<LooseCrop> crops;
 };
 
-// 6 identities x 2 templates; each template 2 media of 1-2 images; every template pair.
+// 30 identities x 2 templates; each template 2 media of 1-2 images; every template pair
+// (30 genuine, 1740 impostor: enough that FAR 1e-3, 1e-2 and 1e-1 are distinct points).
+constexpr int kIjbIdentities = 30;
 TinyIjb write_tiny_ijb(const std::string& root) {
   const SyntheticFaces faces(21);
   std::mt19937 g(5);
@@ -321,7 +355,7 @@ TinyIjb write_tiny_ijb(const std::string& root) {
   TinyIjb t;
   t.root = root;
   int image = 0, media = 100;
-  for (int id = 0; id < 6; ++id)
+  for (int id = 0; id < kIjbIdentities; ++id)
     for (int tpl = 0; tpl < 2; ++tpl) {
       const int template_id = 10 * id + tpl + 1;
       for (int med = 0; med < 2; ++med, ++media)
@@ -339,8 +373,8 @@ TinyIjb write_tiny_ijb(const std::string& root) {
           t.crops.push_back(std::move(c));
         }
     }
-  for (int a = 0; a < 12; ++a)
-    for (int b = a + 1; b < 12; ++b)
+  for (int a = 0; a < 2 * kIjbIdentities; ++a)
+    for (int b = a + 1; b < 2 * kIjbIdentities; ++b)
       pairs << 10 * (a / 2) + a % 2 + 1 << " " << 10 * (b / 2) + b % 2 + 1 << " " << int(a / 2 == b / 2) << "\n";
   write_meta(root, lmk.str(), tid.str(), pairs.str());
   return t;
