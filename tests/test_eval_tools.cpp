@@ -261,6 +261,34 @@ TEST(EvalIjb, MetaFilesAreCheckedLineByLine) {
   EXPECT_NE(error_of([&] { read_ijb_meta(root, "ijbc"); }).find("'x' is not an integer"), std::string::npos);
   EXPECT_NE(error_of([&] { read_ijb_meta(root, "IJBB"); }).find("ijbb_name_5pts_score.txt"), std::string::npos);
   EXPECT_NE(error_of([&] { read_ijb_meta(root, "LFW"); }).find("IJBC or IJBB"), std::string::npos);
+  // Line numbers are the file's own, blank lines counted.
+  write_meta(root, l1 + "\n\n" + "2.jpg 1 2 3 4 5 6 7 8 9 10 high\n", "1.jpg 5 7\n2.jpg 6 8\n", "5 6 0\n");
+  std::string e = error_of([&] { read_ijb_meta(root, "ijbc"); });
+  EXPECT_NE(e.find("ijbc_name_5pts_score.txt:4: 'high' is not a number"), std::string::npos) << e;
+  write_meta(root, l1 + l2, "1.jpg 5 7\n\n2.jpg 6 x\n", "5 6 0\n");
+  e = error_of([&] { read_ijb_meta(root, "ijbc"); });
+  EXPECT_NE(e.find("ijbc_face_tid_mid.txt:3: 'x' is not an integer"), std::string::npos) << e;
+  write_meta(root, l1 + l2, "1.jpg 5 7\n2.jpg 6 8\n", "5 6 0\n\n\n5 6 3\n");
+  e = error_of([&] { read_ijb_meta(root, "ijbc"); });
+  EXPECT_NE(e.find("ijbc_template_pair_label.txt:4: label must be 0 or 1"), std::string::npos) << e;
+  // A pair naming a template without images is an error of the meta files, found when
+  // they are read (not after embedding every image).
+  write_meta(root, l1 + l2, "1.jpg 5 7\n2.jpg 6 8\n", "5 6 0\n\n5 9 0\n6 6 1\n");
+  e = error_of([&] { read_ijb_meta(root, "ijbc"); });
+  EXPECT_NE(e.find("ijbc_template_pair_label.txt:3: template 9 has no images in"), std::string::npos) << e;
+  EXPECT_NE(e.find("ijbc_face_tid_mid.txt"), std::string::npos) << e;
+  // Every crop is looked for before any embedding: the first missing one is named, with
+  // its line in the landmark file.
+  write_meta(root, "\n" + l1 + l2, "1.jpg 5 7\n2.jpg 6 8\n", "5 6 0\n");
+  const IjbMeta ok = read_ijb_meta(root, "ijbc");
+  EXPECT_EQ(ok.image_lines, (std::vector<size_t>{2, 3}));
+  fs::create_directories(root + "/loose_crop");
+  write_text(root + "/loose_crop/1.jpg", "x");
+  e = error_of([&] { check_ijb_images(ok, root + "/loose_crop"); });
+  EXPECT_NE(e.find("loose_crop/2.jpg: cannot open image"), std::string::npos) << e;
+  EXPECT_NE(e.find("ijbc_name_5pts_score.txt:3"), std::string::npos) << e;
+  write_text(root + "/loose_crop/2.jpg", "x");
+  EXPECT_EQ(error_of([&] { check_ijb_images(ok, root + "/loose_crop"); }), "<no error>");
 }
 
 // Pair scores are computed a chunk at a time: more pairs than two chunks, every pair
@@ -416,6 +444,7 @@ TEST(EvalTools, IjbFollowsTheProtocolOnOneAndTwoRanks) {
   r = run_tool("faceshard-ijb", "--model " + dir + "/model --root " + dir + "/IJB --device cpu --output " + dir + "/out3");
   EXPECT_EQ(r.status, 2) << r.output;
   EXPECT_NE(r.output.find("3.jpg: cannot open image"), std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find("embeds images"), std::string::npos) << "checked before embedding:\n" << r.output;
   EXPECT_FALSE(fs::exists(dir + "/out3/IJBC_roc.csv"));
   r = run_tool("faceshard-ijb", "--model " + dir + "/model --root " + dir + "/nowhere");
   EXPECT_EQ(r.status, 2) << r.output;

@@ -78,6 +78,7 @@ int main(int argc, char** argv) {
     const IjbMeta meta = read_ijb_meta(root, target);
     const fs::path crops = fs::path(root) / "loose_crop";
     if (!fs::is_directory(crops)) throw usage_error("--root: '", crops.string(), "' is not a folder");
+    check_ijb_images(meta, crops.string());
     const DistEnv env = DistEnv::from_environment();
     const torch::Device device = parse_eval_device(device_name, env.local_rank);
     InferenceModel model = load_inference_model(spec, device);
