@@ -31,18 +31,26 @@ VerificationData load_verification_data(const std::string& path) {
 }
 
 namespace {
-at::Tensor raw_flip_embeddings(Backbone& model, const at::Tensor& images, int64_t batch, torch::Device device) {
+// The embeddings of the images and of their mirrors, [N, E] each, in double: insightface's
+// verification.py stores each pass in a float64 array and sums them there, so distances
+// near a threshold round as they do there.
+std::pair<at::Tensor, at::Tensor> flip_pass_embeddings(Backbone& model, const at::Tensor& images, int64_t batch,
+                                                       torch::Device device) {
   torch::NoGradGuard ng;
   const bool was_training = model.is_training();
   model.eval();
-  std::vector<at::Tensor> out;
+  std::vector<at::Tensor> plain, mirrored;
   for (int64_t s = 0; s < images.size(0); s += batch) {
     at::Tensor x = images.narrow(0, s, std::min(batch, images.size(0) - s)).to(device);
-    at::Tensor e = model.forward(x) + model.forward(x.flip({3}));
-    out.push_back(e.to(torch::kFloat).cpu());
+    plain.push_back(model.forward(x).to(torch::kFloat).cpu().to(torch::kDouble));
+    mirrored.push_back(model.forward(x.flip({3})).to(torch::kFloat).cpu().to(torch::kDouble));
   }
   model.train(was_training);
-  return out.empty() ? torch::zeros({0, model.embedding_size()}) : torch::cat(out);
+  if (plain.empty()) {
+    const at::Tensor none = torch::zeros({0, model.embedding_size()}, torch::kDouble);
+    return {none, none};
+  }
+  return {torch::cat(plain), torch::cat(mirrored)};
 }
 }  // namespace
 
@@ -82,15 +90,20 @@ at::Tensor embed_images(Backbone& model, int64_t n, const ImageSource& load, int
 }
 
 at::Tensor embed_with_flip(Backbone& model, const at::Tensor& images, int64_t batch, torch::Device device) {
-  return torch::nn::functional::normalize(raw_flip_embeddings(model, images, batch, device),
-                                          torch::nn::functional::NormalizeFuncOptions().dim(1));
+  const auto passes = flip_pass_embeddings(model, images, batch, device);
+  return torch::nn::functional::normalize(passes.first + passes.second,
+                                          torch::nn::functional::NormalizeFuncOptions().dim(1))
+      .to(torch::kFloat);
 }
 
 VerificationResult evaluate_verification(Backbone& model, const VerificationData& data, int64_t batch,
                                          torch::Device device) {
-  at::Tensor raw = raw_flip_embeddings(model, data.images, batch, device);
+  const auto passes = flip_pass_embeddings(model, data.images, batch, device);
   VerificationResult r;
-  r.xnorm = raw.norm(2, 1).mean().item<double>();
+  // As verification.py: the mean L2 norm over the rows of both passes taken separately
+  // (not the norm of their sum, which is about twice as large).
+  r.xnorm = torch::cat({passes.first, passes.second}).norm(2, 1).mean().item<double>();
+  const at::Tensor raw = passes.first + passes.second;
   at::Tensor e1 = raw.slice(0, 0, raw.size(0), 2), e2 = raw.slice(0, 1, raw.size(0), 2);
   at::Tensor dist = pair_distances(e1, e2);
   r.kfold = kfold_verification(dist, data.issame);

@@ -24,8 +24,9 @@ struct VerificationData {
 // Reads and decodes an insightface .bin (images resized to 112 when they are not).
 VerificationData load_verification_data(const std::string& path);
 
-// Flip-test embeddings, L2-normalised: normalize(f(x) + f(mirror(x))), in eval mode and
-// without gradients, `batch` images at a time. The model's train/eval mode is restored.
+// Flip-test embeddings, L2-normalised: normalize(f(x) + f(mirror(x))), the sum taken in
+// double as insightface does, returned as float; in eval mode and without gradients,
+// `batch` images at a time. The model's train/eval mode is restored.
 at::Tensor embed_with_flip(Backbone& model, const at::Tensor& images, int64_t batch, torch::Device device);
 
 // A source of images by index for embed_images: an 8-bit BGR image of any size (resized
@@ -42,7 +43,9 @@ struct VerificationResult {
   KFoldResult kfold;
   double tar_at_far_1e3 = 0, tar_at_far_1e4 = 0;
   RocCurve roc;
-  double xnorm = 0;  // mean norm of the raw (summed) embeddings, as insightface logs
+  // insightface's XNorm: the mean L2 norm of the unflipped and the flipped embeddings,
+  // each row counted separately (2 x images rows).
+  double xnorm = 0;
 };
 
 VerificationResult evaluate_verification(Backbone& model, const VerificationData& data, int64_t batch,

@@ -3,8 +3,11 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <filesystem>
 #include <fstream>
 #include <map>
+#include <set>
+#include <system_error>
 #include <sstream>
 
 #include <opencv2/imgproc.hpp>
@@ -15,40 +18,47 @@ namespace faceshard {
 
 namespace {
 
-std::vector<std::vector<std::string>> read_fields(const std::string& path, size_t fields, const char* what) {
+// The whitespace-separated fields of one line, and that line's number in the file (blank
+// lines are skipped, so the row index is not the line number an editor shows).
+struct Row {
+  std::vector<std::string> fields;
+  size_t line = 0;
+};
+
+std::vector<Row> read_fields(const std::string& path, size_t fields, const char* what) {
   std::ifstream f(path);
   if (!f) throw usage_error(path, ": cannot open the ", what, " file");
-  std::vector<std::vector<std::string>> rows;
+  std::vector<Row> rows;
   std::string line;
   size_t no = 0;
   while (std::getline(f, line)) {
     ++no;
     if (!line.empty() && line.back() == '\r') line.pop_back();
     std::istringstream ss(line);
-    std::vector<std::string> row;
+    Row row;
+    row.line = no;
     std::string tok;
-    while (ss >> tok) row.push_back(tok);
-    if (row.empty()) continue;
-    if (row.size() != fields)
-      throw usage_error(path, ":", no, ": expected ", fields, " fields (", what, "), got ", row.size());
+    while (ss >> tok) row.fields.push_back(tok);
+    if (row.fields.empty()) continue;
+    if (row.fields.size() != fields)
+      throw usage_error(path, ":", no, ": expected ", fields, " fields (", what, "), got ", row.fields.size());
     rows.push_back(std::move(row));
   }
   if (rows.empty()) throw usage_error(path, ": no entries");
   return rows;
 }
 
-double to_number(const std::string& s, const std::string& path, size_t row) {
+double to_number(const std::string& s, const std::string& path, size_t line) {
   char* end = nullptr;
   const double v = std::strtod(s.c_str(), &end);
-  if (s.empty() || *end || !std::isfinite(v))
-    throw usage_error(path, ": entry ", row + 1, ": '", s, "' is not a number");
+  if (s.empty() || *end || !std::isfinite(v)) throw usage_error(path, ":", line, ": '", s, "' is not a number");
   return v;
 }
 
-int64_t to_id(const std::string& s, const std::string& path, size_t row) {
+int64_t to_id(const std::string& s, const std::string& path, size_t line) {
   char* end = nullptr;
   const long long v = std::strtoll(s.c_str(), &end, 10);
-  if (s.empty() || *end) throw usage_error(path, ": entry ", row + 1, ": '", s, "' is not an integer id");
+  if (s.empty() || *end) throw usage_error(path, ":", line, ": '", s, "' is not an integer id");
   return v;
 }
 
@@ -65,29 +75,38 @@ IjbMeta read_ijb_meta(const std::string& root, const std::string& target) {
   const std::string tid_path = meta + "_face_tid_mid.txt";
   const std::string pair_path = meta + "_template_pair_label.txt";
   const auto lmk = read_fields(lmk_path, 12, "name, 10 landmark coordinates, faceness score");
-  for (size_t i = 0; i < lmk.size(); ++i) {
-    m.images.push_back(lmk[i][0]);
+  for (const Row& r : lmk) {
+    m.images.push_back(r.fields[0]);
+    m.image_lines.push_back(r.line);
     std::array<float, 10> p{};
-    for (int k = 0; k < 10; ++k) p[size_t(k)] = float(to_number(lmk[i][size_t(k) + 1], lmk_path, i));
+    for (int k = 0; k < 10; ++k) p[size_t(k)] = float(to_number(r.fields[size_t(k) + 1], lmk_path, r.line));
     m.landmarks.push_back(p);
-    m.faceness.push_back(to_number(lmk[i][11], lmk_path, i));
+    m.faceness.push_back(to_number(r.fields[11], lmk_path, r.line));
   }
   const auto tid = read_fields(tid_path, 3, "name, template id, media id");
   if (tid.size() != lmk.size())
     throw usage_error(tid_path, ": ", tid.size(), " images, but ", lmk_path, " lists ", lmk.size());
+  std::set<int64_t> known;
   for (size_t i = 0; i < tid.size(); ++i) {
-    if (tid[i][0] != m.images[i])
-      throw usage_error(tid_path, ": entry ", i + 1, " is '", tid[i][0], "' but ", lmk_path, " has '", m.images[i],
-                        "' there (the files must list the same images in the same order)");
-    m.templates.push_back(to_id(tid[i][1], tid_path, i));
-    m.medias.push_back(to_id(tid[i][2], tid_path, i));
+    const Row& r = tid[i];
+    if (r.fields[0] != m.images[i])
+      throw usage_error(tid_path, ":", r.line, ": image '", r.fields[0], "' but ", lmk_path, ":", lmk[i].line, " has '",
+                        m.images[i], "' as the same entry (the files must list the same images in the same order)");
+    m.templates.push_back(to_id(r.fields[1], tid_path, r.line));
+    m.medias.push_back(to_id(r.fields[2], tid_path, r.line));
+    known.insert(m.templates.back());
   }
+  // Checked here, not when scoring: on IJB-C a bad pair would otherwise surface only
+  // after every image has been embedded.
   const auto pairs = read_fields(pair_path, 3, "template 1, template 2, label");
-  for (size_t i = 0; i < pairs.size(); ++i) {
-    m.pair_t1.push_back(to_id(pairs[i][0], pair_path, i));
-    m.pair_t2.push_back(to_id(pairs[i][1], pair_path, i));
-    const int64_t label = to_id(pairs[i][2], pair_path, i);
-    if (label != 0 && label != 1) throw usage_error(pair_path, ": entry ", i + 1, ": label must be 0 or 1, got ", label);
+  for (const Row& r : pairs) {
+    const int64_t t1 = to_id(r.fields[0], pair_path, r.line), t2 = to_id(r.fields[1], pair_path, r.line);
+    for (const int64_t t : {t1, t2})
+      if (!known.count(t)) throw usage_error(pair_path, ":", r.line, ": template ", t, " has no images in ", tid_path);
+    m.pair_t1.push_back(t1);
+    m.pair_t2.push_back(t2);
+    const int64_t label = to_id(r.fields[2], pair_path, r.line);
+    if (label != 0 && label != 1) throw usage_error(pair_path, ":", r.line, ": label must be 0 or 1, got ", label);
     m.pair_label.push_back(int(label));
   }
   return m;
@@ -182,12 +201,34 @@ std::vector<double> ijb_pair_scores(const at::Tensor& template_features, const s
     a[i] = ia->second;
     b[i] = ib->second;
   }
+  // In chunks, as insightface does (it takes 100k pairs at a time): IJB-C's 15.7M pairs
+  // at once would take two P x E double arrays and their product (~190 GB at E = 512).
   const at::Tensor f = template_features.to(at::kDouble).contiguous();
-  const at::Tensor s = (f.index_select(0, at::from_blob(a.data(), {int64_t(p)}, at::kLong)) *
-                        f.index_select(0, at::from_blob(b.data(), {int64_t(p)}, at::kLong)))
-                           .sum(1)
-                           .contiguous();
-  return std::vector<double>(s.data_ptr<double>(), s.data_ptr<double>() + p);
+  std::vector<double> scores(p);
+  constexpr int64_t kChunk = 1 << 15;
+  for (int64_t s = 0; s < int64_t(p); s += kChunk) {
+    const int64_t c = std::min<int64_t>(kChunk, int64_t(p) - s);
+    const at::Tensor fa = f.index_select(0, at::from_blob(a.data() + s, {c}, at::kLong));
+    const at::Tensor fb = f.index_select(0, at::from_blob(b.data() + s, {c}, at::kLong));
+    at::Tensor out = at::from_blob(scores.data() + s, {c}, at::kDouble);
+    at::sum_out(out, fa * fb, {1});
+  }
+  return scores;
+}
+
+void check_ijb_images(const IjbMeta& meta, const std::string& crops_dir) {
+  const std::string lmk_path = "meta/" + [&] {
+    std::string t = meta.target;
+    for (auto& c : t) c = char(std::tolower(static_cast<unsigned char>(c)));
+    return t;
+  }() + "_name_5pts_score.txt";
+  for (size_t i = 0; i < meta.images.size(); ++i) {
+    const std::filesystem::path path = std::filesystem::path(crops_dir) / meta.images[i];
+    std::error_code ec;
+    if (!std::filesystem::is_regular_file(path, ec))
+      throw usage_error(path.string(), ": cannot open image (", ec ? ec.message() : std::string("not a regular file"),
+                        "; listed at ", lmk_path, ":", i < meta.image_lines.size() ? meta.image_lines[i] : i + 1, ")");
+  }
 }
 
 }  // namespace faceshard

@@ -15,6 +15,7 @@ namespace faceshard {
 struct IjbMeta {
   std::string target;                           // "IJBC" or "IJBB"
   std::vector<std::string> images;              // file names under <root>/loose_crop
+  std::vector<size_t> image_lines;              // line of each image in <t>_name_5pts_score.txt
   std::vector<std::array<float, 10>> landmarks; // x1 y1 ... x5 y5 per image
   std::vector<double> faceness;                 // detector score per image
   std::vector<int64_t> templates, medias;       // per image
@@ -24,7 +25,8 @@ struct IjbMeta {
 
 // Reads <root>/meta/<t>_name_5pts_score.txt, <t>_face_tid_mid.txt and
 // <t>_template_pair_label.txt (t = ijbc | ijbb). The first two files list the same images
-// in the same order. Usage errors name file, line and what is wrong.
+// in the same order; every template of a pair must have images. Usage errors name file,
+// line (as an editor counts it, blank lines included) and what is wrong.
 IjbMeta read_ijb_meta(const std::string& root, const std::string& target);
 
 // The ArcFace 112x112 template (insightface's 112x96 points with x + 8).
@@ -44,8 +46,14 @@ cv::Mat align_face(const cv::Mat& bgr, const std::array<float, 10>& landmarks);
 at::Tensor ijb_template_features(const at::Tensor& image_features, const IjbMeta& meta,
                                  std::vector<int64_t>* unique_templates, bool use_faceness = true);
 
-// Cosine score per template pair (template features are unit vectors).
+// Cosine score per template pair (template features are unit vectors), computed a
+// chunk of pairs at a time so that memory stays O(templates + pairs).
 std::vector<double> ijb_pair_scores(const at::Tensor& template_features, const std::vector<int64_t>& unique_templates,
                                     const IjbMeta& meta);
+
+// Usage error naming the first image of the meta files that is not a file under
+// crops_dir (<root>/loose_crop): a stat per image, so that a missing crop stops the run
+// before hours of embedding rather than in the middle of it.
+void check_ijb_images(const IjbMeta& meta, const std::string& crops_dir);
 
 }  // namespace faceshard

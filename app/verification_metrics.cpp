@@ -146,7 +146,13 @@ RocCurve roc_curve(const std::vector<double>& scores, const std::vector<int>& la
   std::iota(order.begin(), order.end(), size_t{0});
   std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return scores[a] > scores[b]; });
 
+  // Sized exactly: IJB-C has 15.7M pairs, and growth by doubling could hold twice that.
+  size_t points = 1;
+  for (size_t i = 0; i < n; ++i) points += (i + 1 == n || scores[order[i + 1]] != scores[order[i]]) ? 1 : 0;
   RocCurve roc;
+  roc.fpr.reserve(points);
+  roc.tpr.reserve(points);
+  roc.thresholds.reserve(points);
   roc.fpr.push_back(0.0);
   roc.tpr.push_back(0.0);
   roc.thresholds.push_back(std::numeric_limits<double>::infinity());

@@ -507,6 +507,38 @@ TEST(VerificationMetrics, RocPngHasRequestedSizeAndCurves) {
   ASSERT_FALSE(def.empty());
   EXPECT_EQ(def.cols, 800);
   EXPECT_EQ(def.rows, 600);
+  // The files are valid PNG by the format spec, checked with Python's standard library
+  // only (OpenCV wrote them and must not be the one to read them back): signature, every
+  // chunk CRC, IHDR first and IEND last, and the zlib stream of the IDAT chunks inflating
+  // to exactly one filter byte plus one row of pixels per row.
+  const PyResult png = run_python(dir, "png_ref.py", R"PY(
+import struct, sys, zlib
+CHANNELS = {0: 1, 2: 3, 3: 1, 4: 2, 6: 4}
+for path in sys.argv[1:]:
+    b = open(path, 'rb').read()
+    assert b[:8] == b'\x89PNG\r\n\x1a\n', (path, b[:8])
+    p, chunks = 8, []
+    while p < len(b):
+        length, kind = struct.unpack('>I4s', b[p:p + 8])
+        data = b[p + 8:p + 8 + length]
+        crc, = struct.unpack('>I', b[p + 8 + length:p + 12 + length])
+        assert len(data) == length, (path, kind, 'truncated')
+        assert zlib.crc32(kind + data) & 0xffffffff == crc, (path, kind, 'bad CRC')
+        chunks.append((kind, data))
+        p += 12 + length
+    assert p == len(b), (path, 'trailing bytes')
+    assert chunks[0][0] == b'IHDR' and chunks[-1] == (b'IEND', b''), [k for k, _ in chunks]
+    w, h, depth, colour, comp, filt, interlace = struct.unpack('>IIBBBBB', chunks[0][1])
+    assert depth == 8 and comp == 0 and filt == 0 and interlace == 0, (depth, comp, filt, interlace)
+    c = CHANNELS[colour]
+    raw = zlib.decompress(b''.join(d for k, d in chunks if k == b'IDAT'))
+    assert len(raw) == h * (1 + w * c), (path, len(raw), h * (1 + w * c))
+    assert all(raw[y * (1 + w * c)] <= 4 for y in range(h)), (path, 'bad filter type')
+    print('png', w, h, c)
+)PY",
+                                  {dir + "/roc.png", dir + "/default.png"});
+  ASSERT_EQ(png.status, 0) << png.out;
+  EXPECT_EQ(png.out, "png 640 480 3\npng 800 600 3\n");
   size_t files = 0;
   for (const auto& e : fs::directory_iterator(dir)) files += e.path().extension() == ".png" ? 1 : 0;
   EXPECT_EQ(files, 2u);  // no temporary left behind

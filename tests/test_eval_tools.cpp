@@ -17,6 +17,7 @@
 #include <opencv2/imgproc.hpp>
 
 #include "app/checkpoint.h"
+#include "app/evaluation.h"
 #include "app/ijb.h"
 #include "app/inference_model.h"
 #include "app/npy.h"
@@ -260,6 +261,62 @@ TEST(EvalIjb, MetaFilesAreCheckedLineByLine) {
   EXPECT_NE(error_of([&] { read_ijb_meta(root, "ijbc"); }).find("'x' is not an integer"), std::string::npos);
   EXPECT_NE(error_of([&] { read_ijb_meta(root, "IJBB"); }).find("ijbb_name_5pts_score.txt"), std::string::npos);
   EXPECT_NE(error_of([&] { read_ijb_meta(root, "LFW"); }).find("IJBC or IJBB"), std::string::npos);
+  // Line numbers are the file's own, blank lines counted.
+  write_meta(root, l1 + "\n\n" + "2.jpg 1 2 3 4 5 6 7 8 9 10 high\n", "1.jpg 5 7\n2.jpg 6 8\n", "5 6 0\n");
+  std::string e = error_of([&] { read_ijb_meta(root, "ijbc"); });
+  EXPECT_NE(e.find("ijbc_name_5pts_score.txt:4: 'high' is not a number"), std::string::npos) << e;
+  write_meta(root, l1 + l2, "1.jpg 5 7\n\n2.jpg 6 x\n", "5 6 0\n");
+  e = error_of([&] { read_ijb_meta(root, "ijbc"); });
+  EXPECT_NE(e.find("ijbc_face_tid_mid.txt:3: 'x' is not an integer"), std::string::npos) << e;
+  write_meta(root, l1 + l2, "1.jpg 5 7\n2.jpg 6 8\n", "5 6 0\n\n\n5 6 3\n");
+  e = error_of([&] { read_ijb_meta(root, "ijbc"); });
+  EXPECT_NE(e.find("ijbc_template_pair_label.txt:4: label must be 0 or 1"), std::string::npos) << e;
+  // A pair naming a template without images is an error of the meta files, found when
+  // they are read (not after embedding every image).
+  write_meta(root, l1 + l2, "1.jpg 5 7\n2.jpg 6 8\n", "5 6 0\n\n5 9 0\n6 6 1\n");
+  e = error_of([&] { read_ijb_meta(root, "ijbc"); });
+  EXPECT_NE(e.find("ijbc_template_pair_label.txt:3: template 9 has no images in"), std::string::npos) << e;
+  EXPECT_NE(e.find("ijbc_face_tid_mid.txt"), std::string::npos) << e;
+  // Every crop is looked for before any embedding: the first missing one is named, with
+  // its line in the landmark file.
+  write_meta(root, "\n" + l1 + l2, "1.jpg 5 7\n2.jpg 6 8\n", "5 6 0\n");
+  const IjbMeta ok = read_ijb_meta(root, "ijbc");
+  EXPECT_EQ(ok.image_lines, (std::vector<size_t>{2, 3}));
+  fs::create_directories(root + "/loose_crop");
+  write_text(root + "/loose_crop/1.jpg", "x");
+  e = error_of([&] { check_ijb_images(ok, root + "/loose_crop"); });
+  EXPECT_NE(e.find("loose_crop/2.jpg: cannot open image"), std::string::npos) << e;
+  EXPECT_NE(e.find("ijbc_name_5pts_score.txt:3"), std::string::npos) << e;
+  write_text(root + "/loose_crop/2.jpg", "x");
+  EXPECT_EQ(error_of([&] { check_ijb_images(ok, root + "/loose_crop"); }), "<no error>");
+}
+
+// Pair scores are computed a chunk at a time: more pairs than two chunks, every pair
+// checked against its dot product summed here.
+TEST(EvalIjb, PairScoresCoverEveryChunk) {
+  torch::manual_seed(8);
+  const int64_t t = 50, e = 8, p = 70001;
+  const at::Tensor f = torch::nn::functional::normalize(torch::randn({t, e}, torch::kDouble),
+                                                        torch::nn::functional::NormalizeFuncOptions().dim(1));
+  std::vector<int64_t> ids;
+  for (int64_t i = 0; i < t; ++i) ids.push_back(100 + 3 * i);
+  IjbMeta m;
+  std::mt19937 g(2);
+  for (int64_t i = 0; i < p; ++i) {
+    m.pair_t1.push_back(ids[size_t(g() % t)]);
+    m.pair_t2.push_back(ids[size_t(g() % t)]);
+  }
+  const std::vector<double> s = ijb_pair_scores(f, ids, m);
+  ASSERT_EQ(s.size(), size_t(p));
+  const double* fp = f.data_ptr<double>();
+  int64_t bad = 0;
+  for (int64_t i = 0; i < p; ++i) {
+    const int64_t a = (m.pair_t1[size_t(i)] - 100) / 3, b = (m.pair_t2[size_t(i)] - 100) / 3;
+    double want = 0;
+    for (int64_t k = 0; k < e; ++k) want += fp[a * e + k] * fp[b * e + k];
+    bad += std::abs(s[size_t(i)] - want) > 1e-12 ? 1 : 0;
+  }
+  EXPECT_EQ(bad, 0);
 }
 
 // ---------------------------------------------------------------------------------------
@@ -297,11 +354,15 @@ got = json.load(open(json_path))
 saved = np.load(out_dir + '/IJBC_scores.npy')
 assert saved.dtype == np.float32 and saved.shape == score.shape, (saved.dtype, saved.shape)
 assert np.allclose(saved, score, atol=1e-6), np.abs(saved - score).max()
+chosen = {}
 for e in range(6, 0, -1):
-    want = tpr[np.argmin(np.abs(fpr - 10.0 ** -e))]
+    chosen[e] = np.argmin(np.abs(fpr - 10.0 ** -e))
+    want = tpr[chosen[e]]
     have = got['tar_at_far']['1e-%d' % e]
     assert abs(have - want) < 1e-12, ('1e-%d' % e, have, want)
-    print('TAR@FAR=1e-%d %.6f' % (e, want))
+    print('TAR@FAR=1e-%d %.6f (FPR %.5f)' % (e, want, fpr[chosen[e]]))
+# The data set resolves the larger FARs: each on its own ROC point, none at FPR 0.
+assert len({chosen[3], chosen[2], chosen[1]}) == 3 and min(fpr[chosen[e]] for e in (3, 2, 1)) > 0, chosen
 assert got['pairs'] == len(pairs) and got['templates'] == len(ut)
 )PY";
 
@@ -310,7 +371,9 @@ struct TinyIjb {
   std::vector<LooseCrop> crops;
 };
 
-// 6 identities x 2 templates; each template 2 media of 1-2 images; every template pair.
+// 30 identities x 2 templates; each template 2 media of 1-2 images; every template pair
+// (30 genuine, 1740 impostor: enough that FAR 1e-3, 1e-2 and 1e-1 are distinct points).
+constexpr int kIjbIdentities = 30;
 TinyIjb write_tiny_ijb(const std::string& root) {
   const SyntheticFaces faces(21);
   std::mt19937 g(5);
@@ -320,7 +383,7 @@ TinyIjb write_tiny_ijb(const std::string& root) {
   TinyIjb t;
   t.root = root;
   int image = 0, media = 100;
-  for (int id = 0; id < 6; ++id)
+  for (int id = 0; id < kIjbIdentities; ++id)
     for (int tpl = 0; tpl < 2; ++tpl) {
       const int template_id = 10 * id + tpl + 1;
       for (int med = 0; med < 2; ++med, ++media)
@@ -338,8 +401,8 @@ TinyIjb write_tiny_ijb(const std::string& root) {
           t.crops.push_back(std::move(c));
         }
     }
-  for (int a = 0; a < 12; ++a)
-    for (int b = a + 1; b < 12; ++b)
+  for (int a = 0; a < 2 * kIjbIdentities; ++a)
+    for (int b = a + 1; b < 2 * kIjbIdentities; ++b)
       pairs << 10 * (a / 2) + a % 2 + 1 << " " << 10 * (b / 2) + b % 2 + 1 << " " << int(a / 2 == b / 2) << "\n";
   write_meta(root, lmk.str(), tid.str(), pairs.str());
   return t;
@@ -381,10 +444,73 @@ TEST(EvalTools, IjbFollowsTheProtocolOnOneAndTwoRanks) {
   r = run_tool("faceshard-ijb", "--model " + dir + "/model --root " + dir + "/IJB --device cpu --output " + dir + "/out3");
   EXPECT_EQ(r.status, 2) << r.output;
   EXPECT_NE(r.output.find("3.jpg: cannot open image"), std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find("embeds images"), std::string::npos) << "checked before embedding:\n" << r.output;
   EXPECT_FALSE(fs::exists(dir + "/out3/IJBC_roc.csv"));
   r = run_tool("faceshard-ijb", "--model " + dir + "/model --root " + dir + "/nowhere");
   EXPECT_EQ(r.status, 2) << r.output;
   EXPECT_NE(r.output.find("nowhere/meta/ijbc_name_5pts_score.txt"), std::string::npos) << r.output;
+}
+
+// ---------------------------------------------------------------------------------------
+// Verification protocol (the trainer and faceshard-verify share evaluate_verification)
+
+// verification.py's XNorm and flip-test scores recomputed in numpy from the two raw passes
+// (the model run directly here): XNorm is the mean norm over the rows of both passes, the
+// flip sum is taken in float64.
+TEST(EvalVerification, XNormAndFlipSumFollowInsightfaceInNumpy) {
+  const std::string dir = temp_dir("xnorm");
+  auto model = write_model(dir + "/model", 16);
+  torch::manual_seed(4);
+  VerificationData data;
+  data.name = "tiny";
+  const int64_t pairs = 20;
+  data.images = torch::rand({2 * pairs, 3, 112, 112}) * 2 - 1;
+  for (int64_t i = 0; i < pairs; ++i) data.issame.push_back(i % 3 == 0);
+  at::Tensor plain, mirrored;
+  {
+    torch::NoGradGuard ng;
+    plain = model->forward(data.images);
+    mirrored = model->forward(data.images.flip({3}));
+  }
+  const VerificationResult r = evaluate_verification(*model, data, 2 * pairs, torch::kCPU);
+  std::ostringstream raw;
+  raw.precision(9);
+  for (const at::Tensor& t : {plain, mirrored})
+    for (int64_t i = 0; i < t.numel(); ++i) raw << t.view(-1)[i].item<float>() << (i % 16 == 15 ? "\n" : " ");
+  write_text(dir + "/raw.txt", raw.str());
+  const auto py = run_python(dir, "xnorm.py", R"PY(
+import sys, numpy as np
+raw = np.loadtxt(sys.argv[1] + '/raw.txt', dtype=np.float32)
+n = raw.shape[0] // 2
+embeddings_list = [np.zeros((n, 16)), np.zeros((n, 16))]  # float64, as verification.py
+embeddings_list[0][:] = raw[:n]
+embeddings_list[1][:] = raw[n:]
+xnorm, cnt = 0.0, 0
+for embed in embeddings_list:
+    for i in range(embed.shape[0]):
+        xnorm += np.linalg.norm(embed[i]); cnt += 1
+xnorm /= cnt
+e = embeddings_list[0] + embeddings_list[1]
+e = e / np.linalg.norm(e, axis=1, keepdims=True)
+dist = np.sum((e[0::2] - e[1::2]) ** 2, axis=1)
+score = 1 - dist / 2
+print('%.17g' % xnorm)
+print(' '.join('%.17g' % x for x in np.unique(score)[::-1]))
+)PY",
+                             {dir});
+  ASSERT_EQ(py.status, 0) << py.output;
+  std::istringstream in(py.output);
+  double xnorm = 0;
+  in >> xnorm;
+  EXPECT_NEAR(r.xnorm, xnorm, 1e-9 * xnorm);
+  // Not the norm of the summed embeddings (what an earlier version reported).
+  EXPECT_GT(std::abs(r.xnorm - (plain + mirrored).norm(2, 1).mean().item<double>()), 0.1 * xnorm);
+  // ROC thresholds are the distinct scores, descending, after +inf. At 1e-12 a flip sum
+  // taken in float32 (errors ~1e-8) would not pass.
+  std::vector<double> want;
+  for (double v; in >> v;) want.push_back(v);
+  ASSERT_EQ(r.roc.thresholds.size(), want.size() + 1);
+  for (size_t i = 0; i < want.size(); ++i) EXPECT_NEAR(r.roc.thresholds[i + 1], want[i], 1e-12) << "score " << i;
 }
 
 // ---------------------------------------------------------------------------------------

@@ -4,7 +4,7 @@
 // faceness score, averaged per media and summed per template, L2-normalised; the cosine
 // score of every template pair; TAR at FAR 1e-6 .. 1e-1 and the ROC (CSV + PNG).
 // Launched with several ranks (tools/launch.sh, torchrun, srun) the images are split
-// across them and the features gathered on rank 0.
+// across them and the features gathered; then the ranks leave the job and rank 0 scores.
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -78,6 +78,7 @@ int main(int argc, char** argv) {
     const IjbMeta meta = read_ijb_meta(root, target);
     const fs::path crops = fs::path(root) / "loose_crop";
     if (!fs::is_directory(crops)) throw usage_error("--root: '", crops.string(), "' is not a folder");
+    check_ijb_images(meta, crops.string());
     const DistEnv env = DistEnv::from_environment();
     const torch::Device device = parse_eval_device(device_name, env.local_rank);
     InferenceModel model = load_inference_model(spec, device);
@@ -99,7 +100,10 @@ int main(int argc, char** argv) {
     };
     at::Tensor mine = embed_images(*model.backbone, hi - lo, load, batch, device, flip, false, true);
     at::Tensor features = world > 1 ? dist->all_gather(device.is_cuda() ? mine.to(device) : mine).cpu() : mine;
-    if (rank != 0) return 0;  // rank 0 scores the pairs; the others are done
+    // The ranks part here: rank 0 scores the pairs alone, which on IJB-C takes longer than
+    // a collective's timeout, so no rank may wait for it in a barrier.
+    dist->shutdown();
+    if (rank != 0) return 0;
     std::error_code ec;
     fs::create_directories(output, ec);
     if (ec) throw usage_error("--output: cannot create '", output, "': ", ec.message());
