@@ -439,6 +439,12 @@ TEST(EvalTools, IjbFollowsTheProtocolOnOneAndTwoRanks) {
   EXPECT_TRUE(torch::allclose(read_npy(dir + "/feats2.npy", {n, 32}), feats, 1e-4, 1e-5));
   py = run_python(dir, "ijb_ref.py", kIjbReference, {dir + "/IJB", dir + "/feats2.npy", dir + "/out2", dir + "/two.json"});
   EXPECT_EQ(py.status, 0) << py.output;
+  // An --output that cannot be a folder (below a file) fails before any embedding too.
+  r = run_tool("faceshard-ijb", "--model " + dir + "/model --root " + dir + "/IJB --device cpu --output " + dir +
+                                    "/feats2.npy/out");
+  EXPECT_EQ(r.status, 2) << r.output;
+  EXPECT_NE(r.output.find("--output: cannot create"), std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find("embeds images"), std::string::npos) << "checked before embedding:\n" << r.output;
   // Bad input: a missing crop names the file; exit status 2.
   fs::remove(dir + "/IJB/loose_crop/3.jpg");
   r = run_tool("faceshard-ijb", "--model " + dir + "/model --root " + dir + "/IJB --device cpu --output " + dir + "/out3");

@@ -79,6 +79,10 @@ int main(int argc, char** argv) {
     const fs::path crops = fs::path(root) / "loose_crop";
     if (!fs::is_directory(crops)) throw usage_error("--root: '", crops.string(), "' is not a folder");
     check_ijb_images(meta, crops.string());
+    // The output folder too: embedding IJB-C takes hours, a bad --output must fail first.
+    std::error_code ec;
+    fs::create_directories(output, ec);
+    if (ec) throw usage_error("--output: cannot create '", output, "': ", ec.message());
     const DistEnv env = DistEnv::from_environment();
     const torch::Device device = parse_eval_device(device_name, env.local_rank);
     InferenceModel model = load_inference_model(spec, device);
@@ -104,9 +108,6 @@ int main(int argc, char** argv) {
     // a collective's timeout, so no rank may wait for it in a barrier.
     dist->shutdown();
     if (rank != 0) return 0;
-    std::error_code ec;
-    fs::create_directories(output, ec);
-    if (ec) throw usage_error("--output: cannot create '", output, "': ", ec.message());
     if (!feature_file.empty()) write_npy_float32(features, feature_file);
     std::vector<int64_t> templates;
     const at::Tensor tf = ijb_template_features(features, meta, &templates, faceness);
