@@ -91,9 +91,10 @@ at::Tensor embed_images(Backbone& model, int64_t n, const ImageSource& load, int
 
 at::Tensor embed_with_flip(Backbone& model, const at::Tensor& images, int64_t batch, torch::Device device) {
   const auto passes = flip_pass_embeddings(model, images, batch, device);
-  return torch::nn::functional::normalize(passes.first + passes.second,
-                                          torch::nn::functional::NormalizeFuncOptions().dim(1))
-      .to(torch::kFloat);
+  // F::normalize's formula (x / max(|x|, 1e-12)), written out: its options temporary trips a
+  // false -Wmaybe-uninitialized in g++ 12 here.
+  const at::Tensor sum = passes.first + passes.second;
+  return (sum / sum.norm(2, {1}, /*keepdim=*/true).clamp_min(1e-12)).to(torch::kFloat);
 }
 
 VerificationResult evaluate_verification(Backbone& model, const VerificationData& data, int64_t batch,
