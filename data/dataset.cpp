@@ -7,7 +7,7 @@
 #include <random>
 
 #include "data/image_record.h"
-#include "partial_fc/error.h"
+#include "partial_fc/runtime/error.h"
 
 namespace faceshard {
 

@@ -3,7 +3,7 @@
 #include <cmath>
 #include <cstring>
 
-#include "partial_fc/error.h"
+#include "partial_fc/runtime/error.h"
 
 namespace faceshard {
 

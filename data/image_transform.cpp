@@ -5,7 +5,7 @@
 #include <opencv2/imgcodecs.hpp>
 #include <opencv2/imgproc.hpp>
 
-#include "partial_fc/error.h"
+#include "partial_fc/runtime/error.h"
 
 namespace faceshard {
 

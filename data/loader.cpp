@@ -3,8 +3,8 @@
 #include <cmath>
 
 #include "data/seed_mix.h"
-#include "partial_fc/error.h"
-#include "partial_fc/log.h"
+#include "partial_fc/runtime/error.h"
+#include "partial_fc/runtime/log.h"
 
 #ifdef FACESHARD_WITH_CUDA
 #include <ATen/cuda/CUDAContext.h>
@@ -75,6 +75,11 @@ void DataLoader::start_epoch(uint64_t epoch, uint64_t start_batch) {
   work_cv_.notify_all();
 }
 
+int DataLoader::idle_workers() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  return in_flight_ == 0 ? idle_workers_ : 0;
+}
+
 std::optional<Batch> DataLoader::next() {
   std::unique_lock<std::mutex> lk(mu_);
   if (!active_) throw usage_error("loader: next() before start_epoch()");
@@ -105,10 +110,12 @@ uint64_t DataLoader::bad_samples() const {
 void DataLoader::worker_loop() {
   while (true) {
     std::unique_lock<std::mutex> lk(mu_);
-    work_cv_.wait(lk, [&] {
-      return stop_ || (active_ && !error_ && next_claim_ < end_batch_ &&
-                       next_claim_ < next_out_ + uint64_t(opt_.prefetch_batches));
-    });
+    while (!(stop_ || (active_ && !error_ && next_claim_ < end_batch_ &&
+                       next_claim_ < next_out_ + uint64_t(opt_.prefetch_batches)))) {
+      ++idle_workers_;
+      work_cv_.wait(lk);
+      --idle_workers_;
+    }
     if (stop_) return;
     const uint64_t b = next_claim_++;
     const uint64_t gen = generation_;

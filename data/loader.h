@@ -59,6 +59,9 @@ class DataLoader {
 
   // Samples that failed to read or decode and were replaced (distinct data-set indices).
   uint64_t bad_samples() const;
+  // Workers blocked for want of a batch they may build (0 while any batch is being built):
+  // when it equals num_workers, nothing more is read until next() frees a prefetch slot.
+  int idle_workers() const;
   const LoaderOptions& options() const { return opt_; }
   const Dataset& dataset() const { return *dataset_; }
 
@@ -87,6 +90,7 @@ class DataLoader {
   uint64_t next_claim_ = 0;   // next batch a worker will build
   uint64_t next_out_ = 0;     // next batch next() returns
   int in_flight_ = 0;
+  int idle_workers_ = 0;
   std::map<uint64_t, Batch> ready_;
   std::exception_ptr error_;
 

@@ -10,7 +10,7 @@
 #include <fstream>
 #include <sstream>
 
-#include "partial_fc/error.h"
+#include "partial_fc/runtime/error.h"
 
 namespace faceshard {
 

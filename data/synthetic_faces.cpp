@@ -11,7 +11,7 @@
 #include "data/image_transform.h"
 #include "data/insightface_rec.h"
 #include "data/verification_bin.h"
-#include "partial_fc/error.h"
+#include "partial_fc/runtime/error.h"
 
 namespace faceshard {
 

@@ -12,7 +12,7 @@
 #include <sstream>
 #include <unordered_map>
 
-#include "partial_fc/error.h"
+#include "partial_fc/runtime/error.h"
 
 namespace faceshard {
 

@@ -5,8 +5,8 @@
 #include <map>
 #include <sstream>
 
-#include "partial_fc/error.h"
-#include "partial_fc/log.h"
+#include "partial_fc/runtime/error.h"
+#include "partial_fc/runtime/log.h"
 
 namespace faceshard {
 namespace {

@@ -6,7 +6,7 @@
 
 #include "models/iresnet.h"
 #include "models/mobilefacenet.h"
-#include "partial_fc/error.h"
+#include "partial_fc/runtime/error.h"
 
 namespace faceshard {
 namespace {
@@ -44,16 +44,16 @@ std::shared_ptr<Backbone> make_backbone(const BackboneOptions& options) {
   if (!factory) {
     std::ostringstream known;
     for (const auto& n : backbone_names()) known << (known.tellp() > 0 ? ", " : "") << n;
-    throw usage_error("backbone '", options.name, "': unknown network; expected one of ", known.str());
+    throw option_error("backbone", "'", options.name, "' is not a network faceshard knows; expected one of ", known.str());
   }
   if (options.embedding_size <= 0)
-    throw usage_error("backbone '", options.name, "': embedding size ", options.embedding_size,
-                      " must be positive");
+    throw option_error("embedding_size", "of backbone '", options.name, "': embedding size ", options.embedding_size,
+                       " must be positive");
   if (!(options.dropout >= 0.0 && options.dropout < 1.0))
-    throw usage_error("backbone '", options.name, "': dropout ", options.dropout, " must be in [0, 1)");
+    throw option_error("dropout", "of backbone '", options.name, "': ", options.dropout, " must be in [0, 1)");
   if (options.dropout > 0 && options.name.rfind("mbf", 0) == 0)
-    throw usage_error("backbone '", options.name, "': MobileFaceNet has no dropout layer (dropout ",
-                      options.dropout, " requested)");
+    throw option_error("dropout", "of backbone '", options.name, "': MobileFaceNet has no dropout layer (dropout ",
+                       options.dropout, " requested)");
   auto model = (*factory)(options);
   if (options.channels_last) model->to_channels_last();
   return model;

@@ -8,7 +8,7 @@
 #include <memory>
 #include <optional>
 
-#include "partial_fc/error.h"
+#include "partial_fc/runtime/error.h"
 
 namespace faceshard {
 namespace {

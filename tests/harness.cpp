@@ -6,6 +6,8 @@
 #include <unistd.h>
 
 #include <cstdlib>
+#include <filesystem>
+#include <mutex>
 #include <fstream>
 #include <map>
 #include <sstream>
@@ -14,8 +16,8 @@
 #include <gtest/gtest.h>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
-#include "partial_fc/error.h"
-#include "partial_fc/log.h"
+#include "partial_fc/runtime/error.h"
+#include "partial_fc/runtime/log.h"
 
 namespace faceshard::testing {
 namespace {
@@ -69,7 +71,33 @@ std::string read_file(const std::string& path) {
 
 }  // namespace
 
+double relative_error(const at::Tensor& a, const at::Tensor& b, ErrorNorm norm) {
+  const at::Tensor x = a.detach().to(at::kDouble), y = b.detach().to(at::kDouble);
+  if (norm == ErrorNorm::Max)
+    return (x - y).abs().max().item<double>() / std::max(y.abs().max().item<double>(), 1e-12);
+  return (x - y).norm().item<double>() / std::max(y.norm().item<double>(), 1e-20);
+}
+
 bool in_rank_process() { return env_or_null("FS_HARNESS_CALL") != nullptr; }
+
+namespace {
+// Folders made by temp_dir() in this process, removed when it exits normally (rank
+// processes leave through _exit and keep theirs for the parent to read).
+struct TempDirs {
+  std::mutex mu;
+  std::vector<std::string> paths;
+  ~TempDirs() {
+    for (const auto& p : paths) {
+      std::error_code ec;
+      std::filesystem::remove_all(p, ec);
+    }
+  }
+};
+TempDirs& temp_dirs() {
+  static TempDirs dirs;
+  return dirs;
+}
+}  // namespace
 
 std::string temp_dir(const std::string& tag) {
   std::string tmpl = (env_or_null("TMPDIR") ? std::string(env_or_null("TMPDIR")) : std::string("/tmp")) +
@@ -77,7 +105,11 @@ std::string temp_dir(const std::string& tag) {
   std::vector<char> buf(tmpl.begin(), tmpl.end());
   buf.push_back('\0');
   if (!mkdtemp(buf.data())) throw std::runtime_error("mkdtemp failed for " + tmpl);
-  return std::string(buf.data());
+  std::string path(buf.data());
+  TempDirs& dirs = temp_dirs();
+  std::lock_guard<std::mutex> lock(dirs.mu);
+  dirs.paths.push_back(path);
+  return path;
 }
 
 std::string read_text(const std::string& path) {

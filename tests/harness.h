@@ -8,7 +8,7 @@
 #include <string>
 #include <vector>
 
-#include "partial_fc/distributed.h"
+#include "partial_fc/runtime/distributed.h"
 
 namespace faceshard::testing {
 
@@ -34,6 +34,12 @@ std::vector<RankResult> spawn_ranks(int world, const RankBody& body, const RankO
 // Runs body on `world` ranks and adds a test failure, with the rank's output, for every
 // rank that did not exit cleanly (including failed EXPECTs inside the body).
 void run_ranks(int world, const RankBody& body, const RankOptions& opts = {});
+
+// How far `a` is from the reference `b`, relative to the reference, in float64:
+// L2: ||a - b|| / ||b|| (Frobenius norms); Max: max|a - b| / max|b|. (A zero reference
+// counts as a tiny one, so any difference from it is large.)
+enum class ErrorNorm { L2, Max };
+double relative_error(const at::Tensor& a, const at::Tensor& b, ErrorNorm norm = ErrorNorm::L2);
 
 // True inside a rank process.
 bool in_rank_process();

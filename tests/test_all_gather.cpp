@@ -2,7 +2,7 @@
 // for W = 1, 2, 3 with equal and unequal row counts, and the seed documents' numbers.
 #include <gtest/gtest.h>
 
-#include "partial_fc/all_gather.h"
+#include "partial_fc/parallel/all_gather.h"
 #include "tests/harness.h"
 
 namespace faceshard {
@@ -56,7 +56,12 @@ INSTANTIATE_TEST_SUITE_P(Modes, AllGatherGrad,
                          ::testing::Values(Case{1, false, GatherGrad::ReduceScatterSum}, Case{2, false, GatherGrad::ReduceScatterSum},
                                            Case{3, false, GatherGrad::ReduceScatterSum}, Case{2, true, GatherGrad::ReduceScatterSum},
                                            Case{3, true, GatherGrad::ReduceScatterSum}, Case{1, false, GatherGrad::OwnSlice},
-                                           Case{2, false, GatherGrad::OwnSlice}, Case{3, true, GatherGrad::OwnSlice}));
+                                           Case{2, false, GatherGrad::OwnSlice}, Case{3, true, GatherGrad::OwnSlice}),
+                         [](const auto& info) {
+                           const Case& c = info.param;
+                           return "W" + std::to_string(c.world) + (c.uneven ? "_uneven" : "_even") +
+                                  (c.mode == GatherGrad::ReduceScatterSum ? "_reduce_scatter" : "_own_slice");
+                         });
 
 // The seed example: x = ones (rank 0) / zeros (rank 1), y = x + 2, z = y*y, r = z_0 * z_1,
 // out = mean(r). Own slice: y.grad = 6 / 9; summed losses (reduce-scatter): 12 / 18.

@@ -24,10 +24,10 @@
 #include <opencv2/imgcodecs.hpp>
 #include <torch/torch.h>
 
-#include "app/metrics_log.h"
-#include "app/tensorboard_writer.h"
-#include "app/verification_metrics.h"
-#include "partial_fc/error.h"
+#include "app/io/metrics_log.h"
+#include "app/io/tensorboard_writer.h"
+#include "app/eval/verification_metrics.h"
+#include "partial_fc/runtime/error.h"
 #include "tests/harness.h"
 
 namespace faceshard {

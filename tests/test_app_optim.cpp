@@ -14,19 +14,16 @@
 
 #include <torch/torch.h>
 
-#include "app/backbone_optimizer.h"
-#include "app/grad_clip.h"
-#include "app/loss_scaler.h"
-#include "app/lr_schedule.h"
-#include "partial_fc/error.h"
+#include "app/train/backbone_optimizer.h"
+#include "app/train/fault_injection.h"
+#include "app/train/grad_clip.h"
+#include "app/train/loss_scaler.h"
+#include "app/train/lr_schedule.h"
+#include "partial_fc/runtime/error.h"
+#include "tests/harness.h"
 
 namespace faceshard {
 namespace {
-
-double rel(const at::Tensor& a, const at::Tensor& b) {
-  return (a.to(torch::kDouble) - b.to(torch::kDouble)).norm().item<double>() /
-         std::max(b.to(torch::kDouble).norm().item<double>(), 1e-20);
-}
 
 std::string what_of(const std::function<void()>& f) {
   try {
@@ -161,7 +158,7 @@ void compare_with_torch(const BackboneOptimizerOptions& opts, TorchOpt make_ref,
     set_lr(*ref_opt, lr_of_step(s));
     ref_opt->step();
     for (size_t i = 0; i < mine.size(); ++i) {
-      EXPECT_LT(rel(mine[i], ref[i]), 1e-6) << "step " << s << " param " << i;
+      EXPECT_LT(testing::relative_error(mine[i], ref[i]), 1e-6) << "step " << s << " param " << i;
       EXPECT_TRUE(torch::allclose(mine[i], ref[i], 1e-6, 1e-7)) << "step " << s << " param " << i;
     }
     opt.zero_grad();
@@ -169,7 +166,7 @@ void compare_with_torch(const BackboneOptimizerOptions& opts, TorchOpt make_ref,
   }
   // The parameters moved (the comparison is not between two unchanged copies).
   const auto start = make_params(7);
-  for (size_t i = 0; i < mine.size(); ++i) EXPECT_GT(rel(mine[i], start[i]), 1e-3) << "param " << i;
+  for (size_t i = 0; i < mine.size(); ++i) EXPECT_GT(testing::relative_error(mine[i], start[i]), 1e-3) << "param " << i;
 }
 
 TEST(AppOptim, SgdMatchesTorchSgd) {
@@ -354,8 +351,8 @@ TEST(GradClip, MatchesManualNormAndTorchClip) {
     double clipped_sq = 0;
     for (size_t i = 0; i < mine.size(); ++i) {
       if (!gs[i].defined()) continue;
-      EXPECT_LT(rel(mine[i].grad(), gs[i].to(torch::kDouble) * coef), 1e-6) << "max_norm " << max_norm;
-      EXPECT_LT(rel(mine[i].grad(), ref[i].grad()), 1e-6) << "max_norm " << max_norm;
+      EXPECT_LT(testing::relative_error(mine[i].grad(), gs[i].to(torch::kDouble) * coef), 1e-6) << "max_norm " << max_norm;
+      EXPECT_LT(testing::relative_error(mine[i].grad(), ref[i].grad()), 1e-6) << "max_norm " << max_norm;
       clipped_sq += mine[i].grad().to(torch::kDouble).pow(2).sum().item<double>();
     }
     EXPECT_NEAR(std::sqrt(clipped_sq), std::min(manual, max_norm), 1e-5 * manual);
@@ -535,7 +532,7 @@ TEST(AppOptim, CudaMatchesCpu) {
       oc.step(lr_of_step(s));
       og.step(lr_of_step(s));
     }
-    for (size_t i = 0; i < cpu.size(); ++i) EXPECT_LT(rel(gpu[i].cpu(), cpu[i]), 1e-5) << kind << " param " << i;
+    for (size_t i = 0; i < cpu.size(); ++i) EXPECT_LT(testing::relative_error(gpu[i].cpu(), cpu[i]), 1e-5) << kind << " param " << i;
   }
   LossScaler sc(LossScalerOptions{}, torch::kCUDA);
   at::Tensor p = torch::zeros({3}, torch::kCUDA).requires_grad_(true);
@@ -544,6 +541,26 @@ TEST(AppOptim, CudaMatchesCpu) {
   EXPECT_EQ(found.device().type(), torch::kCUDA);
   EXPECT_TRUE(sc.update(found));
   EXPECT_EQ(sc.current_scale(), 32768.0);
+}
+
+// The e2e tests' fault plan: KIND@RANK:STEP items, anything else named as malformed.
+TEST(FaultPlan, ParsesItemsAndNamesBadOnes) {
+  FaultPlan p = FaultPlan::parse("inf_gradient@1:3,crash_in_save@0:8");
+  ASSERT_TRUE(p.inf_gradient && p.crash_in_save);
+  EXPECT_EQ(p.inf_gradient->rank, 1);
+  EXPECT_EQ(p.inf_gradient->step, 3);
+  EXPECT_EQ(p.crash_in_save->rank, 0);
+  EXPECT_EQ(p.crash_in_save->step, 8);
+  EXPECT_TRUE(FaultPlan::parse("").empty());
+  for (const char* bad : {"inf_gradient@1", "inf_gradient@1:0", "inf_gradient@-1:2", "inf_gradient@1:2x", "boom@0:1"}) {
+    try {
+      FaultPlan::parse(bad);
+      ADD_FAILURE() << bad << " was accepted";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("FACESHARD_FAULTS"), std::string::npos) << e.what();
+      EXPECT_EQ(e.exit_code(), 2);
+    }
+  }
 }
 
 }  // namespace

@@ -4,8 +4,10 @@
 #include <filesystem>
 #include <fstream>
 
-#include "app/config.h"
-#include "partial_fc/error.h"
+#include "app/config/config.h"
+#include "models/backbone_registry.h"
+#include "partial_fc/classifier/partial_fc.h"
+#include "partial_fc/runtime/error.h"
 #include "tests/harness.h"
 
 namespace faceshard {
@@ -127,6 +129,65 @@ TEST(Config, MissingBaseFileAndCycles) {
   expect_usage_error([&] { load_config(f.dir + "/x.yaml"); }, {"cycle"});
   std::string broken = f.write("broken.yaml", "data:\n  num_classes: [1,\n");
   expect_usage_error([&] { load_config(broken); }, {"broken.yaml", "YAML syntax error"});
+}
+
+// Settings that default to another setting are optional: unset, their accessor gives the
+// other one; a later layer's null unsets an earlier value; they round-trip through YAML.
+TEST(Config, OptionalKeysResolveToWhatTheyFollow) {
+  ConfigFiles f;
+  f.write("base.yaml", "data: {num_classes: 10}\noptim: {lr: 0.2, weight_decay: 0.001, fc_lr: 0.5, warmup_steps: 3}\n");
+  std::string top = f.write("job.yaml", "base: base.yaml\noptim: {fc_lr: null, optimizer: adamw}\n");
+  Config c = load_config(top);
+  EXPECT_FALSE(c.optim.fc_lr.has_value());
+  EXPECT_DOUBLE_EQ(c.optim.classifier_lr(), 0.2);
+  EXPECT_DOUBLE_EQ(c.optim.classifier_weight_decay(), 0.001);
+  EXPECT_EQ(c.optim.classifier_optimizer(), "adamw");
+  EXPECT_EQ(c.optim.warmup_steps, std::optional<int64_t>(3));
+  EXPECT_EQ(c.data.verification_dir(), c.data.rec);
+  c = load_config(top, {"optim.fc_lr=0.05", "optim.fc_optimizer=sgd", "optim.fc_weight_decay=0", "data.val_dir=/v"});
+  EXPECT_DOUBLE_EQ(c.optim.classifier_lr(), 0.05);
+  EXPECT_EQ(c.optim.classifier_optimizer(), "sgd");
+  EXPECT_DOUBLE_EQ(c.optim.classifier_weight_decay(), 0.0);
+  EXPECT_EQ(c.data.verification_dir(), "/v");
+  Config back = load_config_text(config_to_yaml(c), "printed.yaml");
+  EXPECT_EQ(back.optim.fc_lr, c.optim.fc_lr);
+  EXPECT_FALSE(back.optim.total_steps.has_value());
+  EXPECT_FALSE(back.model.init.has_value());
+  // The old sentinels are values out of range now, named as such.
+  expect_usage_error([&] { load_config(top, {"optim.warmup_steps=-1"}); }, {"--set", "'optim.warmup_steps'", ">= 0"});
+  expect_usage_error([&] { load_config(top, {"optim.fc_lr=-1"}); }, {"--set", "'optim.fc_lr'", "> 0"});
+}
+
+// Components name their own options; the config layer names the file and key that set them.
+TEST(Config, ComponentOptionErrorsNameTheConfigKey) {
+  ConfigFiles f;
+  std::string top = f.write("job.yaml", "data: {num_classes: 10}\nmodel: {backbone: r51}\n");
+  Config c = load_config(top);
+  BackboneOptions bo;
+  bo.name = c.model.backbone;
+  const std::string plain = [&] {
+    try {
+      make_backbone(bo);
+    } catch (const Error& e) {
+      EXPECT_EQ(e.option(), "backbone");
+      return std::string(e.what());
+    }
+    return std::string();
+  }();
+  EXPECT_EQ(plain.find("model.backbone"), std::string::npos) << plain;  // the component's own terms
+  EXPECT_NE(plain.find("backbone 'r51'"), std::string::npos) << plain;
+  expect_usage_error([&] { with_config_keys(c, {{"backbone", "model.backbone"}}, [&] { return make_backbone(bo); }); },
+                     {"job.yaml", "key 'model.backbone'", "'r51'", "r50"});
+  // A key set by --set is named as coming from there; an unmapped option error passes as it is.
+  c = load_config(top, {"loss.sample_rate=0.5"});
+  PartialFCOptions po;
+  po.num_classes = 10;
+  po.sample_rate = 1.5;
+  auto dist = Distributed::init(DistEnv{});
+  expect_usage_error([&] { with_config_keys(c, {{"sample_rate", "loss.sample_rate"}}, [&] { return PartialFC(*dist, po); }); },
+                     {"--set: key 'loss.sample_rate': must be in [0, 1], got 1.5"});
+  expect_usage_error([&] { with_config_keys(c, {}, [&] { return PartialFC(*dist, po); }); },
+                     {"sample_rate must be in [0, 1], got 1.5"});
 }
 
 TEST(Config, PrintedConfigLoadsBackToTheSameValues) {

@@ -28,8 +28,8 @@
 #include <opencv2/imgcodecs.hpp>
 #include <opencv2/imgproc.hpp>
 
-#include "app/config.h"
-#include "app/verification_metrics.h"
+#include "app/config/config.h"
+#include "app/eval/verification_metrics.h"
 #include "data/dataset.h"
 #include "data/image_record.h"
 #include "data/image_transform.h"
@@ -39,7 +39,7 @@
 #include "data/sampler.h"
 #include "data/synthetic_faces.h"
 #include "data/verification_bin.h"
-#include "partial_fc/error.h"
+#include "partial_fc/runtime/error.h"
 #include "tests/test_files.h"
 
 namespace faceshard {
@@ -424,12 +424,14 @@ TEST(DataLoader, PrefetchQueueIsBoundedForASlowConsumer) {
   o.flip = false;
   DataLoader loader(ds, DistributedSampler(uint64_t(B * 10), 1, 0, 0), o);
   auto settle = [&](uint64_t want) {
-    // Wait until the workers have filled the queue, then give them time to overrun it.
+    // Wait until every worker is blocked with no batch in flight: from then on nothing is
+    // read until the consumer takes a batch, so the count is final.
     const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
-    while (ds->reads.load() < want && std::chrono::steady_clock::now() < until) {
+    while ((ds->reads.load() < want || loader.idle_workers() < o.num_workers) &&
+           std::chrono::steady_clock::now() < until) {
       std::this_thread::sleep_for(std::chrono::milliseconds(1));
     }
-    std::this_thread::sleep_for(std::chrono::milliseconds(30));
+    EXPECT_EQ(loader.idle_workers(), o.num_workers) << "the workers never settled";
     return ds->reads.load();
   };
   loader.start_epoch(0);

@@ -21,7 +21,7 @@
 #include "data/image_record.h"
 #include "data/insightface_rec.h"
 #include "data/recordio.h"
-#include "partial_fc/error.h"
+#include "partial_fc/runtime/error.h"
 #include "tests/test_files.h"
 
 namespace faceshard {

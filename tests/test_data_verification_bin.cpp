@@ -16,7 +16,7 @@
 #include <vector>
 
 #include "data/verification_bin.h"
-#include "partial_fc/error.h"
+#include "partial_fc/runtime/error.h"
 #include "tests/test_files.h"
 
 namespace faceshard {

@@ -2,10 +2,10 @@
 // W ranks x B samples must train exactly like 1 process x W*B samples.
 #include <gtest/gtest.h>
 
-#include "app/sync_bn.h"
+#include "app/train/sync_bn.h"
 #include "models/norm_layer.h"
-#include "partial_fc/ddp.h"
-#include "partial_fc/sync_batch_norm.h"
+#include "partial_fc/parallel/ddp.h"
+#include "partial_fc/parallel/sync_batch_norm.h"
 #include "tests/harness.h"
 
 namespace faceshard {
@@ -38,10 +38,6 @@ TORCH_MODULE(Net);
 std::pair<at::Tensor, at::Tensor> batch(int k, int r, int64_t rows) {
   torch::manual_seed(1000 * k + r);
   return {torch::randn({rows, 3, 8, 8}), torch::randint(0, 5, {rows}, torch::kLong)};
-}
-
-double rel_diff(const at::Tensor& a, const at::Tensor& b) {
-  return (a - b).norm().item<double>() / std::max(b.norm().item<double>(), 1e-12);
 }
 
 torch::optim::SGD make_sgd(nn::Module& m) {
@@ -88,19 +84,20 @@ TEST_P(DdpEquivalence, FiveSgdStepsWithSyncBatchNormMatchOneProcess) {
     }
     auto rp = ref->named_parameters();
     for (auto& p : net->named_parameters())
-      EXPECT_LE(rel_diff(p.value(), rp[p.key()]), 1e-5) << p.key();
+      EXPECT_LE(testing::relative_error(p.value(), rp[p.key()]), 1e-5) << p.key();
     auto rb = ref->named_buffers();
     for (auto& b : net->named_buffers()) {
       if (b.value().scalar_type() == torch::kLong) {
         EXPECT_TRUE(torch::equal(b.value(), rb[b.key()])) << b.key();
       } else {
-        EXPECT_LE(rel_diff(b.value(), rb[b.key()]), 1e-5) << b.key();
+        EXPECT_LE(testing::relative_error(b.value(), rb[b.key()]), 1e-5) << b.key();
       }
     }
   });
 }
 
-INSTANTIATE_TEST_SUITE_P(World, DdpEquivalence, ::testing::Values(1, 2, 3));
+INSTANTIATE_TEST_SUITE_P(World, DdpEquivalence, ::testing::Values(1, 2, 3),
+                         [](const auto& info) { return "W" + std::to_string(info.param); });
 
 // Without batch norm: a linear model, to test accumulation in isolation.
 struct MlpImpl : nn::Module {
@@ -155,7 +152,7 @@ TEST(DdpAccumulation, TwoMicroBatchesEqualOneDoubleBatch) {
       }
       opt.step();
       auto rp = ref->named_parameters();
-      for (auto& p : net->named_parameters()) EXPECT_LE(rel_diff(p.value(), rp[p.key()]), 1e-5) << p.key();
+      for (auto& p : net->named_parameters()) EXPECT_LE(testing::relative_error(p.value(), rp[p.key()]), 1e-5) << p.key();
     });
   }
 }
@@ -279,9 +276,15 @@ TEST_P(SyncBatchNormCase, MatchesBatchNormOnConcatenatedBatch) {
   });
 }
 
+std::string bn_case_name(const BnCase& c) {
+  const char* rows[] = {"equal_rows", "uneven_rows", "rank1_empty"};
+  return "W" + std::to_string(c.world) + "_" + rows[c.mode] + (c.two_d ? "_4d" : "_2d");
+}
+
 INSTANTIATE_TEST_SUITE_P(Cases, SyncBatchNormCase,
                          ::testing::Values(BnCase{1, 0, true}, BnCase{2, 0, true}, BnCase{3, 0, true}, BnCase{2, 1, true},
-                                           BnCase{3, 1, false}, BnCase{3, 2, true}, BnCase{2, 2, false}));
+                                           BnCase{3, 1, false}, BnCase{3, 2, true}, BnCase{2, 2, false}),
+                         [](const auto& info) { return bn_case_name(info.param); });
 
 }  // namespace
 }  // namespace faceshard

@@ -5,9 +5,9 @@
 #include <csignal>
 #include <thread>
 
-#include "partial_fc/dist_env.h"
-#include "partial_fc/distributed.h"
-#include "partial_fc/error.h"
+#include "partial_fc/runtime/dist_env.h"
+#include "partial_fc/runtime/distributed.h"
+#include "partial_fc/runtime/error.h"
 #include "tests/harness.h"
 
 namespace faceshard {
@@ -129,7 +129,8 @@ TEST_P(Collectives, MatchClosedForms) {
   });
 }
 
-INSTANTIATE_TEST_SUITE_P(World, Collectives, ::testing::Values(1, 2, 3, 4));
+INSTANTIATE_TEST_SUITE_P(World, Collectives, ::testing::Values(1, 2, 3, 4),
+                         [](const auto& info) { return "W" + std::to_string(info.param); });
 
 // A rank that throws: the others fail quickly with a message naming it and its error.
 TEST(DistFailure, RankThatThrowsIsNamed) {

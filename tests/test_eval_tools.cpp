@@ -16,15 +16,15 @@
 
 #include <opencv2/imgproc.hpp>
 
-#include "app/checkpoint.h"
-#include "app/evaluation.h"
-#include "app/ijb.h"
-#include "app/inference_model.h"
-#include "app/npy.h"
+#include "app/io/checkpoint.h"
+#include "app/eval/evaluation.h"
+#include "app/eval/ijb.h"
+#include "app/eval/inference_model.h"
+#include "app/io/npy.h"
 #include "data/image_transform.h"
 #include "data/synthetic_faces.h"
 #include "models/backbone_registry.h"
-#include "partial_fc/error.h"
+#include "partial_fc/runtime/error.h"
 #include "tests/harness.h"
 
 namespace faceshard {

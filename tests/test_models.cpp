@@ -20,7 +20,7 @@
 #include "models/model_stats.h"
 #include "models/norm_layer.h"
 #include "models/state_dict_io.h"
-#include "partial_fc/error.h"
+#include "partial_fc/runtime/error.h"
 #include "tests/harness.h"
 
 namespace faceshard {
@@ -329,11 +329,6 @@ torch::Tensor lookup(const StateDict& sd, const std::string& name) {
   return torch::Tensor();
 }
 
-double rel_err(const torch::Tensor& a, const torch::Tensor& b) {
-  auto x = a.detach().to(torch::kDouble), y = b.detach().to(torch::kDouble);
-  return (x - y).abs().max().item<double>() / std::max(y.abs().max().item<double>(), 1e-12);
-}
-
 // The message of the faceshard::Error that f throws ("NO ERROR" / "WRONG TYPE: ..." else).
 template <typename F>
 std::string error_of(F&& f) {
@@ -521,7 +516,7 @@ TEST_P(BackboneInterchange, PythonWeightsGiveSameEmbeddings) {
     torch::NoGradGuard no_grad;
     y_eval = model->forward(x);
   }
-  EXPECT_LT(rel_err(y_eval, lookup(io, "eval")), 1e-9);
+  EXPECT_LT(testing::relative_error(y_eval, lookup(io, "eval"), testing::ErrorNorm::Max), 1e-9);
 
   // Train mode: batch statistics in every BN, and the same running-stat updates.
   model->train();
@@ -530,15 +525,15 @@ TEST_P(BackboneInterchange, PythonWeightsGiveSameEmbeddings) {
     torch::NoGradGuard no_grad;
     y_train = model->forward(x);
   }
-  EXPECT_LT(rel_err(y_train, lookup(io, "train")), 1e-9);
-  EXPECT_GT(rel_err(y_train, y_eval), 1e-3);  // the modes really differ
+  EXPECT_LT(testing::relative_error(y_train, lookup(io, "train"), testing::ErrorNorm::Max), 1e-9);
+  EXPECT_GT(testing::relative_error(y_train, y_eval, testing::ErrorNorm::Max), 1e-3);  // the modes really differ
   const StateDict after = read_state_dict(dir + "/py_after_train.pt");
   const StateDict mine = model->state_dict();
   ASSERT_EQ(mine.size(), after.size());
   for (size_t k = 0; k < mine.size(); ++k) {
     ASSERT_EQ(mine[k].first, after[k].first);
     if (mine[k].second.is_floating_point())
-      EXPECT_LT(rel_err(mine[k].second, after[k].second), 1e-9) << mine[k].first;
+      EXPECT_LT(testing::relative_error(mine[k].second, after[k].second, testing::ErrorNorm::Max), 1e-9) << mine[k].first;
     else
       EXPECT_TRUE(torch::equal(mine[k].second, after[k].second)) << mine[k].first;
   }
@@ -748,7 +743,7 @@ TEST_P(BackboneForward, TrainAndEvalOnCpu) {
   EXPECT_TRUE(torch::equal(e1, e2));
   for (const auto& [k, v] : model->state_dict()) EXPECT_TRUE(torch::equal(v, frozen.at(k))) << k;
   model->train();
-  EXPECT_GT(rel_err(model->forward(x), e1), 1e-3);
+  EXPECT_GT(testing::relative_error(model->forward(x), e1, testing::ErrorNorm::Max), 1e-3);
 }
 
 INSTANTIATE_TEST_SUITE_P(Backbone, BackboneForward, ::testing::ValuesIn(backbone_names()),
@@ -771,8 +766,8 @@ TEST(BackboneForward, DropoutOnlyInTraining) {
   drop->train();
   plain->train();
   const torch::Tensor a = drop->forward(x), b = drop->forward(x), c = plain->forward(x);
-  EXPECT_GT(rel_err(a, b), 1e-3);  // a fresh mask each step
-  EXPECT_GT(rel_err(a, c), 1e-3);
+  EXPECT_GT(testing::relative_error(a, b, testing::ErrorNorm::Max), 1e-3);  // a fresh mask each step
+  EXPECT_GT(testing::relative_error(a, c, testing::ErrorNorm::Max), 1e-3);
 }
 
 TEST(BackboneForward, ReducedPrecisionAndChannelsLastOnCpu) {
@@ -834,7 +829,7 @@ TEST(BackboneForward, ReducedPrecisionAndChannelsLastOnCpu) {
         throw;
       }
       EXPECT_EQ(y.scalar_type(), torch::kFloat);
-      EXPECT_LT(rel_err(y, y_ref), v.tol);
+      EXPECT_LT(testing::relative_error(y, y_ref, testing::ErrorNorm::Max), v.tol);
       EXPECT_FALSE(at::autocast::is_autocast_enabled(c10::DeviceType::CPU));  // restored
       if (!v.backward) continue;
       // Backward through the autocast body into fp32 parameters.
@@ -891,7 +886,7 @@ TEST(BackboneForward, CudaHalfChannelsLast) {
         y = model->forward(x);
       }
       EXPECT_EQ(y.scalar_type(), torch::kFloat);
-      EXPECT_LT(rel_err(y, y_ref), 0.1) << to_string(precision);
+      EXPECT_LT(testing::relative_error(y, y_ref, testing::ErrorNorm::Max), 0.1) << to_string(precision);
       model->train();
       model->forward(x).pow(2).sum().backward();
       for (const auto& kp : model->named_parameters()) {

@@ -4,23 +4,17 @@
 
 #include <cmath>
 
-#include "partial_fc/class_shard.h"
-#include "partial_fc/ddp.h"
-#include "partial_fc/error.h"
-#include "partial_fc/margin.h"
-#include "partial_fc/partial_fc.h"
-#include "partial_fc/shard_optimizer.h"
+#include "partial_fc/classifier/class_shard.h"
+#include "partial_fc/parallel/ddp.h"
+#include "partial_fc/runtime/error.h"
+#include "partial_fc/classifier/margin.h"
+#include "partial_fc/classifier/partial_fc.h"
 #include "tests/harness.h"
 
 namespace faceshard {
 namespace {
 
 namespace F = torch::nn::functional;
-
-double rel(const at::Tensor& a, const at::Tensor& b) {
-  return (a.to(torch::kDouble) - b.to(torch::kDouble)).norm().item<double>() /
-         std::max(b.to(torch::kDouble).norm().item<double>(), 1e-20);
-}
 
 TEST(ClassShard, ContiguousRangesFirstRanksOneMore) {
   for (int W = 1; W <= 5; ++W) {
@@ -151,18 +145,21 @@ TEST_P(PartialFCEquivalence, LossAndGradientsMatchFullSoftmax) {
     at::Tensor emb = data.emb.narrow(0, data.offset, data.rows).clone().requires_grad_();
     auto out = fc.forward(emb, data.labels.narrow(0, data.offset, data.rows));
     out.loss.backward();
-    EXPECT_LE(rel(out.loss, ref.loss), 1e-5) << out.loss.item<double>() << " vs " << ref.loss.item<double>();
+    EXPECT_LE(testing::relative_error(out.loss, ref.loss), 1e-5) << out.loss.item<double>() << " vs " << ref.loss.item<double>();
     EXPECT_NEAR(out.accuracy.item<double>(), ref.accuracy.item<double>(), 1e-6);
     // Embedding gradient: W x dL/demb by the gradient convention (partial_fc.h).
-    EXPECT_LE(rel(emb.grad(), ref.emb_grad.narrow(0, data.offset, data.rows) * d.world_size()), 1e-5);
-    EXPECT_LE(rel(fc.weight().grad(), ref.weight_grad.narrow(0, fc.shard().start, fc.shard().count)), 1e-5);
+    EXPECT_LE(testing::relative_error(emb.grad(), ref.emb_grad.narrow(0, data.offset, data.rows) * d.world_size()), 1e-5);
+    EXPECT_LE(testing::relative_error(fc.gradient(), ref.weight_grad.narrow(0, fc.shard().start, fc.shard().count)), 1e-5);
   });
 }
 
 INSTANTIATE_TEST_SUITE_P(Worlds, PartialFCEquivalence,
                          ::testing::Values(FcCase{1, "arcface"}, FcCase{2, "arcface"}, FcCase{3, "arcface"},
                                            FcCase{4, "arcface"}, FcCase{1, "cosface"}, FcCase{2, "cosface"},
-                                           FcCase{3, "cosface"}, FcCase{4, "cosface"}, FcCase{3, "filter"}));
+                                           FcCase{3, "cosface"}, FcCase{4, "cosface"}, FcCase{3, "filter"}),
+                         [](const auto& info) {
+                           return "W" + std::to_string(info.param.world) + "_C1003_" + info.param.margin;
+                         });
 
 class PartialFCSampling : public ::testing::TestWithParam<std::string> {};
 
@@ -174,14 +171,14 @@ TEST_P(PartialFCSampling, SampledSoftmaxAndUntouchedRows) {
     o.num_classes = C;
     o.embedding_size = D;
     o.sample_rate = 0.1;
+    o.optimizer = ShardOptimizerOptions{kind, 0.9, 5e-4};
     Data data = make_data(d.world_size(), d.rank(), C, D);
     at::Tensor full_weight = PartialFC::initial_rows(0, C, D, o.seed);
     PartialFC fc(d, o);
-    ShardOptimizer opt(fc, ShardOptimizerOptions{kind, 0.9, 5e-4});
     for (int step = 0; step < 3; ++step) {
       at::Tensor before = fc.weight().clone();
       std::map<std::string, at::Tensor> state_before;
-      for (auto& kv : opt.state()) state_before[kv.first] = kv.second.clone();
+      for (auto& kv : fc.state()) state_before[kv.first] = kv.second.clone();
       at::Tensor emb = data.emb.narrow(0, data.offset, data.rows).clone().requires_grad_();
       auto out = fc.forward(emb, data.labels.narrow(0, data.offset, data.rows));
       ASSERT_EQ(fc.sampled_index().size(0), std::max<int64_t>(fc.num_sample(), 0));
@@ -196,24 +193,25 @@ TEST_P(PartialFCSampling, SampledSoftmaxAndUntouchedRows) {
       std::vector<at::Tensor> shards;
       at::Tensor cur = d.all_gather(fc.weight().detach());
       Reference ref = reference(data.emb, cur, data.labels, o.margin, cols);
-      EXPECT_LE(rel(out.loss, ref.loss), 1e-5);
+      EXPECT_LE(testing::relative_error(out.loss, ref.loss), 1e-5);
       out.loss.backward();
-      EXPECT_LE(rel(fc.sampled_weight().grad(),
+      EXPECT_LE(testing::relative_error(fc.gradient(),
                     ref.weight_grad.index_select(0, global_index)), 1e-5);
-      opt.step(0.1);
+      fc.step(0.1);
       // Unsampled rows and their optimiser state: bit-identical. Sampled rows: changed.
       at::Tensor unsampled = torch::ones({fc.shard().count}, torch::kBool);
       unsampled.index_fill_(0, fc.sampled_index(), false);
       at::Tensor ui = unsampled.nonzero().view({-1});
       EXPECT_TRUE(torch::equal(fc.weight().index_select(0, ui), before.index_select(0, ui)));
-      for (auto& kv : opt.state())
+      for (auto& kv : fc.state())
         EXPECT_TRUE(torch::equal(kv.second.index_select(0, ui), state_before[kv.first].index_select(0, ui))) << kv.first;
       EXPECT_FALSE(torch::equal(fc.weight().index_select(0, fc.sampled_index()), before.index_select(0, fc.sampled_index())));
     }
   });
 }
 
-INSTANTIATE_TEST_SUITE_P(Optimisers, PartialFCSampling, ::testing::Values("sgd", "adamw"));
+INSTANTIATE_TEST_SUITE_P(Optimisers, PartialFCSampling, ::testing::Values("sgd", "adamw"),
+                         [](const auto& info) { return info.param; });
 
 // Gradient accumulation with sampling: each micro-batch samples its own rows; one step must
 // apply the summed gradient of both micro-batch losses (each divided by 2, as the trainer
@@ -227,8 +225,8 @@ TEST(PartialFCSampling, AccumulatedMicroBatchesStepTheUnionOfRows) {
     o.num_classes = C;
     o.embedding_size = D;
     o.sample_rate = 0.2;
+    o.optimizer = ShardOptimizerOptions{"sgd", 0.9, wd};
     PartialFC fc(d, o);
-    ShardOptimizer opt(fc, ShardOptimizerOptions{"sgd", 0.9, wd});
     const at::Tensor full = PartialFC::initial_rows(0, C, D, o.seed);
     Data first = make_data(d.world_size(), d.rank(), C, D), second = first;
     second.emb = -first.emb + 0.3;
@@ -242,17 +240,59 @@ TEST(PartialFCSampling, AccumulatedMicroBatchesStepTheUnionOfRows) {
       at::Tensor cols = std::get<0>(torch::sort(d.all_gather(fc.sampled_index() + fc.shard().start)));
       dense_grad += reference(data->emb, full, data->labels, o.margin, cols).weight_grad / 2;
       touched.index_fill_(0, fc.sampled_index() + fc.shard().start, true);
-      if (k++ == 0) opt.accumulate();
+      if (k++ == 0) fc.accumulate();
     }
-    opt.step(lr);
+    fc.step(lr);
     const int64_t s = fc.shard().start, n = fc.shard().count;
     at::Tensor w0 = full.narrow(0, s, n), g = dense_grad.narrow(0, s, n), mask = touched.narrow(0, s, n).unsqueeze(1);
     at::Tensor expected = torch::where(mask, w0 - lr * (g + wd * w0), w0);
-    EXPECT_LE(rel(fc.weight(), expected), 1e-5);
+    EXPECT_LE(testing::relative_error(fc.weight(), expected), 1e-5);
     EXPECT_TRUE(torch::equal(fc.weight().masked_select(~mask), w0.masked_select(~mask)));
     // Two micro-batches with different labels sample different rows: more than one forward's worth.
     EXPECT_GT(fc.sampled_index().size(0), fc.num_sample());
   });
+}
+
+// The classifier's state is its rows (weight and optimiser state); loading checks names and
+// shapes, and a loaded shard continues exactly where the saved one was.
+TEST(PartialFCState, RoundTripAndBadRowsNamed) {
+  auto dist = Distributed::init(DistEnv{});
+  PartialFCOptions o;
+  o.num_classes = 20;
+  o.embedding_size = 4;
+  o.optimizer.kind = "adamw";
+  PartialFC a(*dist, o);
+  at::Tensor emb = torch::randn({6, 4}), labels = torch::randint(0, 20, {6}, torch::kLong);
+  a.forward(emb, labels).loss.backward();
+  a.step(0.01);
+  ShardRows saved;
+  for (auto& kv : a.state()) saved.emplace_back(kv.first, kv.second.clone());
+  std::vector<std::string> names;
+  for (auto& kv : saved) names.push_back(kv.first);
+  EXPECT_EQ(names, (std::vector<std::string>{"weight", "opt.exp_avg", "opt.exp_avg_sq", "opt.row_steps"}));
+  PartialFC b(*dist, o);
+  b.load_state(saved, "ckpt");
+  for (PartialFC* fc : {&a, &b}) {
+    fc->forward(emb, labels).loss.backward();
+    fc->step(0.01);
+  }
+  EXPECT_TRUE(torch::equal(a.weight(), b.weight()));
+  ShardRows wrong{{"opt.momentum", torch::zeros({20, 4})}};
+  std::string msg;
+  try {
+    b.load_state(wrong, "ckpt");
+  } catch (const Error& e) {
+    msg = e.what();
+  }
+  EXPECT_NE(msg.find("ckpt: classifier state 'opt.momentum'"), std::string::npos) << msg;
+  ShardRows short_rows{{"weight", torch::zeros({19, 4})}};
+  msg.clear();
+  try {
+    b.load_state(short_rows, "ckpt");
+  } catch (const Error& e) {
+    msg = e.what();
+  }
+  EXPECT_NE(msg.find("'weight' has shape [19, 4], expected [20, 4]"), std::string::npos) << msg;
 }
 
 TEST(PartialFCSampling, RateOneEqualsFullComputation) {
@@ -266,7 +306,7 @@ TEST(PartialFCSampling, RateOneEqualsFullComputation) {
     EXPECT_FALSE(fc.samples());
     auto out = fc.forward(data.emb.narrow(0, data.offset, data.rows), data.labels.narrow(0, data.offset, data.rows));
     Reference ref = reference(data.emb, PartialFC::initial_rows(0, 101, 8, o.seed), data.labels, o.margin);
-    EXPECT_LE(rel(out.loss, ref.loss), 1e-5);
+    EXPECT_LE(testing::relative_error(out.loss, ref.loss), 1e-5);
   });
 }
 
@@ -324,8 +364,8 @@ TEST(PartialFCConvention, BackboneGradientThroughDdpEqualsOneProcess) {
       auto out = fc.forward(backbone(xs[d.rank()]), ys[d.rank()]);
       ddp.prepare_for_backward({out.loss});
       out.loss.backward();
-      EXPECT_LE(rel(backbone->weight.grad(), ref_backbone->weight.grad()), 1e-5);
-      EXPECT_LE(rel(backbone->bias.grad(), ref_backbone->bias.grad()), 1e-5);
+      EXPECT_LE(testing::relative_error(backbone->weight.grad(), ref_backbone->weight.grad()), 1e-5);
+      EXPECT_LE(testing::relative_error(backbone->bias.grad(), ref_backbone->bias.grad()), 1e-5);
     });
   }
 }

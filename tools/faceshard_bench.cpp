@@ -1,6 +1,9 @@
 // faceshard-bench: performance measurements as runnable benchmarks (never timed tests).
 //   --mode classifier   the sharded classifier alone (gather, cosines, margin softmax,
 //                       backward, shard optimiser) on random embeddings
+//   --mode step         one whole training step (app/train/train_step.h, the trainer's own):
+//                       data wait, backbone + classifier forward, backward with DDP, the
+//                       optimisers; on the synthetic data set unless --config names a job
 //   --mode data         the training data loader alone (read, JPEG decode, flip, normalise,
 //                       batch) for several worker counts; --data a folder with train.rec/idx
 //                       (default: a synthetic face set written to a temporary folder),
@@ -26,17 +29,19 @@
 #include <c10/cuda/CUDAFunctions.h>
 #endif
 
+#include "app/config/config.h"
+#include "app/train/train_job.h"
+#include "app/train/train_step.h"
 #include "data/dataset.h"
 #include "data/image_transform.h"
 #include "data/loader.h"
 #include "data/sampler.h"
 #include "data/synthetic_faces.h"
-#include "partial_fc/dist_env.h"
-#include "partial_fc/distributed.h"
-#include "partial_fc/error.h"
-#include "partial_fc/log.h"
-#include "partial_fc/partial_fc.h"
-#include "partial_fc/shard_optimizer.h"
+#include "partial_fc/runtime/dist_env.h"
+#include "partial_fc/runtime/distributed.h"
+#include "partial_fc/runtime/error.h"
+#include "partial_fc/runtime/log.h"
+#include "partial_fc/classifier/partial_fc.h"
 
 using namespace faceshard;
 
@@ -45,6 +50,9 @@ namespace {
 const char* kUsage =
     "usage: faceshard-bench --mode classifier [--classes-per-shard N] [--sample-rate R] [--batch B]\n"
     "                       [--dim D] [--steps K] [--windows N] [--warmup K] [--device cpu|cuda] [--json FILE]\n"
+    "       faceshard-bench --mode step [--network NAME] [--batch B] [--classes C] [--sample-rate R]\n"
+    "                       [--precision fp32|bf16|fp16] [--device cpu|cuda] [--config FILE] [--set key=value ...]\n"
+    "                       [--steps K] [--windows N] [--warmup K] [--json FILE]\n"
     "       faceshard-bench --mode data [--data DIR] [--workers LIST] [--batch B] [--epochs E]\n"
     "                       [--identities N] [--images-per-identity M] [--json FILE]\n"
     "  --workers LIST   comma-separated decoding thread counts; 'all' = every core (default 1,2,all)\n";
@@ -58,6 +66,12 @@ struct Args {
   std::string data, workers = "1,2,all";
   int64_t epochs = 2, identities = 200, images_per_identity = 25;
   bool batch_given = false;
+  // --mode step: settings given on the command line (others: the config's or its defaults)
+  std::optional<std::string> network, precision;
+  std::optional<int64_t> classes;
+  bool sample_rate_given = false, device_given = false;
+  std::string config;
+  std::vector<std::string> overrides;
 };
 
 int64_t read_status_kb(const char* key) {
@@ -106,6 +120,13 @@ int64_t parse_int(const std::string& flag, const std::string& v) {
   return x;
 }
 
+void write_json(const std::string& path, const std::string& text) {
+  if (path.empty()) return;
+  std::string tmp = path + ".tmp";
+  std::ofstream(tmp) << text << "\n";
+  std::rename(tmp.c_str(), path.c_str());
+}
+
 int run_classifier(const Args& a, Distributed& dist) {
   const bool cuda = a.device == "cuda";
   torch::Device dev = cuda ? torch::Device(torch::kCUDA, dist.local_rank()) : torch::Device(torch::kCPU);
@@ -115,7 +136,6 @@ int run_classifier(const Args& a, Distributed& dist) {
   o.sample_rate = a.sample_rate;
   o.margin = CombinedMargin{1.0, 0.5, 0.0};
   PartialFC fc(dist, o, dev);
-  ShardOptimizer opt(fc, ShardOptimizerOptions{});
   auto opts = torch::TensorOptions().device(dev);
   torch::manual_seed(dist.rank());
   at::Tensor emb = torch::randn({a.batch, a.dim}, opts).requires_grad_();
@@ -123,7 +143,7 @@ int run_classifier(const Args& a, Distributed& dist) {
   auto step = [&] {
     auto out = fc.forward(emb, labels);
     out.loss.backward();
-    opt.step(0.1);
+    fc.step(0.1);
     emb.mutable_grad().reset();
   };
   for (int64_t i = 0; i < a.warmup; ++i) step();
@@ -152,11 +172,75 @@ int run_classifier(const Args& a, Distributed& dist) {
            median * 1e3, " ms/step, ", a.batch * dist.world_size() / median, " images/s, peak ",
            peak / 1048576.0, " MB (", cuda ? "GPU allocated" : "process RSS", "; shard weight+momentum ",
            state_bytes / 1048576.0, " MB)");
-  if (!a.json.empty() && dist.rank() == 0) {
-    std::string tmp = a.json + ".tmp";
-    std::ofstream(tmp) << js.str() << "\n";
-    std::rename(tmp.c_str(), a.json.c_str());
+  if (dist.rank() == 0) write_json(a.json, js.str());
+  return 0;
+}
+
+// One whole training step, exactly as faceshard-train runs it (same TrainJob, same
+// TrainStep), timed per phase.
+int run_step(const Args& a) {
+  std::vector<std::string> ov;
+  if (a.config.empty()) ov = {"data.rec=synthetic", "train.tensorboard=false", "data.num_workers=2"};
+  if (a.network) ov.push_back("model.backbone=" + *a.network);
+  if (a.classes) ov.push_back("data.num_classes=" + std::to_string(*a.classes));
+  else if (a.config.empty()) ov.push_back("data.num_classes=100000");
+  if (a.batch_given) ov.push_back("data.batch_size=" + std::to_string(a.batch));
+  if (a.sample_rate_given) ov.push_back("loss.sample_rate=" + std::to_string(a.sample_rate));
+  if (a.precision) ov.push_back("train.precision=" + *a.precision);
+  if (a.device_given) ov.push_back("dist.device=" + a.device);
+  ov.insert(ov.end(), a.overrides.begin(), a.overrides.end());
+  const Config cfg = a.config.empty() ? load_config_text("", "faceshard-bench", ov) : load_config(a.config, ov);
+  TrainJob job = build_train_job(cfg);
+  Distributed& dist = *job.dist;
+  const bool cuda = job.device.is_cuda();
+  TrainStep step(job, /*timing=*/true);
+  uint64_t epoch = 0, in_epoch = 0;
+  const uint64_t per_epoch = uint64_t(job.steps_per_epoch * job.micro);
+  job.loader->start_epoch(0);
+  BatchSource next = [&]() -> Batch {
+    if (in_epoch == per_epoch) job.loader->start_epoch(++epoch), in_epoch = 0;
+    in_epoch++;
+    return std::move(*job.loader->next());
+  };
+  job.backbone->train();
+  int64_t k = 0;
+  for (int64_t i = 0; i < a.warmup; ++i) step.run(next, k++);
+  sync_device(cuda);
+  reset_peak(cuda);
+  std::vector<double> rate;
+  StepTimes sum;
+  for (int64_t w = 0; w < a.windows; ++w) {
+    dist.barrier();
+    auto t0 = std::chrono::steady_clock::now();
+    for (int64_t i = 0; i < a.steps; ++i) {
+      StepResult r = step.run(next, k++);
+      sum.data += r.times.data, sum.forward += r.times.forward, sum.backward += r.times.backward;
+      sum.optimizer += r.times.optimizer;
+    }
+    sync_device(cuda);
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    rate.push_back(double(a.steps * job.global_batch()) / s);
   }
+  std::sort(rate.begin(), rate.end());
+  const double median = rate[rate.size() / 2], peak = peak_bytes(cuda) / 1048576.0;
+  const double n = double(a.steps * a.windows), total = sum.total();
+  auto pct = [&](double x) { return total > 0 ? 100.0 * x / total : 0.0; };
+  log_info("step: ", cfg.model.backbone, ", batch ", cfg.data.batch_size, "x", dist.world_size(), " x ", job.micro,
+           " micro-batches, ", cfg.data.num_classes, " classes (", job.fc->num_sample(), " per step on this rank), ",
+           cfg.train.precision, " on ", job.device.str(), ": ", median, " images/s (median of ", a.windows,
+           " windows of ", a.steps, " steps), peak ", peak, " MB (", cuda ? "GPU allocated" : "process RSS",
+           "); per step ", total / n * 1e3, " ms = data ", pct(sum.data), "%, forward ", pct(sum.forward),
+           "%, backward ", pct(sum.backward), "%, optimiser ", pct(sum.optimizer), "%");
+  std::ostringstream js;
+  js << "{\"mode\":\"step\",\"network\":\"" << cfg.model.backbone << "\",\"device\":\"" << job.device.str()
+     << "\",\"world_size\":" << dist.world_size() << ",\"batch_per_rank\":" << cfg.data.batch_size
+     << ",\"micro_batches\":" << job.micro << ",\"classes\":" << cfg.data.num_classes << ",\"precision\":\""
+     << cfg.train.precision << "\",\"images_per_s\":" << median << ",\"peak_memory_mb\":" << peak
+     << ",\"step_ms\":" << total / n * 1e3 << ",\"split_ms\":{\"data\":" << sum.data / n * 1e3
+     << ",\"forward\":" << sum.forward / n * 1e3 << ",\"backward\":" << sum.backward / n * 1e3
+     << ",\"optimizer\":" << sum.optimizer / n * 1e3 << "}}";
+  if (dist.rank() == 0) write_json(a.json, js.str());
+  dist.shutdown();
   return 0;
 }
 
@@ -271,11 +355,7 @@ int run_data(const Args& a) {
     first = false;
   }
   js << "]}";
-  if (!a.json.empty()) {
-    std::string tmp = a.json + ".tmp";
-    std::ofstream(tmp) << js.str() << "\n";
-    std::rename(tmp.c_str(), a.json.c_str());
-  }
+  write_json(a.json, js.str());
   return 0;
 }
 
@@ -305,15 +385,21 @@ int main(int argc, char** argv) {
       else if (s == "--steps") a.steps = std::max<int64_t>(1, parse_int(s, value()));
       else if (s == "--windows") a.windows = std::max<int64_t>(1, parse_int(s, value()));
       else if (s == "--warmup") a.warmup = parse_int(s, value());
-      else if (s == "--sample-rate") a.sample_rate = std::atof(value().c_str());
-      else if (s == "--device") a.device = value();
+      else if (s == "--sample-rate") a.sample_rate = std::atof(value().c_str()), a.sample_rate_given = true;
+      else if (s == "--device") a.device = value(), a.device_given = true;
+      else if (s == "--network") a.network = value();
+      else if (s == "--classes") a.classes = parse_int(s, value());
+      else if (s == "--precision") a.precision = value();
+      else if (s == "--config") a.config = value();
+      else if (s == "--set") a.overrides.push_back(value());
       else if (s == "--json") a.json = value();
       else throw usage_error("unknown argument '", s, "' (see --help)");
     }
     if (a.device != "cpu" && a.device != "cuda") throw usage_error("--device must be cpu or cuda");
     if (a.sample_rate <= 0 || a.sample_rate > 1) throw usage_error("--sample-rate must be in (0, 1]");
-    if (a.mode != "classifier" && a.mode != "data")
-      throw usage_error("--mode '", a.mode, "' is not known (classifier, data)");
+    if (a.mode != "classifier" && a.mode != "data" && a.mode != "step")
+      throw usage_error("--mode '", a.mode, "' is not known (classifier, step, data)");
+    if (a.mode == "step") return run_step(a);
     if (a.mode == "data") {
       if (a.batch < 1) throw usage_error("--batch must be >= 1");
       return run_data(a);

@@ -2,8 +2,8 @@
 // prints the complete merged result; exit status 2 with a one-line error when it is wrong.
 #include <cstdio>
 
-#include "app/cli.h"
-#include "partial_fc/error.h"
+#include "app/config/cli.h"
+#include "partial_fc/runtime/error.h"
 
 using namespace faceshard;
 

@@ -8,10 +8,10 @@
 #include <iomanip>
 #include <sstream>
 
-#include "partial_fc/ddp.h"
-#include "partial_fc/dist_env.h"
-#include "partial_fc/error.h"
-#include "partial_fc/log.h"
+#include "partial_fc/parallel/ddp.h"
+#include "partial_fc/runtime/dist_env.h"
+#include "partial_fc/runtime/error.h"
+#include "partial_fc/runtime/log.h"
 
 using namespace faceshard;
 

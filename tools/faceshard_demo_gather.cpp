@@ -5,10 +5,10 @@
 // happens with a plain gather that carries no gradient.
 #include <sstream>
 
-#include "partial_fc/all_gather.h"
-#include "partial_fc/dist_env.h"
-#include "partial_fc/error.h"
-#include "partial_fc/log.h"
+#include "partial_fc/parallel/all_gather.h"
+#include "partial_fc/runtime/dist_env.h"
+#include "partial_fc/runtime/error.h"
+#include "partial_fc/runtime/log.h"
 
 using namespace faceshard;
 

@@ -7,10 +7,10 @@
 #include <string>
 #include <thread>
 
-#include "partial_fc/dist_env.h"
-#include "partial_fc/distributed.h"
-#include "partial_fc/error.h"
-#include "partial_fc/log.h"
+#include "partial_fc/runtime/dist_env.h"
+#include "partial_fc/runtime/distributed.h"
+#include "partial_fc/runtime/error.h"
+#include "partial_fc/runtime/log.h"
 
 using namespace faceshard;
 

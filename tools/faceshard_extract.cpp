@@ -11,15 +11,15 @@
 
 #include <opencv2/imgcodecs.hpp>
 
-#include "app/checkpoint.h"
-#include "app/evaluation.h"
-#include "app/inference_model.h"
-#include "app/npy.h"
-#include "app/tool_args.h"
+#include "app/io/checkpoint.h"
+#include "app/eval/evaluation.h"
+#include "app/eval/inference_model.h"
+#include "app/io/npy.h"
+#include "app/eval/tool_args.h"
 #include "data/dataset.h"
 #include "data/image_transform.h"
-#include "partial_fc/error.h"
-#include "partial_fc/log.h"
+#include "partial_fc/runtime/error.h"
+#include "partial_fc/runtime/log.h"
 
 using namespace faceshard;
 namespace fs = std::filesystem;

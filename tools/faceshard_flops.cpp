@@ -8,7 +8,7 @@
 
 #include "models/backbone_registry.h"
 #include "models/model_stats.h"
-#include "partial_fc/error.h"
+#include "partial_fc/runtime/error.h"
 
 int main(int argc, char** argv) {
   return faceshard::run_main("faceshard-flops", [&] {

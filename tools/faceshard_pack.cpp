@@ -15,7 +15,7 @@
 #include "data/image_transform.h"
 #include "data/insightface_rec.h"
 #include "data/recordio.h"
-#include "partial_fc/error.h"
+#include "partial_fc/runtime/error.h"
 
 namespace {
 

@@ -8,7 +8,7 @@
 #include <string>
 
 #include "data/synthetic_faces.h"
-#include "partial_fc/error.h"
+#include "partial_fc/runtime/error.h"
 
 namespace {
 

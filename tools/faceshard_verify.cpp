@@ -9,14 +9,14 @@
 #include <string>
 #include <vector>
 
-#include "app/checkpoint.h"
-#include "app/evaluation.h"
-#include "app/inference_model.h"
-#include "app/metrics_log.h"
-#include "app/tool_args.h"
-#include "app/verification_metrics.h"
-#include "partial_fc/error.h"
-#include "partial_fc/log.h"
+#include "app/io/checkpoint.h"
+#include "app/eval/evaluation.h"
+#include "app/eval/inference_model.h"
+#include "app/io/metrics_log.h"
+#include "app/eval/tool_args.h"
+#include "app/eval/verification_metrics.h"
+#include "partial_fc/runtime/error.h"
+#include "partial_fc/runtime/log.h"
 
 using namespace faceshard;
 

@@ -6,10 +6,13 @@ root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 TORCH_VERSION="${FACESHARD_TORCH_VERSION:-2.11.0}"
 
 # yaml-cpp: configs; OpenCV: JPEG decode/encode, resize, affine alignment;
-# GoogleTest: tests; ccache + ninja: fast rebuilds; cmake/g++/python3-venv: the build itself.
+# GoogleTest: tests; ccache + ninja: fast rebuilds; cmake/g++/python3-venv: the build itself;
+# libgloo-dev: gloo's headers, which torch's ProcessGroupGloo.hpp includes (the wheel ships
+# the implementation but not those headers); iproute2: network namespaces for the
+# several-hosts tests.
 debs=(build-essential cmake ninja-build ccache pkg-config python3 python3-venv
       libyaml-cpp-dev libopencv-core-dev libopencv-imgproc-dev libopencv-imgcodecs-dev
-      libgtest-dev)
+      libgtest-dev libgloo-dev iproute2)
 missing=()
 for p in "${debs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

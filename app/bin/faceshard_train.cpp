@@ -1,9 +1,9 @@
 // faceshard-train --config FILE [--set key=value ...] [--resume [CHECKPOINT]] [--print-config]
 #include <cstdio>
 
-#include "app/cli.h"
-#include "app/trainer.h"
-#include "partial_fc/error.h"
+#include "app/config/cli.h"
+#include "app/train/trainer.h"
+#include "partial_fc/runtime/error.h"
 
 using namespace faceshard;
 
@@ -36,6 +36,7 @@ int main(int argc, char** argv) {
       std::fputs(req.config_text.c_str(), stdout);
       return 0;
     }
+    req.faults = FaultPlan::from_environment();
     return run_training(req);
   });
 }

@@ -144,7 +144,7 @@ print('classifier rows and momentum of 2 shards == 3 shards (%d classes)' % a.sh
 PY
   echo PASS ;;
 crash_in_save)
-  FACESHARD_CRASH_IN_SAVE=1:8 train --set optim.total_steps=12 > "$work/a.log" 2>&1 && fail "the crashed run exited 0"
+  FACESHARD_FAULTS=crash_in_save@1:8 train --set optim.total_steps=12 > "$work/a.log" 2>&1 && fail "the crashed run exited 0"
   [ -f "$work/out/checkpoints/step_00000004/COMMITTED" ] || fail "step 4 checkpoint missing"
   [ -f "$work/out/checkpoints/step_00000008/COMMITTED" ] && fail "step 8 committed although rank 1 died while saving"
   train --set optim.total_steps=12 --set train.max_steps=5 --resume > "$work/b.log" 2>&1 || { cat "$work/b.log"; fail "resume after crash"; }
@@ -169,7 +169,7 @@ sigterm)
 fp16_skip)
   # The scaler's decision path in fp32 arithmetic (fp16 convolutions are impractically slow on
   # CPU): the inf lands in rank 1's gradients only; rank 0 must skip the same step.
-  FACESHARD_INJECT_INF=1:3 train --set optim.total_steps=5 --set train.loss_scaling=on \
+  FACESHARD_FAULTS=inf_gradient@1:3 train --set optim.total_steps=5 --set train.loss_scaling=on \
     --set train.loss_scale_init=1024 > "$work/a.log" 2>&1 || { cat "$work/a.log"; fail "loss-scaled run"; }
   grep -q "\[rank 0/2\] loss scaling: non-finite gradients at step 3, step skipped" "$work/a.log" \
     || { cat "$work/a.log"; fail "rank 0 did not skip step 3"; }
@@ -183,7 +183,7 @@ PY
   echo PASS ;;
 nan_stop)
   # An inf in rank 0's gradients at step 6 makes the weights, and so step 7's loss, NaN.
-  FACESHARD_INJECT_INF=0:6 train --set optim.total_steps=12 > "$work/a.log" 2>&1 && fail "exit 0 despite NaN"
+  FACESHARD_FAULTS=inf_gradient@0:6 train --set optim.total_steps=12 > "$work/a.log" 2>&1 && fail "exit 0 despite NaN"
   grep -q "error: the loss became NaN/inf at step 7; stopping. Last good checkpoint: .*step_00000004" "$work/a.log" \
     || { cat "$work/a.log"; fail "no one-line NaN error naming step and checkpoint"; }
   echo PASS ;;

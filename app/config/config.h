@@ -1,0 +1,181 @@
+// The training configuration: YAML files with inheritance ("base: other.yaml", later keys
+// override), command-line overrides ("--set section.key=value"), and one typed, validated
+// struct. Errors name the file (or "--set") and the full key path, and exit with status 2.
+#pragma once
+#include <initializer_list>
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "partial_fc/runtime/error.h"
+
+namespace YAML {
+class Node;
+}
+
+namespace faceshard {
+
+// Constraints of one field.
+struct FieldSpec {
+  bool required = false;
+  std::optional<double> min, max;         // numeric range (inclusive)
+  bool min_exclusive = false;
+  std::vector<std::string> choices;       // allowed strings
+  int list_length = -1;                   // exact length of a list, -1 = any
+  std::string doc;
+};
+
+// Every config struct lists its fields once through this interface; reading, validation
+// and printing all use that list.
+class FieldVisitor {
+ public:
+  virtual ~FieldVisitor() = default;
+  virtual void field(const std::string& path, std::string& v, const FieldSpec& s) = 0;
+  virtual void field(const std::string& path, int64_t& v, const FieldSpec& s) = 0;
+  virtual void field(const std::string& path, double& v, const FieldSpec& s) = 0;
+  virtual void field(const std::string& path, bool& v, const FieldSpec& s) = 0;
+  virtual void field(const std::string& path, std::vector<std::string>& v, const FieldSpec& s) = 0;
+  virtual void field(const std::string& path, std::vector<double>& v, const FieldSpec& s) = 0;
+  // Optional settings: absent (or null in YAML) means "derived", see the accessors below.
+  virtual void field(const std::string& path, std::optional<std::string>& v, const FieldSpec& s) = 0;
+  virtual void field(const std::string& path, std::optional<int64_t>& v, const FieldSpec& s) = 0;
+  virtual void field(const std::string& path, std::optional<double>& v, const FieldSpec& s) = 0;
+};
+
+struct DataConfig {
+  std::string rec = "synthetic";  // folder with train.rec/train.idx, an image folder, or "synthetic"
+  int64_t num_classes = 0;
+  std::optional<int64_t> num_images;  // for the schedule; default: the data set's count
+  int64_t batch_size = 128;  // per rank
+  int64_t num_workers = 2;
+  std::vector<std::string> val_targets;
+  std::optional<std::string> val_dir;  // where <target>.bin live; default: the rec folder
+  bool flip = true;
+  double max_bad_fraction = 0.001;
+  int64_t prefetch = 4;
+  // data.augment.*: probabilities of the optional extra augmentations (grayscale,
+  // Gaussian blur, downscale-then-upscale); all 0, i.e. off, as in arcface_torch.
+  double augment_gray_prob = 0.0;
+  double augment_blur_prob = 0.0;
+  double augment_downscale_prob = 0.0;
+
+  std::string verification_dir() const { return val_dir.value_or(rec); }
+};
+
+struct ModelConfig {
+  std::string backbone = "r50";
+  int64_t embedding_size = 512;
+  double dropout = 0.0;
+  bool sync_bn = false;
+  bool channels_last = false;
+  std::optional<std::string> init;  // a state_dict file to start the backbone from
+};
+
+struct LossConfig {
+  std::vector<double> margin{1.0, 0.5, 0.0};  // (m1, m2, m3): s * (cos(m1*theta + m2) - m3)
+  double scale = 64.0;
+  double interclass_filtering_threshold = 0.0;
+  double sample_rate = 1.0;
+};
+
+struct OptimConfig {
+  std::string optimizer = "sgd";  // backbone: sgd | adamw
+  double lr = 0.1;
+  double momentum = 0.9;
+  double weight_decay = 5e-4;
+  std::vector<double> betas{0.9, 0.999};
+  double eps = 1e-8;
+  // Classifier shard: optimizer/lr/weight decay, default: the backbone's.
+  std::optional<std::string> fc_optimizer;
+  std::optional<double> fc_lr;
+  std::optional<double> fc_weight_decay;
+  int64_t epochs = 20;
+  double warmup_epochs = 0;
+  std::optional<int64_t> total_steps;   // default: derived from images, global batch and epochs
+  std::optional<int64_t> warmup_steps;  // default: derived from warmup_epochs
+  double power = 1.0;        // polynomial decay exponent
+  double grad_clip = 5.0;    // max norm of the backbone gradient, 0 = off
+  int64_t grad_accumulation = 1;
+
+  const std::string& classifier_optimizer() const { return fc_optimizer ? *fc_optimizer : optimizer; }
+  double classifier_lr() const { return fc_lr.value_or(lr); }
+  double classifier_weight_decay() const { return fc_weight_decay.value_or(weight_decay); }
+};
+
+struct TrainConfig {
+  std::string precision = "fp32";  // fp32 | bf16 | fp16
+  int64_t log_every = 10;
+  int64_t verify_every = 2000;
+  int64_t checkpoint_every = 0;  // steps, 0: at the end of every epoch
+  int64_t keep_checkpoints = 3;
+  std::optional<int64_t> max_steps;  // stop early (demo, tests); default: run the schedule
+  // Dynamic loss scaling: "auto" = on exactly for fp16; "on" also scales fp32/bf16 losses
+  // (useful to test the scaler without half-precision arithmetic).
+  std::string loss_scaling = "auto";
+  double loss_scale_init = 65536.0;
+  int64_t loss_scale_growth_interval = 100;
+  bool tensorboard = true;
+  bool cudnn_benchmark = true;
+};
+
+struct DistConfig {
+  std::string device = "auto";  // auto | cpu | cuda
+  double timeout_s = 600;
+  double bucket_mb = 25;
+  bool find_unused_parameters = false;
+};
+
+struct Config {
+  std::string output = "work_dirs/faceshard";
+  int64_t seed = 2048;
+  DataConfig data;
+  ModelConfig model;
+  LossConfig loss;
+  OptimConfig optim;
+  TrainConfig train;
+  DistConfig dist;
+
+  // Which file (or "--set") gave each key, for errors found after loading.
+  std::map<std::string, std::string> origins;
+  std::string top_file;
+
+  void visit(FieldVisitor& v);
+  // Checks that involve several fields (the per-field ones come from FieldSpec).
+  void validate_relations() const;
+  // The file (or "--set") that set `key`, or set its nearest section; the top file for
+  // defaults.
+  std::string origin(const std::string& key) const;
+};
+
+// Components name their options in their own terms (Error::option(), "sample_rate");
+// run `build` and turn such an error into a config error naming the file and the key
+// given for that option ({"sample_rate", "loss.sample_rate"}). Other errors pass.
+struct OptionKey {
+  const char* option;
+  const char* key;
+};
+template <typename F>
+auto with_config_keys(const Config& cfg, std::initializer_list<OptionKey> keys, F&& build) -> decltype(build());
+[[noreturn]] void throw_config_error(const Config& cfg, const std::string& key, const std::string& what);
+
+// Loads `path` with its bases, applies "key.path=value" overrides, and fills a Config.
+Config load_config(const std::string& path, const std::vector<std::string>& overrides = {});
+// The same from YAML text (tests); `name` stands for the file name in errors.
+Config load_config_text(const std::string& yaml, const std::string& name,
+                        const std::vector<std::string>& overrides = {});
+// The complete configuration as YAML (every key, defaults included).
+std::string config_to_yaml(Config cfg);
+
+template <typename F>
+auto with_config_keys(const Config& cfg, std::initializer_list<OptionKey> keys, F&& build) -> decltype(build()) {
+  try {
+    return build();
+  } catch (const Error& e) {
+    for (const auto& k : keys)
+      if (!e.option().empty() && e.option() == k.option) throw_config_error(cfg, k.key, e.detail());
+    throw;
+  }
+}
+
+}  // namespace faceshard

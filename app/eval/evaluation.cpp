@@ -1,0 +1,121 @@
+#include "app/eval/evaluation.h"
+
+#include <chrono>
+#include <filesystem>
+
+#include <ATen/Parallel.h>
+#include <opencv2/imgproc.hpp>
+
+#include "data/image_transform.h"
+#include "data/verification_bin.h"
+#include "partial_fc/runtime/error.h"
+#include "partial_fc/runtime/log.h"
+
+namespace faceshard {
+
+VerificationData load_verification_data(const std::string& path) {
+  VerificationSet set = read_verification_bin(path);
+  VerificationData d;
+  d.name = std::filesystem::path(path).stem().string();
+  d.issame = set.issame;
+  const int64_t n = static_cast<int64_t>(set.images.size());
+  d.images = torch::empty({n, 3, 112, 112});
+  float* dst = d.images.data_ptr<float>();
+  for (int64_t i = 0; i < n; ++i) {
+    const auto& bytes = set.images[i];
+    cv::Mat bgr = decode_image(bytes.data(), bytes.size(), path + " image " + std::to_string(i));
+    if (bgr.rows != 112 || bgr.cols != 112) cv::resize(bgr, bgr, cv::Size(112, 112), 0, 0, cv::INTER_LINEAR);
+    bgr_to_normalized_chw(bgr, false, dst + i * 3 * 112 * 112);
+  }
+  return d;
+}
+
+namespace {
+// The embeddings of the images and of their mirrors, [N, E] each, in double: insightface's
+// verification.py stores each pass in a float64 array and sums them there, so distances
+// near a threshold round as they do there.
+std::pair<at::Tensor, at::Tensor> flip_pass_embeddings(Backbone& model, const at::Tensor& images, int64_t batch,
+                                                       torch::Device device) {
+  torch::NoGradGuard ng;
+  const bool was_training = model.is_training();
+  model.eval();
+  std::vector<at::Tensor> plain, mirrored;
+  for (int64_t s = 0; s < images.size(0); s += batch) {
+    at::Tensor x = images.narrow(0, s, std::min(batch, images.size(0) - s)).to(device);
+    plain.push_back(model.forward(x).to(torch::kFloat).cpu().to(torch::kDouble));
+    mirrored.push_back(model.forward(x.flip({3})).to(torch::kFloat).cpu().to(torch::kDouble));
+  }
+  model.train(was_training);
+  if (plain.empty()) {
+    const at::Tensor none = torch::zeros({0, model.embedding_size()}, torch::kDouble);
+    return {none, none};
+  }
+  return {torch::cat(plain), torch::cat(mirrored)};
+}
+}  // namespace
+
+at::Tensor embed_images(Backbone& model, int64_t n, const ImageSource& load, int64_t batch, torch::Device device,
+                        bool flip, bool normalize, bool progress) {
+  torch::NoGradGuard ng;
+  const auto t0 = std::chrono::steady_clock::now();
+  auto last_log = t0;
+  const bool was_training = model.is_training();
+  model.eval();
+  at::Tensor out = torch::empty({n, model.embedding_size()});
+  at::Tensor images = torch::empty({std::min(batch, std::max<int64_t>(n, 1)), 3, 112, 112});
+  for (int64_t s = 0; s < n; s += batch) {
+    const int64_t b = std::min(batch, n - s);
+    float* dst = images.data_ptr<float>();
+    at::parallel_for(0, b, 1, [&](int64_t lo, int64_t hi) {
+      for (int64_t i = lo; i < hi; ++i) {
+        cv::Mat bgr = load(s + i);
+        if (bgr.rows != 112 || bgr.cols != 112) cv::resize(bgr, bgr, cv::Size(112, 112), 0, 0, cv::INTER_LINEAR);
+        bgr_to_normalized_chw(bgr, false, dst + i * 3 * 112 * 112);
+      }
+    });
+    at::Tensor x = images.narrow(0, 0, b).to(device);
+    at::Tensor e = model.forward(x);
+    if (flip) e = e + model.forward(x.flip({3}));
+    out.narrow(0, s, b).copy_(e.to(torch::kFloat).cpu());
+    const auto now = std::chrono::steady_clock::now();
+    if (progress && now - last_log > std::chrono::seconds(30)) {
+      last_log = now;
+      const double secs = std::chrono::duration<double>(now - t0).count();
+      log_info("embedded ", s + b, "/", n, " images (", int64_t((s + b) / secs), " images/s)");
+    }
+  }
+  model.train(was_training);
+  if (normalize) out = torch::nn::functional::normalize(out, torch::nn::functional::NormalizeFuncOptions().dim(1));
+  return out;
+}
+
+at::Tensor embed_with_flip(Backbone& model, const at::Tensor& images, int64_t batch, torch::Device device) {
+  const auto passes = flip_pass_embeddings(model, images, batch, device);
+  // F::normalize's formula (x / max(|x|, 1e-12)), written out: its options temporary trips a
+  // false -Wmaybe-uninitialized in g++ 12 here.
+  const at::Tensor sum = passes.first + passes.second;
+  return (sum / sum.norm(2, {1}, /*keepdim=*/true).clamp_min(1e-12)).to(torch::kFloat);
+}
+
+VerificationResult evaluate_verification(Backbone& model, const VerificationData& data, int64_t batch,
+                                         torch::Device device) {
+  const auto passes = flip_pass_embeddings(model, data.images, batch, device);
+  VerificationResult r;
+  // As verification.py: the mean L2 norm over the rows of both passes taken separately
+  // (not the norm of their sum, which is about twice as large).
+  r.xnorm = torch::cat({passes.first, passes.second}).norm(2, 1).mean().item<double>();
+  const at::Tensor raw = passes.first + passes.second;
+  at::Tensor e1 = raw.slice(0, 0, raw.size(0), 2), e2 = raw.slice(0, 1, raw.size(0), 2);
+  at::Tensor dist = pair_distances(e1, e2);
+  r.kfold = kfold_verification(dist, data.issame);
+  // Scores for the ROC: cosine similarity (higher = same), 1 - d/2 for unit vectors.
+  at::Tensor score = (1 - dist / 2).to(torch::kDouble).contiguous();
+  std::vector<double> scores(score.data_ptr<double>(), score.data_ptr<double>() + score.numel());
+  std::vector<int> labels(data.issame.begin(), data.issame.end());
+  r.roc = roc_curve(scores, labels);
+  r.tar_at_far_1e3 = tar_at_far(r.roc, 1e-3);
+  r.tar_at_far_1e4 = tar_at_far(r.roc, 1e-4);
+  return r;
+}
+
+}  // namespace faceshard

@@ -1,0 +1,234 @@
+#include "app/eval/ijb.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <set>
+#include <system_error>
+#include <sstream>
+
+#include <opencv2/imgproc.hpp>
+
+#include "partial_fc/runtime/error.h"
+
+namespace faceshard {
+
+namespace {
+
+// The whitespace-separated fields of one line, and that line's number in the file (blank
+// lines are skipped, so the row index is not the line number an editor shows).
+struct Row {
+  std::vector<std::string> fields;
+  size_t line = 0;
+};
+
+std::vector<Row> read_fields(const std::string& path, size_t fields, const char* what) {
+  std::ifstream f(path);
+  if (!f) throw usage_error(path, ": cannot open the ", what, " file");
+  std::vector<Row> rows;
+  std::string line;
+  size_t no = 0;
+  while (std::getline(f, line)) {
+    ++no;
+    if (!line.empty() && line.back() == '\r') line.pop_back();
+    std::istringstream ss(line);
+    Row row;
+    row.line = no;
+    std::string tok;
+    while (ss >> tok) row.fields.push_back(tok);
+    if (row.fields.empty()) continue;
+    if (row.fields.size() != fields)
+      throw usage_error(path, ":", no, ": expected ", fields, " fields (", what, "), got ", row.fields.size());
+    rows.push_back(std::move(row));
+  }
+  if (rows.empty()) throw usage_error(path, ": no entries");
+  return rows;
+}
+
+double to_number(const std::string& s, const std::string& path, size_t line) {
+  char* end = nullptr;
+  const double v = std::strtod(s.c_str(), &end);
+  if (s.empty() || *end || !std::isfinite(v)) throw usage_error(path, ":", line, ": '", s, "' is not a number");
+  return v;
+}
+
+int64_t to_id(const std::string& s, const std::string& path, size_t line) {
+  char* end = nullptr;
+  const long long v = std::strtoll(s.c_str(), &end, 10);
+  if (s.empty() || *end) throw usage_error(path, ":", line, ": '", s, "' is not an integer id");
+  return v;
+}
+
+}  // namespace
+
+IjbMeta read_ijb_meta(const std::string& root, const std::string& target) {
+  std::string t = target;
+  for (auto& c : t) c = char(std::tolower(static_cast<unsigned char>(c)));
+  if (t != "ijbc" && t != "ijbb") throw usage_error("--target must be IJBC or IJBB, got '", target, "'");
+  IjbMeta m;
+  m.target = t == "ijbc" ? "IJBC" : "IJBB";
+  const std::string meta = root + "/meta/" + t;
+  const std::string lmk_path = meta + "_name_5pts_score.txt";
+  const std::string tid_path = meta + "_face_tid_mid.txt";
+  const std::string pair_path = meta + "_template_pair_label.txt";
+  const auto lmk = read_fields(lmk_path, 12, "name, 10 landmark coordinates, faceness score");
+  for (const Row& r : lmk) {
+    m.images.push_back(r.fields[0]);
+    m.image_lines.push_back(r.line);
+    std::array<float, 10> p{};
+    for (int k = 0; k < 10; ++k) p[size_t(k)] = float(to_number(r.fields[size_t(k) + 1], lmk_path, r.line));
+    m.landmarks.push_back(p);
+    m.faceness.push_back(to_number(r.fields[11], lmk_path, r.line));
+  }
+  const auto tid = read_fields(tid_path, 3, "name, template id, media id");
+  if (tid.size() != lmk.size())
+    throw usage_error(tid_path, ": ", tid.size(), " images, but ", lmk_path, " lists ", lmk.size());
+  std::set<int64_t> known;
+  for (size_t i = 0; i < tid.size(); ++i) {
+    const Row& r = tid[i];
+    if (r.fields[0] != m.images[i])
+      throw usage_error(tid_path, ":", r.line, ": image '", r.fields[0], "' but ", lmk_path, ":", lmk[i].line, " has '",
+                        m.images[i], "' as the same entry (the files must list the same images in the same order)");
+    m.templates.push_back(to_id(r.fields[1], tid_path, r.line));
+    m.medias.push_back(to_id(r.fields[2], tid_path, r.line));
+    known.insert(m.templates.back());
+  }
+  // Checked here, not when scoring: on IJB-C a bad pair would otherwise surface only
+  // after every image has been embedded.
+  const auto pairs = read_fields(pair_path, 3, "template 1, template 2, label");
+  for (const Row& r : pairs) {
+    const int64_t t1 = to_id(r.fields[0], pair_path, r.line), t2 = to_id(r.fields[1], pair_path, r.line);
+    for (const int64_t t : {t1, t2})
+      if (!known.count(t)) throw usage_error(pair_path, ":", r.line, ": template ", t, " has no images in ", tid_path);
+    m.pair_t1.push_back(t1);
+    m.pair_t2.push_back(t2);
+    const int64_t label = to_id(r.fields[2], pair_path, r.line);
+    if (label != 0 && label != 1) throw usage_error(pair_path, ":", r.line, ": label must be 0 or 1, got ", label);
+    m.pair_label.push_back(int(label));
+  }
+  return m;
+}
+
+const std::array<cv::Point2f, 5>& arcface_template() {
+  static const std::array<cv::Point2f, 5> t = {cv::Point2f(30.2946f + 8.0f, 51.6963f), cv::Point2f(65.5318f + 8.0f, 51.5014f),
+                                               cv::Point2f(48.0252f + 8.0f, 71.7366f), cv::Point2f(33.5493f + 8.0f, 92.3655f),
+                                               cv::Point2f(62.7299f + 8.0f, 92.2041f)};
+  return t;
+}
+
+cv::Mat estimate_similarity(const std::vector<cv::Point2f>& src, const std::vector<cv::Point2f>& dst) {
+  if (src.size() != dst.size() || src.size() < 2) throw runtime_error("similarity transform: need >= 2 point pairs");
+  const double n = double(src.size());
+  double sm[2] = {0, 0}, dm[2] = {0, 0};
+  for (size_t i = 0; i < src.size(); ++i) sm[0] += src[i].x, sm[1] += src[i].y, dm[0] += dst[i].x, dm[1] += dst[i].y;
+  for (int k = 0; k < 2; ++k) sm[k] /= n, dm[k] /= n;
+  cv::Matx22d A = cv::Matx22d::zeros();
+  double src_var = 0;
+  for (size_t i = 0; i < src.size(); ++i) {
+    const double s[2] = {src[i].x - sm[0], src[i].y - sm[1]}, d[2] = {dst[i].x - dm[0], dst[i].y - dm[1]};
+    for (int r = 0; r < 2; ++r)
+      for (int c = 0; c < 2; ++c) A(r, c) += d[r] * s[c] / n;
+    src_var += (s[0] * s[0] + s[1] * s[1]) / n;
+  }
+  if (src_var <= 0) throw runtime_error("similarity transform: the source points coincide");
+  cv::Matx22d u, vt;
+  cv::Matx21d w;
+  cv::SVD::compute(A, w, u, vt);
+  const double sign = cv::determinant(A) < 0 ? -1.0 : 1.0;
+  const cv::Matx22d D(1, 0, 0, sign);
+  const cv::Matx22d R = u * D * vt;
+  const double scale = (w(0) + sign * w(1)) / src_var;
+  cv::Mat M(2, 3, CV_64F);
+  for (int r = 0; r < 2; ++r) {
+    M.at<double>(r, 0) = scale * R(r, 0);
+    M.at<double>(r, 1) = scale * R(r, 1);
+    M.at<double>(r, 2) = dm[r] - scale * (R(r, 0) * sm[0] + R(r, 1) * sm[1]);
+  }
+  return M;
+}
+
+cv::Mat align_face(const cv::Mat& bgr, const std::array<float, 10>& landmarks) {
+  std::vector<cv::Point2f> src, dst(arcface_template().begin(), arcface_template().end());
+  for (int k = 0; k < 5; ++k) src.emplace_back(landmarks[size_t(2 * k)], landmarks[size_t(2 * k + 1)]);
+  cv::Mat out;
+  cv::warpAffine(bgr, out, estimate_similarity(src, dst), cv::Size(112, 112), cv::INTER_LINEAR, cv::BORDER_CONSTANT,
+                 cv::Scalar(0, 0, 0));
+  return out;
+}
+
+at::Tensor ijb_template_features(const at::Tensor& image_features, const IjbMeta& meta,
+                                 std::vector<int64_t>* unique_templates, bool use_faceness) {
+  const int64_t n = image_features.size(0), e = image_features.size(1);
+  if (n != int64_t(meta.templates.size())) throw runtime_error("IJB: ", n, " features for ", meta.templates.size(), " images");
+  at::Tensor f = image_features.to(at::kDouble).contiguous();
+  if (use_faceness) {
+    at::Tensor s = at::from_blob(const_cast<double*>(meta.faceness.data()), {n, 1}, at::kDouble);
+    f = f * s;
+  }
+  // template -> media -> image rows
+  std::map<int64_t, std::map<int64_t, std::vector<int64_t>>> groups;
+  for (int64_t i = 0; i < n; ++i) groups[meta.templates[size_t(i)]][meta.medias[size_t(i)]].push_back(i);
+  at::Tensor out = at::zeros({int64_t(groups.size()), e}, at::kDouble);
+  unique_templates->clear();
+  int64_t t = 0;
+  for (const auto& tg : groups) {
+    unique_templates->push_back(tg.first);
+    at::Tensor acc = out[t];
+    for (const auto& mg : tg.second) {
+      at::Tensor rows = at::from_blob(const_cast<int64_t*>(mg.second.data()), {int64_t(mg.second.size())}, at::kLong);
+      acc.add_(f.index_select(0, rows).mean(0));
+    }
+    ++t;
+  }
+  const at::Tensor norm = out.norm(2, 1, true).clamp_min(1e-12);  // sklearn.preprocessing.normalize
+  return out / norm;
+}
+
+std::vector<double> ijb_pair_scores(const at::Tensor& template_features, const std::vector<int64_t>& unique_templates,
+                                    const IjbMeta& meta) {
+  std::map<int64_t, int64_t> row;
+  for (size_t i = 0; i < unique_templates.size(); ++i) row[unique_templates[i]] = int64_t(i);
+  const size_t p = meta.pair_t1.size();
+  std::vector<int64_t> a(p), b(p);
+  for (size_t i = 0; i < p; ++i) {
+    auto ia = row.find(meta.pair_t1[i]), ib = row.find(meta.pair_t2[i]);
+    if (ia == row.end() || ib == row.end())
+      throw usage_error("IJB template pair ", i + 1, ": template ", ia == row.end() ? meta.pair_t1[i] : meta.pair_t2[i],
+                        " has no images in the image list");
+    a[i] = ia->second;
+    b[i] = ib->second;
+  }
+  // In chunks, as insightface does (it takes 100k pairs at a time): IJB-C's 15.7M pairs
+  // at once would take two P x E double arrays and their product (~190 GB at E = 512).
+  const at::Tensor f = template_features.to(at::kDouble).contiguous();
+  std::vector<double> scores(p);
+  constexpr int64_t kChunk = 1 << 15;
+  for (int64_t s = 0; s < int64_t(p); s += kChunk) {
+    const int64_t c = std::min<int64_t>(kChunk, int64_t(p) - s);
+    const at::Tensor fa = f.index_select(0, at::from_blob(a.data() + s, {c}, at::kLong));
+    const at::Tensor fb = f.index_select(0, at::from_blob(b.data() + s, {c}, at::kLong));
+    at::Tensor out = at::from_blob(scores.data() + s, {c}, at::kDouble);
+    at::sum_out(out, fa * fb, {1});
+  }
+  return scores;
+}
+
+void check_ijb_images(const IjbMeta& meta, const std::string& crops_dir) {
+  const std::string lmk_path = "meta/" + [&] {
+    std::string t = meta.target;
+    for (auto& c : t) c = char(std::tolower(static_cast<unsigned char>(c)));
+    return t;
+  }() + "_name_5pts_score.txt";
+  for (size_t i = 0; i < meta.images.size(); ++i) {
+    const std::filesystem::path path = std::filesystem::path(crops_dir) / meta.images[i];
+    std::error_code ec;
+    if (!std::filesystem::is_regular_file(path, ec))
+      throw usage_error(path.string(), ": cannot open image (", ec ? ec.message() : std::string("not a regular file"),
+                        "; listed at ", lmk_path, ":", i < meta.image_lines.size() ? meta.image_lines[i] : i + 1, ")");
+  }
+}
+
+}  // namespace faceshard

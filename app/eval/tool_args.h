@@ -1,0 +1,41 @@
+// Command lines of the evaluation tools: "--flag value" pairs and switches, with one-line
+// usage errors naming the flag.
+#pragma once
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include <torch/torch.h>
+
+#include "app/eval/inference_model.h"
+
+namespace faceshard {
+
+class ToolArgs {
+ public:
+  ToolArgs(int argc, char** argv) : args_(argv + 1, argv + argc) {}
+  // Advances to the next argument; false at the end.
+  bool next();
+  const std::string& flag() const { return args_[i_]; }
+  bool is(const char* name) const { return args_[i_] == name; }
+  // The value after the current flag (usage error when missing).
+  std::string value();
+  int64_t integer(int64_t min_value);
+  double number();
+  // Usage error for the current argument ("unknown argument '--x' (see --help)").
+  [[noreturn]] void unknown() const;
+
+ private:
+  std::vector<std::string> args_;
+  size_t i_ = size_t(-1);
+};
+
+// The model flags every evaluation tool shares: --model, --network, --embedding-size,
+// --precision. Returns true when the current argument was one of them (value consumed).
+bool parse_model_flag(ToolArgs& args, ModelSpec& spec);
+
+// "cpu", "cuda" or "cuda:N" (usage error when CUDA is asked for and not available);
+// "auto": the local rank's GPU when there is one, else the CPU.
+torch::Device parse_eval_device(const std::string& text, int local_rank);
+
+}  // namespace faceshard

@@ -1,0 +1,73 @@
+// Checkpoints of a training run: <output>/checkpoints/step_<N>/ holds backbone.pt and
+// train_state.pt (rank 0) and fc_shard_<r>.pt (every rank: its classifier rows with their
+// optimiser state). Each file is written to a temporary name, flushed and renamed; the
+// checkpoint counts only once rank 0 writes COMMITTED after every rank has finished, so a
+// crash during a save leaves the previous checkpoint usable. Loading with a different
+// number of ranks reshards the classifier rows by class range.
+#pragma once
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "models/state_dict_io.h"
+#include "partial_fc/runtime/distributed.h"
+
+namespace faceshard {
+
+struct CheckpointInfo {
+  std::string path;  // the step directory
+  int64_t step = 0;
+  int64_t world_size = 0;
+  int64_t num_classes = 0;
+};
+
+class CheckpointManager {
+ public:
+  CheckpointManager(std::string root, Distributed& dist, int64_t keep);
+
+  // Collective: every rank calls it with its shard; rank 0's backbone/train_state are the
+  // ones written. Shard files carry "rows.start" and "rows.count"; tensors whose first
+  // dimension equals rows.count and whose name starts with "rows/" are per-class rows.
+  void save(int64_t step, int64_t num_classes, const StateDict& backbone, const StateDict& train_state,
+            const StateDict& shard);
+
+  // The newest committed checkpoint under root ("" when none).
+  std::string latest() const;
+  const std::string& root() const { return root_; }
+
+  // Called by save() on every rank after its shard's temporary file is written and before
+  // the rename: where fault-injection tests kill a rank mid-save.
+  void set_mid_save_hook(std::function<void(int64_t step)> hook) { mid_save_hook_ = std::move(hook); }
+
+ private:
+  void prune(const std::string& keep_from) const;
+  std::string root_;
+  Distributed& dist_;
+  int64_t keep_;
+  std::function<void(int64_t)> mid_save_hook_;
+};
+
+// The newest committed checkpoint (step folder) under root, "" when none; folders with an
+// unreadable marker are passed over.
+std::string latest_checkpoint(const std::string& root);
+
+// Reads the COMMITTED marker of a step directory (usage error when it is missing or not a
+// faceshard checkpoint).
+CheckpointInfo read_checkpoint_info(const std::string& dir);
+
+// One file of a checkpoint ("backbone.pt", "train_state.pt").
+StateDict read_checkpoint_file(const CheckpointInfo& ckpt, const std::string& name);
+
+// This rank's shard for classes [start, start + count) assembled from the saved shards:
+// per-class tensors ("rows/...") are cut and concatenated by class range, other entries
+// come from the saved shard of the same rank (rank 0's when that rank did not exist).
+StateDict read_resharded_rows(const CheckpointInfo& ckpt, int64_t start, int64_t count, int rank);
+
+// Writes `weights` to path atomically: temporary file, fsync, rename, fsync of the folder.
+void write_state_dict_durably(const StateDict& weights, const std::string& path);
+void write_text_durably(const std::string& text, const std::string& path);
+
+// Looks up a tensor by name (usage error naming file and key when absent).
+const at::Tensor& state_get(const StateDict& sd, const std::string& key, const std::string& source);
+
+}  // namespace faceshard

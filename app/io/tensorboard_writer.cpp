@@ -1,0 +1,141 @@
+#include "app/io/tensorboard_writer.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <array>
+#include <cerrno>
+#include <chrono>
+#include <cstring>
+#include <ctime>
+#include <filesystem>
+
+#include "partial_fc/runtime/error.h"
+
+namespace faceshard {
+
+namespace {
+
+constexpr const char* kFile = "tensorboard_writer";
+
+std::array<uint32_t, 256> make_crc32c_table() {
+  std::array<uint32_t, 256> table{};
+  for (uint32_t i = 0; i < 256; ++i) {
+    uint32_t c = i;
+    for (int k = 0; k < 8; ++k) c = (c & 1) ? (c >> 1) ^ 0x82F63B78u : (c >> 1);
+    table[i] = c;
+  }
+  return table;
+}
+
+// Protobuf wire format, only what Event/Summary/Value need.
+void put_varint(std::string& out, uint64_t v) {
+  while (v >= 0x80) {
+    out.push_back(static_cast<char>((v & 0x7F) | 0x80));
+    v >>= 7;
+  }
+  out.push_back(static_cast<char>(v));
+}
+void put_key(std::string& out, uint32_t field, uint32_t wire_type) { put_varint(out, (field << 3) | wire_type); }
+template <typename T>
+void put_le(std::string& out, T v) {  // fixed32/fixed64 are little-endian
+  unsigned char b[sizeof(T)];
+  std::memcpy(b, &v, sizeof(T));
+#if __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
+  std::reverse(b, b + sizeof(T));
+#endif
+  out.append(reinterpret_cast<const char*>(b), sizeof(T));
+}
+void put_bytes(std::string& out, uint32_t field, const std::string& bytes) {
+  put_key(out, field, 2);
+  put_varint(out, bytes.size());
+  out += bytes;
+}
+
+double now_seconds() {
+  return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
+}
+
+// Event{ double wall_time = 1; int64 step = 2; string file_version = 3; Summary summary = 5; }
+std::string encode_event(double wall_time, int64_t step, const std::string* file_version,
+                         const std::string* summary) {
+  std::string e;
+  put_key(e, 1, 1);
+  put_le<double>(e, wall_time);
+  put_key(e, 2, 0);
+  put_varint(e, static_cast<uint64_t>(step));  // negative int64: ten-byte two's complement
+  if (file_version) put_bytes(e, 3, *file_version);
+  if (summary) put_bytes(e, 5, *summary);
+  return e;
+}
+
+}  // namespace
+
+uint32_t crc32c(const void* data, size_t n, uint32_t crc) {
+  static const std::array<uint32_t, 256> table = make_crc32c_table();
+  const auto* p = static_cast<const unsigned char*>(data);
+  crc = ~crc;
+  for (size_t i = 0; i < n; ++i) crc = table[(crc ^ p[i]) & 0xFF] ^ (crc >> 8);
+  return ~crc;
+}
+
+uint32_t masked_crc32c(const void* data, size_t n) {
+  const uint32_t crc = crc32c(data, n);
+  return ((crc >> 15) | (crc << 17)) + 0xa282ead8u;
+}
+
+TensorBoardWriter::TensorBoardWriter(const std::string& logdir) {
+  std::error_code ec;
+  std::filesystem::create_directories(logdir, ec);
+  if (ec) throw runtime_error(kFile, ": cannot create log directory '", logdir, "': ", ec.message());
+  char host[256] = {0};
+  if (::gethostname(host, sizeof host - 1) != 0 || host[0] == '\0') std::strcpy(host, "localhost");
+  const std::string base = (std::filesystem::path(logdir) / ("events.out.tfevents." +
+                                                             std::to_string(static_cast<long long>(std::time(nullptr))) +
+                                                             "." + host + "." + std::to_string(::getpid())))
+                               .string();
+  // Two writers of one process in the same second would otherwise share (and clobber)
+  // one file.
+  path_ = base;
+  for (int k = 1; std::filesystem::exists(path_); ++k) path_ = base + "." + std::to_string(k);
+  file_ = std::fopen(path_.c_str(), "wb");
+  if (!file_) throw runtime_error(kFile, ": cannot open '", path_, "' for writing: ", std::strerror(errno));
+  const std::string version = "brain.Event:2";
+  write_record(encode_event(now_seconds(), 0, &version, nullptr));
+  flush();
+}
+
+TensorBoardWriter::~TensorBoardWriter() {
+  if (file_) std::fclose(file_);  // no throwing from a destructor; flush() reports errors
+}
+
+void TensorBoardWriter::write_record(const std::string& data) {
+  // TFRecord: uint64 length, masked CRC32C of the length bytes, data, masked CRC32C of data.
+  std::string rec;
+  put_le<uint64_t>(rec, data.size());
+  put_le<uint32_t>(rec, masked_crc32c(rec.data(), 8));
+  rec += data;
+  put_le<uint32_t>(rec, masked_crc32c(data.data(), data.size()));
+  if (std::fwrite(rec.data(), 1, rec.size(), file_) != rec.size())
+    throw runtime_error(kFile, ": write failed for '", path_, "'");
+}
+
+void TensorBoardWriter::add_scalar(const std::string& tag, double value, int64_t step) {
+  // Value{ string tag = 1; float simple_value = 2; }, Summary{ repeated Value value = 1; }
+  std::string v;
+  put_bytes(v, 1, tag);
+  put_key(v, 2, 5);
+  put_le<float>(v, static_cast<float>(value));
+  std::string summary;
+  put_bytes(summary, 1, v);
+  const std::string event = encode_event(now_seconds(), step, nullptr, &summary);
+  std::lock_guard<std::mutex> lock(mu_);
+  write_record(event);
+}
+
+void TensorBoardWriter::flush() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (std::fflush(file_) != 0) throw runtime_error(kFile, ": flush failed for '", path_, "'");
+}
+
+}  // namespace faceshard

@@ -1,0 +1,218 @@
+#include "app/train/backbone_optimizer.h"
+
+#include <algorithm>
+#include <cctype>
+#include <cmath>
+#include <map>
+#include <set>
+
+#include <ATen/ops/_foreach_add.h>
+#include <ATen/ops/_foreach_mul.h>
+#include <ATen/ops/_fused_adamw.h>
+#include <c10/core/GradMode.h>
+
+#include "partial_fc/runtime/error.h"
+
+namespace faceshard {
+
+namespace {
+
+// Multi-tensor kernels take their fast path only for lists of one device and dtype, so
+// every step works on such groups (in practice: one group, the fp32 params on the GPU).
+std::vector<std::vector<size_t>> group_by_device_dtype(const std::vector<at::Tensor>& params,
+                                                       const std::vector<size_t>& idx) {
+  std::map<std::pair<std::string, at::ScalarType>, std::vector<size_t>> groups;
+  for (size_t i : idx) groups[{params[i].device().str(), params[i].scalar_type()}].push_back(i);
+  std::vector<std::vector<size_t>> out;
+  for (auto& kv : groups) out.push_back(std::move(kv.second));
+  return out;
+}
+
+std::vector<at::Tensor> pick(const std::vector<at::Tensor>& v, const std::vector<size_t>& idx) {
+  std::vector<at::Tensor> out;
+  out.reserve(idx.size());
+  for (size_t i : idx) out.push_back(v[i]);
+  return out;
+}
+
+bool finite_nonneg(double x) { return std::isfinite(x) && x >= 0; }
+
+}  // namespace
+
+BackboneOptimizer::BackboneOptimizer(std::vector<at::Tensor> params, BackboneOptimizerOptions opts)
+    : params_(std::move(params)), opts_(std::move(opts)) {
+  if (opts_.kind == "adamw") {
+    adamw_ = true;
+  } else if (opts_.kind != "sgd") {
+    throw usage_error("backbone optimiser: unknown kind '", opts_.kind, "' (sgd or adamw)");
+  }
+  if (!finite_nonneg(opts_.weight_decay))
+    throw usage_error("backbone optimiser: weight_decay must be a finite number >= 0 (got ", opts_.weight_decay, ")");
+  if (!adamw_ && !finite_nonneg(opts_.momentum))
+    throw usage_error("backbone optimiser: momentum must be a finite number >= 0 (got ", opts_.momentum, ")");
+  if (adamw_) {
+    if (!(opts_.beta1 >= 0 && opts_.beta1 < 1)) throw usage_error("backbone optimiser: beta1 must be in [0, 1) (got ", opts_.beta1, ")");
+    if (!(opts_.beta2 >= 0 && opts_.beta2 < 1)) throw usage_error("backbone optimiser: beta2 must be in [0, 1) (got ", opts_.beta2, ")");
+    if (!(opts_.eps > 0) || !std::isfinite(opts_.eps)) throw usage_error("backbone optimiser: eps must be > 0 (got ", opts_.eps, ")");
+  }
+  std::set<const void*> seen;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const at::Tensor& p = params_[i];
+    if (!p.defined()) throw usage_error("backbone optimiser: param ", i, " is undefined");
+    if (!p.is_floating_point()) throw usage_error("backbone optimiser: param ", i, " is not a floating-point tensor");
+    // The same tensor twice would be updated twice per step.
+    if (!seen.insert(p.unsafeGetTensorImpl()).second) throw usage_error("backbone optimiser: param ", i, " is listed twice");
+  }
+  momentum_.resize(params_.size());
+  exp_avg_.resize(params_.size());
+  exp_avg_sq_.resize(params_.size());
+  steps_.resize(params_.size());
+}
+
+void BackboneOptimizer::zero_grad() {
+  for (at::Tensor& p : params_)
+    if (p.grad().defined()) p.mutable_grad().reset();
+}
+
+void BackboneOptimizer::step(double lr) {
+  if (!std::isfinite(lr)) throw usage_error("backbone optimiser: lr must be finite (got ", lr, ")");
+  at::NoGradGuard no_grad;
+  std::vector<size_t> idx;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const at::Tensor& g = params_[i].grad();
+    if (!g.defined()) continue;
+    if (g.is_sparse()) throw usage_error("backbone optimiser: param ", i, " has a sparse gradient (not supported)");
+    idx.push_back(i);
+  }
+  for (const std::vector<size_t>& group : group_by_device_dtype(params_, idx)) {
+    if (adamw_) {
+      step_adamw(group, lr);
+    } else {
+      step_sgd(group, lr);
+    }
+  }
+}
+
+void BackboneOptimizer::step_sgd(const std::vector<size_t>& idx, double lr) {
+  std::vector<at::Tensor> ps = pick(params_, idx), grads;
+  for (const at::Tensor& p : ps) grads.push_back(p.grad());
+  // d = g + wd * p, a new list (the grads themselves stay untouched, as in torch).
+  std::vector<at::Tensor> d = opts_.weight_decay != 0 ? at::_foreach_add(grads, ps, opts_.weight_decay) : grads;
+  if (opts_.momentum != 0) {
+    std::vector<at::Tensor> old_bufs, old_d;
+    for (size_t k = 0; k < idx.size(); ++k) {
+      at::Tensor& buf = momentum_[idx[k]];
+      if (!buf.defined()) {
+        // torch's first step: buf = clone(d) (no momentum applied to a zero buffer).
+        buf = d[k].clone().detach();
+      } else {
+        old_bufs.push_back(buf);
+        old_d.push_back(d[k]);
+      }
+    }
+    if (!old_bufs.empty()) {
+      at::_foreach_mul_(old_bufs, opts_.momentum);
+      at::_foreach_add_(old_bufs, old_d);  // dampening 0
+    }
+    d = pick(momentum_, idx);
+  }
+  at::_foreach_add_(ps, d, -lr);
+}
+
+void BackboneOptimizer::step_adamw(const std::vector<size_t>& idx, double lr) {
+  for (size_t i : idx) {
+    if (exp_avg_[i].defined()) continue;
+    const at::Tensor& p = params_[i];
+    exp_avg_[i] = at::zeros_like(p, at::MemoryFormat::Preserve);
+    exp_avg_sq_[i] = at::zeros_like(p, at::MemoryFormat::Preserve);
+    // fp32 on the param's device: what torch's fused AdamW keeps, and what its kernel reads.
+    steps_[i] = at::zeros({}, p.options().dtype(at::kFloat));
+  }
+  std::vector<at::Tensor> ps = pick(params_, idx), grads, steps = pick(steps_, idx);
+  for (const at::Tensor& p : ps) grads.push_back(p.grad());
+  // The fused kernel reads the step count (for the bias corrections) but does not advance it.
+  at::_foreach_add_(steps, 1);
+  at::_fused_adamw_(ps, grads, pick(exp_avg_, idx), pick(exp_avg_sq_, idx), /*max_exp_avg_sqs=*/{}, steps, lr,
+                    opts_.beta1, opts_.beta2, opts_.weight_decay, opts_.eps, /*amsgrad=*/false, /*maximize=*/false);
+}
+
+std::vector<std::pair<std::string, at::Tensor>> BackboneOptimizer::state() const {
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  out.emplace_back("num_params", at::full({1}, static_cast<int64_t>(params_.size()), at::kLong));
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const std::string n = std::to_string(i);
+    if (momentum_[i].defined()) out.emplace_back("momentum." + n, momentum_[i]);
+    if (exp_avg_[i].defined()) {
+      out.emplace_back("exp_avg." + n, exp_avg_[i]);
+      out.emplace_back("exp_avg_sq." + n, exp_avg_sq_[i]);
+      out.emplace_back("step." + n, steps_[i]);
+    }
+  }
+  return out;
+}
+
+void BackboneOptimizer::load_state(const std::vector<std::pair<std::string, at::Tensor>>& state,
+                                   const std::string& source) {
+  const size_t n = params_.size();
+  std::vector<at::Tensor> mom(n), ea(n), eas(n), st(n);
+  bool have_count = false;
+  std::set<std::string> seen;
+  for (const auto& kv : state) {
+    const std::string& key = kv.first;
+    const at::Tensor& t = kv.second;
+    auto bad = [&](const auto&... why) { return usage_error(source, ": optimiser state '", key, "': ", why...); };
+    if (!seen.insert(key).second) throw bad("appears twice");
+    if (!t.defined()) throw bad("is an undefined tensor");
+    if (key == "num_params") {
+      if (t.numel() != 1 || t.is_floating_point() || t.is_complex()) throw bad("expected one integer");
+      const int64_t count = t.reshape({}).item<int64_t>();
+      if (count != static_cast<int64_t>(n))
+        throw bad("the checkpoint has ", count, " params, this backbone has ", n, " (a different model?)");
+      have_count = true;
+      continue;
+    }
+    const size_t dot = key.rfind('.');
+    const std::string prefix = dot == std::string::npos ? key : key.substr(0, dot);
+    const std::string digits = dot == std::string::npos ? "" : key.substr(dot + 1);
+    if (digits.empty() || digits.size() > 9 || !std::all_of(digits.begin(), digits.end(), [](char c) { return std::isdigit(static_cast<unsigned char>(c)); }))
+      throw bad("unknown key (expected <name>.<param index>)");
+    const size_t i = std::stoul(digits);
+    if (i >= n) throw bad("param index ", i, " is out of range (", n, " params)");
+    std::vector<at::Tensor>* slot = nullptr;
+    if (!adamw_ && prefix == "momentum" && opts_.momentum != 0) slot = &mom;
+    if (adamw_ && prefix == "exp_avg") slot = &ea;
+    if (adamw_ && prefix == "exp_avg_sq") slot = &eas;
+    if (adamw_ && prefix == "step") slot = &st;
+    if (!slot) throw bad("not a state of this optimiser (", opts_.kind, opts_.kind == "sgd" && opts_.momentum == 0 ? " without momentum" : "", ")");
+    if (slot == &st) {
+      if (t.numel() != 1) throw bad("expected one number, got shape ", t.sizes());
+    } else if (t.sizes() != params_[i].sizes()) {
+      throw bad("shape ", t.sizes(), " does not match param ", i, " of shape ", params_[i].sizes());
+    }
+    (*slot)[i] = t;
+  }
+  if (!have_count) throw usage_error(source, ": optimiser state 'num_params' is missing");
+  if (adamw_) {
+    for (size_t i = 0; i < n; ++i) {
+      const int present = ea[i].defined() + eas[i].defined() + st[i].defined();
+      if (present != 0 && present != 3) {
+        const char* missing = !ea[i].defined() ? "exp_avg." : !eas[i].defined() ? "exp_avg_sq." : "step.";
+        throw usage_error(source, ": optimiser state '", missing, i, "' is missing (its other AdamW state is present)");
+      }
+    }
+  }
+  // Everything checked: now replace the state (copies, laid out like the params).
+  at::NoGradGuard no_grad;
+  auto like_param = [&](const at::Tensor& t, size_t i) {
+    if (!t.defined()) return at::Tensor();
+    return at::empty_like(params_[i], at::MemoryFormat::Preserve).copy_(t);
+  };
+  for (size_t i = 0; i < n; ++i) {
+    momentum_[i] = like_param(mom[i], i);
+    exp_avg_[i] = like_param(ea[i], i);
+    exp_avg_sq_[i] = like_param(eas[i], i);
+    steps_[i] = st[i].defined() ? st[i].reshape({}).to(params_[i].device(), at::kFloat).clone() : at::Tensor();
+  }
+}
+
+}  // namespace faceshard

@@ -1,0 +1,60 @@
+#include "app/train/fault_injection.h"
+
+#include <csignal>
+#include <cstdlib>
+#include <limits>
+#include <sstream>
+
+#include <ATen/core/grad_mode.h>
+
+#include "app/io/checkpoint.h"
+#include "app/train/train_step.h"
+#include "partial_fc/runtime/error.h"
+
+namespace faceshard {
+
+FaultPlan FaultPlan::parse(const std::string& spec) {
+  FaultPlan plan;
+  std::stringstream ss(spec);
+  for (std::string item; std::getline(ss, item, ',');) {
+    if (item.empty()) continue;
+    const auto at = item.find('@'), colon = item.find(':');
+    int rank = -1;
+    long long step = -1;
+    char tail = 0;
+    if (at == std::string::npos || colon == std::string::npos || colon < at ||
+        std::sscanf(item.c_str() + at + 1, "%d:%lld%c", &rank, &step, &tail) != 2 || rank < 0 || step < 1)
+      throw usage_error("FACESHARD_FAULTS: '", item, "' is not KIND@RANK:STEP (rank >= 0, step >= 1)");
+    const std::string kind = item.substr(0, at);
+    if (kind == "inf_gradient") plan.inf_gradient = At{rank, step};
+    else if (kind == "crash_in_save") plan.crash_in_save = At{rank, step};
+    else throw usage_error("FACESHARD_FAULTS: unknown fault '", kind, "' (inf_gradient or crash_in_save)");
+  }
+  return plan;
+}
+
+FaultPlan FaultPlan::from_environment() {
+  const char* v = std::getenv("FACESHARD_FAULTS");
+  return v ? parse(v) : FaultPlan{};
+}
+
+void install_faults(const FaultPlan& plan, int rank, CheckpointManager& checkpoints, TrainStep& step,
+                    const std::vector<at::Tensor>& backbone_params) {
+  auto hits = [rank](const std::optional<FaultPlan::At>& at, int64_t s) { return at && at->rank == rank && at->step == s; };
+  if (plan.crash_in_save)
+    checkpoints.set_mid_save_hook([hits, at = plan.crash_in_save](int64_t s) {
+      if (hits(at, s)) std::raise(SIGKILL);
+    });
+  if (plan.inf_gradient)
+    step.set_gradient_hook([hits, at = plan.inf_gradient, params = backbone_params](int64_t s) {
+      if (!hits(at, s)) return;
+      at::NoGradGuard ng;
+      for (const auto& p : params)
+        if (p.grad().defined()) {
+          p.grad().view({-1})[0].fill_(std::numeric_limits<float>::infinity());
+          return;
+        }
+    });
+}
+
+}  // namespace faceshard

@@ -1,0 +1,40 @@
+// Faults the end-to-end tests inject into a real run, to prove that the loss scaler skips
+// a poisoned step and that a save killed half-way leaves the last checkpoint usable. The
+// plan is read once, when faceshard-train starts, from FACESHARD_FAULTS (a comma-separated
+// list of KIND@RANK:STEP, STEP counted from 1 as in the logs):
+//   inf_gradient@1:3    rank 1 puts an inf into a backbone gradient of step 3
+//   crash_in_save@0:8   rank 0 is killed (SIGKILL) half-way through the save of step 8
+// Nothing in the training step reads the environment; an empty plan injects nothing.
+#pragma once
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <ATen/ATen.h>
+
+namespace faceshard {
+
+struct FaultPlan {
+  struct At {
+    int rank = 0;
+    int64_t step = 0;
+  };
+  std::optional<At> inf_gradient, crash_in_save;
+
+  // Usage error naming the variable and the item when the spec is malformed.
+  static FaultPlan parse(const std::string& spec);
+  static FaultPlan from_environment();
+  bool empty() const { return !inf_gradient && !crash_in_save; }
+};
+
+class CheckpointManager;
+class TrainStep;
+
+// Hooks the plan's faults for this rank into the run's checkpoints and training step
+// (nothing when the plan is empty): inf_gradient writes +inf into the first backbone
+// gradient; crash_in_save kills the process with SIGKILL (no handler, no flush).
+void install_faults(const FaultPlan& plan, int rank, CheckpointManager& checkpoints, TrainStep& step,
+                    const std::vector<at::Tensor>& backbone_params);
+
+}  // namespace faceshard

@@ -1,0 +1,91 @@
+#include "app/train/log_sinks.h"
+
+#include <cmath>
+#include <cstdio>
+#include <iomanip>
+#include <sstream>
+
+#include "app/io/metrics_log.h"
+#include "app/io/tensorboard_writer.h"
+#include "partial_fc/runtime/log.h"
+
+namespace faceshard {
+
+std::string format_duration(double s) {
+  if (!std::isfinite(s) || s < 0) return "?";
+  const int64_t t = static_cast<int64_t>(s);
+  std::ostringstream os;
+  if (t >= 3600) os << t / 3600 << "h";
+  os << std::setw(t >= 3600 ? 2 : 1) << std::setfill('0') << (t % 3600) / 60 << "m" << std::setw(2) << t % 60 << "s";
+  return os.str();
+}
+
+ConsoleSink::ConsoleSink(bool progress_bar) : bar_(progress_bar) {}
+
+void ConsoleSink::progress(int64_t step, int64_t last_step) {
+  if (!bar_) return;
+  const int width = 30;
+  const int filled = static_cast<int>(width * step / std::max<int64_t>(1, last_step));
+  std::printf("\r[%s%s] %lld/%lld", std::string(filled, '#').c_str(), std::string(width - filled, ' ').c_str(),
+              static_cast<long long>(step), static_cast<long long>(last_step));
+  std::fflush(stdout);
+}
+
+void ConsoleSink::train(const TrainRecord& r) {
+  std::ostringstream os;
+  os << std::fixed << "step " << r.step << "/" << r.last_step << "  epoch " << r.epoch << std::setprecision(4)
+     << "  loss " << r.loss << "  acc " << r.accuracy << std::setprecision(6) << "  lr " << r.lr << std::setprecision(1)
+     << "  " << r.samples_per_sec << " samples/s  ETA " << format_duration(r.eta_s);
+  if (r.loss_scale) os << "  loss scale " << *r.loss_scale;
+  if (r.memory_gb) os << std::setprecision(2) << "  mem " << *r.memory_gb << " GB";
+  if (bar_) std::printf("\r");
+  log_info(os.str());
+}
+
+void ConsoleSink::validation(const ValidationRecord& r) {
+  std::ostringstream os;
+  os << std::fixed << std::setprecision(5) << "[" << r.set << "][" << r.step << "] Accuracy-Flip: " << r.accuracy
+     << "+-" << r.accuracy_std << "  Accuracy-Highest: " << r.best_accuracy << "  XNorm: " << r.xnorm
+     << "  threshold: " << r.threshold;
+  log_info(os.str());
+}
+
+MetricsSink::MetricsSink(const std::string& path, bool append) : log_(std::make_unique<MetricsLog>(path, append)) {}
+MetricsSink::~MetricsSink() = default;
+
+void MetricsSink::train(const TrainRecord& r) {
+  std::vector<std::pair<std::string, double>> f{{"step", static_cast<double>(r.step)},
+                                                {"epoch", static_cast<double>(r.epoch)},
+                                                {"loss", r.loss},
+                                                {"accuracy", r.accuracy},
+                                                {"lr", r.lr},
+                                                {"samples_per_sec", r.samples_per_sec}};
+  if (r.loss_scale) f.emplace_back("loss_scale", *r.loss_scale);
+  log_->write(f);
+}
+
+void MetricsSink::validation(const ValidationRecord& r) {
+  log_->write({{"step", static_cast<double>(r.step)},
+               {"val/" + r.set + "/accuracy", r.accuracy},
+               {"val/" + r.set + "/accuracy_std", r.accuracy_std},
+               {"val/" + r.set + "/best_accuracy", r.best_accuracy}});
+}
+
+TensorBoardSink::TensorBoardSink(const std::string& dir) : tb_(std::make_unique<TensorBoardWriter>(dir)) {}
+TensorBoardSink::~TensorBoardSink() = default;
+
+void TensorBoardSink::train(const TrainRecord& r) {
+  tb_->add_scalar("loss", r.loss, r.step);
+  tb_->add_scalar("accuracy", r.accuracy, r.step);
+  tb_->add_scalar("learning_rate", r.lr, r.step);
+  tb_->add_scalar("samples_per_sec", r.samples_per_sec, r.step);
+  if (r.loss_scale) tb_->add_scalar("loss_scale", *r.loss_scale, r.step);
+  tb_->flush();
+}
+
+void TensorBoardSink::validation(const ValidationRecord& r) {
+  tb_->add_scalar("val/" + r.set + "/accuracy", r.accuracy, r.step);
+  tb_->flush();
+}
+
+}  // namespace faceshard

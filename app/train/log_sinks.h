@@ -1,0 +1,95 @@
+// Where a training run reports: the loop hands each logged step and each verification
+// result to every sink as one record. Sinks: the console (the log line and, on a
+// terminal, a progress bar between log lines), metrics.jsonl and TensorBoard.
+#pragma once
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace faceshard {
+
+class MetricsLog;
+class TensorBoardWriter;
+
+// One logged training step: averages since the previous log line.
+struct TrainRecord {
+  int64_t step = 0, last_step = 0, epoch = 0;
+  double loss = 0, accuracy = 0, lr = 0, samples_per_sec = 0;
+  double eta_s = 0;
+  std::optional<double> loss_scale;  // fp16 runs
+  std::optional<double> memory_gb;   // GPU runs: the allocator's peak
+};
+
+// One verification set evaluated at a step.
+struct ValidationRecord {
+  int64_t step = 0;
+  std::string set;
+  double accuracy = 0, accuracy_std = 0, best_accuracy = 0, xnorm = 0, threshold = 0;
+};
+
+class LogSink {
+ public:
+  virtual ~LogSink() = default;
+  virtual void progress(int64_t step, int64_t last_step) {}
+  virtual void train(const TrainRecord& r) {}
+  virtual void validation(const ValidationRecord& r) {}
+};
+
+// The log line (and the progress bar when stdout is a terminal).
+class ConsoleSink : public LogSink {
+ public:
+  explicit ConsoleSink(bool progress_bar);
+  void progress(int64_t step, int64_t last_step) override;
+  void train(const TrainRecord& r) override;
+  void validation(const ValidationRecord& r) override;
+
+ private:
+  bool bar_;
+};
+
+// <output>/metrics.jsonl: one JSON object per record (DESIGN.md's fields).
+class MetricsSink : public LogSink {
+ public:
+  MetricsSink(const std::string& path, bool append);
+  ~MetricsSink() override;
+  void train(const TrainRecord& r) override;
+  void validation(const ValidationRecord& r) override;
+
+ private:
+  std::unique_ptr<MetricsLog> log_;
+};
+
+// <output>/tensorboard: scalars flushed after every record.
+class TensorBoardSink : public LogSink {
+ public:
+  explicit TensorBoardSink(const std::string& dir);
+  ~TensorBoardSink() override;
+  void train(const TrainRecord& r) override;
+  void validation(const ValidationRecord& r) override;
+
+ private:
+  std::unique_ptr<TensorBoardWriter> tb_;
+};
+
+class LogSinks {
+ public:
+  void add(std::unique_ptr<LogSink> sink) { sinks_.push_back(std::move(sink)); }
+  void progress(int64_t step, int64_t last_step) {
+    for (auto& s : sinks_) s->progress(step, last_step);
+  }
+  void train(const TrainRecord& r) {
+    for (auto& s : sinks_) s->train(r);
+  }
+  void validation(const ValidationRecord& r) {
+    for (auto& s : sinks_) s->validation(r);
+  }
+
+ private:
+  std::vector<std::unique_ptr<LogSink>> sinks_;
+};
+
+// "1h02m03s", "4m05s", "?" for a negative or infinite duration.
+std::string format_duration(double seconds);
+
+}  // namespace faceshard

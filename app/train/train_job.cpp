@@ -1,0 +1,152 @@
+#include "app/train/train_job.h"
+
+#ifdef FACESHARD_WITH_CUDA
+#include <c10/cuda/CUDACachingAllocator.h>
+#endif
+
+#include "app/train/sync_bn.h"
+#include "data/sampler.h"
+#include "models/backbone_registry.h"
+#include "partial_fc/runtime/dist_env.h"
+#include "partial_fc/runtime/error.h"
+#include "partial_fc/runtime/log.h"
+
+namespace faceshard {
+namespace {
+
+torch::Device pick_device(const Config& cfg, const DistEnv& env) {
+  const bool cuda_ok = nccl_compiled() && torch::cuda::is_available();
+  if (cfg.dist.device == "cuda" && !cuda_ok)
+    throw_config_error(cfg, "dist.device", std::string("cuda requested but ") +
+                                               (nccl_compiled() ? "no GPU is visible" : "this build has no CUDA"));
+  if (cfg.dist.device == "cuda" || (cfg.dist.device == "auto" && cuda_ok))
+    return torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(env.local_rank));
+  return torch::kCPU;
+}
+
+void build_data(TrainJob& j) {
+  const Config& cfg = j.cfg;
+  Distributed& d = *j.dist;
+  j.dataset = open_dataset(cfg.data.rec, cfg.data.num_classes);
+  if (j.dataset->num_classes() > cfg.data.num_classes)
+    throw_config_error(cfg, "data.num_classes",
+                       detail::concat(cfg.data.num_classes, " but '", cfg.data.rec, "' has ", j.dataset->num_classes(),
+                                      " classes"));
+  LoaderOptions lo;
+  lo.batch_size = cfg.data.batch_size;
+  lo.num_workers = static_cast<int>(cfg.data.num_workers);
+  lo.prefetch_batches = static_cast<int>(cfg.data.prefetch);
+  lo.flip = cfg.data.flip;
+  lo.extra.gray_prob = cfg.data.augment_gray_prob;
+  lo.extra.blur_prob = cfg.data.augment_blur_prob;
+  lo.extra.downscale_prob = cfg.data.augment_downscale_prob;
+  lo.seed = static_cast<uint64_t>(cfg.seed);
+  lo.max_bad_fraction = cfg.data.max_bad_fraction;
+  lo.num_classes = cfg.data.num_classes;
+  lo.device = j.device;
+  j.loader = std::make_unique<DataLoader>(
+      j.dataset, DistributedSampler(j.dataset->size(), d.world_size(), d.rank(), static_cast<uint64_t>(cfg.seed)), lo);
+  j.micro = cfg.optim.grad_accumulation;
+  j.steps_per_epoch = static_cast<int64_t>(j.loader->batches_per_epoch()) / j.micro;
+  if (j.steps_per_epoch < 1)
+    throw usage_error("data: ", j.dataset->size(), " images on ", d.world_size(), " ranks make no full step of batch ",
+                      cfg.data.batch_size, " x ", j.micro, " micro-batches");
+  const int64_t num_images = cfg.data.num_images.value_or(static_cast<int64_t>(j.dataset->size()));
+  const int64_t sched_steps_per_epoch = std::max<int64_t>(1, num_images / j.global_batch());
+  j.total_steps = cfg.optim.total_steps.value_or(sched_steps_per_epoch * cfg.optim.epochs);
+  j.warmup_steps =
+      cfg.optim.warmup_steps.value_or(static_cast<int64_t>(cfg.optim.warmup_epochs * sched_steps_per_epoch));
+  j.last_step = std::min(j.total_steps, cfg.train.max_steps.value_or(j.total_steps));
+}
+
+void build_model(TrainJob& j) {
+  const Config& cfg = j.cfg;
+  Distributed& d = *j.dist;
+  BackboneOptions bo;
+  bo.name = cfg.model.backbone;
+  bo.embedding_size = cfg.model.embedding_size;
+  bo.dropout = cfg.model.dropout;
+  bo.channels_last = cfg.model.channels_last;
+  bo.precision = parse_body_precision(cfg.train.precision);
+  torch::manual_seed(cfg.seed);
+  j.backbone = with_config_keys(cfg, {{"backbone", "model.backbone"}, {"embedding_size", "model.embedding_size"},
+                                      {"dropout", "model.dropout"}},
+                                [&] { return make_backbone(bo); });
+  if (cfg.model.init) load_backbone_weights(*j.backbone, *cfg.model.init);
+  j.backbone->to(j.device);
+  if (cfg.model.channels_last) j.backbone->to_channels_last();
+  if (cfg.model.sync_bn) log_info("SyncBatchNorm: ", convert_sync_batchnorm(*j.backbone, d), " layers");
+  DdpOptions ddo;
+  ddo.bucket_mb = cfg.dist.bucket_mb;
+  ddo.find_unused_parameters = cfg.dist.find_unused_parameters;
+  j.ddp = std::make_unique<DataParallel>(j.backbone, d, ddo);
+  for (auto& p : j.backbone->parameters())
+    if (p.requires_grad()) j.backbone_params.push_back(p);
+
+  PartialFCOptions po;
+  po.num_classes = cfg.data.num_classes;
+  po.embedding_size = cfg.model.embedding_size;
+  po.sample_rate = cfg.loss.sample_rate;
+  po.margin = CombinedMargin{cfg.loss.margin[0], cfg.loss.margin[1], cfg.loss.margin[2], cfg.loss.scale,
+                             cfg.loss.interclass_filtering_threshold};
+  po.seed = static_cast<uint64_t>(cfg.seed);
+  po.optimizer.kind = cfg.optim.classifier_optimizer();
+  po.optimizer.momentum = cfg.optim.momentum;
+  po.optimizer.weight_decay = cfg.optim.classifier_weight_decay();
+  po.optimizer.beta1 = cfg.optim.betas[0];
+  po.optimizer.beta2 = cfg.optim.betas[1];
+  po.optimizer.eps = cfg.optim.eps;
+  j.fc = with_config_keys(cfg,
+                          {{"num_classes", "data.num_classes"}, {"sample_rate", "loss.sample_rate"},
+                           {"embedding_size", "model.embedding_size"}, {"optimizer", "optim.fc_optimizer"}},
+                          [&] { return std::make_unique<PartialFC>(d, po, j.device); });
+
+  BackboneOptimizerOptions boo;
+  boo.kind = cfg.optim.optimizer;
+  boo.momentum = cfg.optim.momentum;
+  boo.weight_decay = cfg.optim.weight_decay;
+  boo.beta1 = cfg.optim.betas[0];
+  boo.beta2 = cfg.optim.betas[1];
+  boo.eps = cfg.optim.eps;
+  j.opt = std::make_unique<BackboneOptimizer>(j.backbone_params, boo);
+  j.schedule = PolyWarmupSchedule{cfg.optim.lr, j.warmup_steps, j.total_steps, cfg.optim.power};
+  j.fc_schedule = PolyWarmupSchedule{cfg.optim.classifier_lr(), j.warmup_steps, j.total_steps, cfg.optim.power};
+  j.schedule.validate();
+  j.fc_schedule.validate();
+  LossScalerOptions lso;
+  lso.init_scale = cfg.train.loss_scale_init;
+  lso.growth_interval = cfg.train.loss_scale_growth_interval;
+  j.loss_scaling = cfg.train.loss_scaling == "on" || (cfg.train.loss_scaling == "auto" && cfg.train.precision == "fp16");
+  lso.enabled = j.loss_scaling;
+  j.scaler = std::make_unique<LossScaler>(lso, j.device);
+}
+
+}  // namespace
+
+std::optional<double> device_peak_memory_gb(torch::Device dev) {
+#ifdef FACESHARD_WITH_CUDA
+  if (dev.is_cuda()) {
+    auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(dev.index());
+    return static_cast<double>(stats.allocated_bytes[0].peak) / (1 << 30);
+  }
+#endif
+  return std::nullopt;
+}
+
+TrainJob build_train_job(const Config& cfg) {
+  TrainJob j;
+  j.cfg = cfg;
+  DistOptions dopts;
+  dopts.timeout = std::chrono::milliseconds(static_cast<int64_t>(cfg.dist.timeout_s * 1000));
+  DistEnv env = DistEnv::from_environment();
+  j.device = pick_device(cfg, env);
+  dopts.use_cuda = j.device.is_cuda();
+  j.dist = Distributed::init(env, dopts);
+  log_info("job: ", env.describe(), ", device ", j.device.str());
+  if (j.device.is_cuda() && cfg.train.cudnn_benchmark) at::globalContext().setBenchmarkCuDNN(true);
+  build_data(j);
+  build_model(j);
+  return j;
+}
+
+}  // namespace faceshard

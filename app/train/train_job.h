@@ -1,0 +1,56 @@
+// Everything a training run builds once from its config: the ranks (Distributed), the data
+// (data set, loader), the backbone under DataParallel (optionally SyncBatchNorm), the
+// sharded classifier with its optimiser state, the backbone's optimiser, the loss scaler
+// and the LR schedules. faceshard-train runs its loop on it; faceshard-bench's step mode
+// times the very same parts. Errors of the parts name their own options; here they become
+// config errors naming the file and key.
+#pragma once
+#include <memory>
+#include <vector>
+
+#include <torch/torch.h>
+
+#include "app/config/config.h"
+#include "app/train/backbone_optimizer.h"
+#include "app/train/loss_scaler.h"
+#include "app/train/lr_schedule.h"
+#include "data/dataset.h"
+#include "data/loader.h"
+#include "models/backbone.h"
+#include "partial_fc/classifier/partial_fc.h"
+#include "partial_fc/parallel/ddp.h"
+#include "partial_fc/runtime/distributed.h"
+
+namespace faceshard {
+
+struct TrainJob {
+  Config cfg;
+  std::shared_ptr<Distributed> dist;
+  torch::Device device = torch::kCPU;
+  std::shared_ptr<Dataset> dataset;
+  std::unique_ptr<DataLoader> loader;
+  std::shared_ptr<Backbone> backbone;
+  std::unique_ptr<DataParallel> ddp;
+  std::unique_ptr<PartialFC> fc;
+  std::unique_ptr<BackboneOptimizer> opt;
+  std::unique_ptr<LossScaler> scaler;
+  PolyWarmupSchedule schedule, fc_schedule;
+  std::vector<at::Tensor> backbone_params;  // those that train
+  int64_t micro = 1;            // micro-batches per step (optim.grad_accumulation)
+  int64_t steps_per_epoch = 0;  // whole steps of this rank's share of the data
+  int64_t total_steps = 0;      // the schedule's length
+  int64_t last_step = 0;        // where this run stops (train.max_steps or the schedule's end)
+  int64_t warmup_steps = 0;
+  bool loss_scaling = false;    // fp16: scaled loss, non-finite gradients skip the step
+
+  int64_t global_batch() const { return cfg.data.batch_size * dist->world_size() * micro; }
+};
+
+// Joins the job's ranks (the environment's), then builds the rest. On rank 0, creates
+// cfg.output. Collective.
+TrainJob build_train_job(const Config& cfg);
+
+// The GPU allocator's peak in GB for a CUDA device, nothing for the CPU.
+std::optional<double> device_peak_memory_gb(torch::Device device);
+
+}  // namespace faceshard

@@ -1,0 +1,48 @@
+// Everything a resume needs, saved and restored in one place. A checkpoint
+// (<output>/checkpoints/step_<N>/, see app/io/checkpoint.h) holds:
+//   backbone.pt     the backbone's state_dict (insightface names)
+//   train_state.pt  step, world_size, data.epoch and data.epoch_samples (the data position
+//                   in global samples), opt/* (the backbone optimiser), scaler/* (the loss
+//                   scaler), best/<set> (best verification accuracies)
+//   fc_shard_<r>.pt this rank's classifier rows: rows.start, rows.count, rows/weight,
+//                   rows/opt.* (its optimiser state), rng.cpu (and rng.cuda)
+// Loading on another number of ranks reshards rows/* by class range; the data continues
+// in the same epoch at the same fraction of it.
+#pragma once
+#include <map>
+#include <string>
+
+#include "app/io/checkpoint.h"
+#include "app/train/train_job.h"
+
+namespace faceshard {
+
+struct TrainProgress {
+  int64_t step = 0;            // optimiser steps done
+  int64_t epoch = 0;           // the loader's epoch
+  int64_t batch_in_epoch = 0;  // micro-batches this rank consumed in that epoch
+  std::map<std::string, double> best_accuracy;  // per verification set
+};
+
+class TrainState {
+ public:
+  explicit TrainState(TrainJob& job) : job_(job) {}
+
+  TrainProgress& progress() { return progress_; }
+  const TrainProgress& progress() const { return progress_; }
+
+  // Collective: every rank writes its shard, rank 0 the rest.
+  void save(CheckpointManager& checkpoints) const;
+  // Restores everything from a committed checkpoint folder (errors name its files).
+  void load(const std::string& dir);
+
+ private:
+  TrainJob& job_;
+  TrainProgress progress_;
+};
+
+// The run's final backbone on rank 0: <output>/model.pt (a state_dict Python's torch.load
+// reads) and model.json (network, embedding size, input convention, step, precision).
+void export_model(const TrainJob& job, int64_t step);
+
+}  // namespace faceshard

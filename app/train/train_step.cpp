@@ -1,0 +1,101 @@
+#include "app/train/train_step.h"
+
+#include <chrono>
+
+#ifdef FACESHARD_WITH_CUDA
+#include <c10/cuda/CUDAFunctions.h>
+#endif
+
+#include "app/train/grad_clip.h"
+
+namespace faceshard {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// Marks phase boundaries: with timing on, waits for the device and adds the elapsed time.
+class PhaseClock {
+ public:
+  PhaseClock(bool on, torch::Device device) : on_(on), device_(device), t_(Clock::now()) {}
+  void lap(double& into) {
+    if (!on_) return;
+#ifdef FACESHARD_WITH_CUDA
+    if (device_.is_cuda()) c10::cuda::device_synchronize();
+#endif
+    const auto now = Clock::now();
+    into += std::chrono::duration<double>(now - t_).count();
+    t_ = now;
+  }
+
+ private:
+  bool on_;
+  torch::Device device_;
+  Clock::time_point t_;
+};
+
+}  // namespace
+
+TrainStep::TrainStep(TrainJob& job, bool timing)
+    : job_(job),
+      timing_(timing),
+      first_bad_(torch::full({}, -1, torch::TensorOptions().device(job.device).dtype(torch::kLong))) {}
+
+StepResult TrainStep::run(const BatchSource& next, int64_t step) {
+  TrainJob& j = job_;
+  StepResult r;
+  r.lr = j.schedule.lr(step);
+  r.fc_lr = j.fc_schedule.lr(step);
+  PhaseClock clock(timing_, j.device);
+  const auto zero = torch::TensorOptions().device(j.device);
+  at::Tensor loss_sum = torch::zeros({}, zero), acc_sum = torch::zeros({}, zero);
+  for (int64_t k = 0; k < j.micro; ++k) {
+    Batch batch = next();
+    clock.lap(r.times.data);
+    auto out = j.fc->forward(j.backbone->forward(batch.images), batch.labels);
+    at::Tensor loss = j.micro > 1 ? out.loss / static_cast<double>(j.micro) : out.loss;
+    at::Tensor scaled = j.scaler->scale(loss).reshape(loss.sizes());
+    j.ddp->prepare_for_backward({scaled});
+    clock.lap(r.times.forward);
+    if (k + 1 == j.micro) {
+      scaled.backward();
+    } else {
+      auto local_only = j.ddp->no_sync();
+      scaled.backward();
+    }
+    torch::NoGradGuard ng;
+    loss_sum.add_(out.loss.detach());
+    acc_sum.add_(out.accuracy.detach());
+    if (!j.loss_scaling) first_bad_.masked_fill_((~torch::isfinite(out.loss.detach())) & (first_bad_ < 0), step);
+    // The classifier's sampled rows change every micro-batch: keep their gradient.
+    if (k + 1 < j.micro) j.fc->accumulate();
+    clock.lap(r.times.backward);
+  }
+  if (gradient_hook_) gradient_hook_(step + 1);
+  if (j.loss_scaling) {
+    at::Tensor found_inf = torch::maximum(j.scaler->unscale_(j.backbone_params), j.fc->unscale_(j.scaler->inv_scale()));
+    // Every rank must take the same decision (the shards' gradients differ).
+    at::Tensor f = found_inf.to(torch::kCPU).to(torch::kFloat).reshape({1}).clone();
+    j.dist->all_reduce(f, ReduceOp::Max);
+    r.skipped = j.scaler->update(f.to(found_inf.device()));
+  }
+  if (r.skipped) {
+    j.opt->zero_grad();
+    j.fc->zero_grad();
+  } else {
+    if (j.cfg.optim.grad_clip > 0) clip_grad_norm(j.backbone_params, j.cfg.optim.grad_clip);
+    j.opt->step(r.lr);
+    j.fc->step(r.fc_lr);
+    j.opt->zero_grad();
+  }
+  clock.lap(r.times.optimizer);
+  r.loss = loss_sum / static_cast<double>(j.micro);
+  r.accuracy = acc_sum / static_cast<double>(j.micro);
+  return r;
+}
+
+std::optional<int64_t> TrainStep::first_nonfinite_step() const {
+  const int64_t bad = first_bad_.item<int64_t>();
+  return bad >= 0 ? std::optional<int64_t>(bad) : std::nullopt;
+}
+
+}  // namespace faceshard

@@ -1,0 +1,157 @@
+#include "app/train/trainer.h"
+
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <csignal>
+#include <filesystem>
+
+#include "app/io/checkpoint.h"
+#include "app/train/log_sinks.h"
+#include "app/train/train_job.h"
+#include "app/train/train_state.h"
+#include "app/train/train_step.h"
+#include "app/train/validation.h"
+#include "partial_fc/runtime/error.h"
+#include "partial_fc/runtime/log.h"
+
+namespace faceshard {
+namespace {
+
+std::atomic<int> g_stop_signal{0};
+extern "C" void on_stop_signal(int sig) { g_stop_signal = sig; }
+
+using Clock = std::chrono::steady_clock;
+double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+
+}  // namespace
+
+int run_training(const TrainRequest& req) {
+  TrainJob j = build_train_job(req.config);
+  const Config& cfg = j.cfg;
+  Distributed& d = *j.dist;
+  if (d.rank() == 0) {
+    std::filesystem::create_directories(cfg.output);
+    write_text_durably(req.config_text, cfg.output + "/config.yaml");
+  }
+  d.barrier();
+  CheckpointManager checkpoints(cfg.output + "/checkpoints", d, cfg.train.keep_checkpoints);
+  TrainState state(j);
+  TrainProgress& p = state.progress();
+  TrainStep train_step(j);
+  install_faults(req.faults, d.rank(), checkpoints, train_step, j.backbone_params);
+  LogSinks sinks;
+  if (d.rank() == 0) {
+    sinks.add(std::make_unique<ConsoleSink>(isatty(STDOUT_FILENO)));
+    sinks.add(std::make_unique<MetricsSink>(cfg.output + "/metrics.jsonl", req.resume || !req.resume_from.empty()));
+    if (cfg.train.tensorboard) sinks.add(std::make_unique<TensorBoardSink>(cfg.output + "/tensorboard"));
+  }
+  Validation validation(j);
+  std::string from = req.resume_from.empty() && req.resume ? checkpoints.latest() : req.resume_from;
+  if (req.resume && from.empty()) log_info("--resume: no committed checkpoint under ", checkpoints.root(), ", starting fresh");
+  if (!from.empty()) state.load(from);
+  log_info("data: '", cfg.data.rec, "', ", j.dataset->size(), " images; ", j.steps_per_epoch, " steps/epoch, global batch ",
+           j.global_batch(), "; schedule: ", j.total_steps, " steps, warm-up ", j.warmup_steps);
+  log_info("model: ", cfg.model.backbone, " (", j.backbone_params.size(), " tensors in ", j.ddp->num_buckets(),
+           " gradient buckets), classifier ", cfg.data.num_classes, " classes, ", j.fc->shard().count, " on this rank, ",
+           j.fc->num_sample(), " per step; precision ", cfg.train.precision);
+  std::signal(SIGTERM, on_stop_signal);
+  std::signal(SIGINT, on_stop_signal);
+
+  // A non-finite loss stops the run (with loss scaling the step is skipped instead); the
+  // check reads the device, so a GPU run does it where it syncs anyway.
+  auto check_finite = [&] {
+    if (j.loss_scaling) return;
+    if (auto bad = train_step.first_nonfinite_step()) {
+      const std::string last = checkpoints.latest();
+      throw runtime_error("the loss became NaN/inf at step ", *bad + 1, "; stopping. Last good checkpoint: ",
+                          last.empty() ? "none" : last);
+    }
+  };
+  // An epoch is steps_per_epoch whole steps: micro-batches left over at its end are never
+  // read, so no gradient of them leaks into the next step.
+  const int64_t batches_per_epoch = j.steps_per_epoch * j.micro;
+  j.loader->start_epoch(static_cast<uint64_t>(p.epoch), static_cast<uint64_t>(p.batch_in_epoch));
+  BatchSource next_batch = [&]() -> Batch {
+    if (p.batch_in_epoch == batches_per_epoch) {
+      p.epoch++;
+      p.batch_in_epoch = 0;
+      j.loader->start_epoch(static_cast<uint64_t>(p.epoch), 0);
+    }
+    std::optional<Batch> b = j.loader->next();
+    if (!b) throw runtime_error("data loader: epoch ", p.epoch, " ended after ", p.batch_in_epoch, " of ", batches_per_epoch, " batches");
+    p.batch_in_epoch++;
+    return std::move(*b);
+  };
+  j.backbone->train();
+  // The starting point of the verification curve (chance for a fresh model).
+  if (cfg.train.verify_every > 0 && p.step == 0 && j.last_step > 0) validation.run(0, p.best_accuracy, sinks);
+
+  at::Tensor loss_sum = torch::zeros({}, torch::TensorOptions().device(j.device)), acc_sum = torch::zeros_like(loss_sum);
+  int64_t logged = 0, skipped = 0;
+  const int64_t start_step = p.step;
+  auto t_start = Clock::now(), t_log = Clock::now();
+  while (p.step < j.last_step) {
+    StepResult r = train_step.run(next_batch, p.step);
+    loss_sum.add_(r.loss);
+    acc_sum.add_(r.accuracy);
+    if (r.skipped) {
+      skipped++;
+      log_info("loss scaling: non-finite gradients at step ", p.step + 1, ", step skipped; loss scale now ",
+               j.scaler->current_scale());
+    }
+    p.step++;
+    logged++;
+    if (j.device.is_cpu()) check_finite();  // free on the CPU: stop at the very step
+    const bool log_now = p.step % cfg.train.log_every == 0 || p.step == j.last_step;
+    if (!log_now) sinks.progress(p.step, j.last_step);
+    if (log_now) {
+      check_finite();
+      TrainRecord rec;
+      rec.step = p.step;
+      rec.last_step = j.last_step;
+      rec.epoch = p.epoch;
+      rec.loss = loss_sum.item<double>() / logged;
+      rec.accuracy = acc_sum.item<double>() / logged;
+      rec.lr = r.lr;
+      rec.samples_per_sec = logged * j.global_batch() / std::max(seconds_since(t_log), 1e-9);
+      rec.eta_s = seconds_since(t_start) / std::max<int64_t>(1, p.step - start_step) * (j.last_step - p.step);
+      if (j.loss_scaling) rec.loss_scale = j.scaler->current_scale();
+      rec.memory_gb = device_peak_memory_gb(j.device);
+      sinks.train(rec);
+      loss_sum.zero_();
+      acc_sum.zero_();
+      logged = 0;
+      t_log = Clock::now();
+    }
+    if (cfg.train.verify_every > 0 && p.step % cfg.train.verify_every == 0 && p.step != j.last_step)
+      validation.run(p.step, p.best_accuracy, sinks);
+    const bool epoch_end = p.batch_in_epoch == batches_per_epoch;
+    const bool want_checkpoint = cfg.train.checkpoint_every > 0 ? p.step % cfg.train.checkpoint_every == 0 : epoch_end;
+    // SIGTERM/SIGINT on any rank: every rank learns it at the same step.
+    at::Tensor stop = torch::tensor({static_cast<float>(g_stop_signal.load() != 0)});
+    d.all_reduce(stop, ReduceOp::Max);
+    if (stop.item<float>() > 0) {
+      check_finite();
+      log_info("stop requested (signal): checkpointing at step ", p.step, " and exiting");
+      state.save(checkpoints);
+      d.shutdown();
+      return 0;
+    }
+    if (want_checkpoint && p.step != j.last_step) {
+      check_finite();
+      state.save(checkpoints);
+    }
+  }
+  check_finite();
+  if (skipped) log_info("loss scaling: ", skipped, " steps skipped for non-finite gradients");
+  validation.run(p.step, p.best_accuracy, sinks);
+  state.save(checkpoints);
+  export_model(j, p.step);
+  d.shutdown();
+  log_info("done: ", p.step, " steps in ", format_duration(seconds_since(t_start)));
+  return 0;
+}
+
+}  // namespace faceshard

@@ -1,0 +1,33 @@
+#include "app/train/validation.h"
+
+#include <filesystem>
+
+#include "partial_fc/runtime/error.h"
+#include "partial_fc/runtime/log.h"
+
+namespace faceshard {
+
+Validation::Validation(TrainJob& job) : job_(job) {
+  if (job.dist->rank() != 0) return;
+  const std::string dir = job.cfg.data.verification_dir();
+  for (const auto& t : job.cfg.data.val_targets) {
+    const std::string p = dir + "/" + t + ".bin";
+    if (!std::filesystem::exists(p)) throw_config_error(job.cfg, "data.val_targets", "'" + t + "' has no file " + p);
+    sets_.push_back(load_verification_data(p));
+    log_info("verification set ", t, ": ", sets_.back().issame.size(), " pairs");
+  }
+}
+
+void Validation::run(int64_t step, std::map<std::string, double>& best, LogSinks& sinks) {
+  if (!enabled()) return;
+  for (auto& v : sets_) {
+    VerificationResult r = evaluate_verification(*job_.backbone, v, 64, job_.device);
+    double& b = best[v.name];
+    b = std::max(b, r.kfold.accuracy_mean);
+    sinks.validation(ValidationRecord{step, v.name, r.kfold.accuracy_mean, r.kfold.accuracy_std, b, r.xnorm,
+                                      r.kfold.best_threshold});
+  }
+  job_.dist->barrier();
+}
+
+}  // namespace faceshard

@@ -1,0 +1,168 @@
+#include "partial_fc/classifier/partial_fc.h"
+
+#include <ATen/ops/_amp_foreach_non_finite_check_and_unscale.h>
+
+#include "partial_fc/classifier/margin_softmax.h"
+#include "partial_fc/parallel/all_gather.h"
+#include "partial_fc/runtime/error.h"
+
+namespace faceshard {
+
+namespace {
+constexpr int64_t kInitBlock = 1024;  // classes drawn from one seeded generator
+
+const PartialFCOptions& checked(const PartialFCOptions& o) {
+  if (!(o.sample_rate >= 0 && o.sample_rate <= 1))
+    throw option_error("sample_rate", "must be in [0, 1], got ", o.sample_rate);
+  if (o.embedding_size < 1) throw option_error("embedding_size", "must be positive, got ", o.embedding_size);
+  return o;
+}
+}  // namespace
+
+at::Tensor PartialFC::initial_rows(int64_t start, int64_t count, int64_t dim, uint64_t seed) {
+  at::Tensor out = torch::empty({count, dim});
+  if (count == 0) return out;
+  for (int64_t b = start / kInitBlock; b <= (start + count - 1) / kInitBlock; ++b) {
+    auto gen = at::make_generator<at::CPUGeneratorImpl>(seed * 1000003ULL + static_cast<uint64_t>(b));
+    at::Tensor block = at::normal(0.0, 0.01, {kInitBlock, dim}, gen);
+    const int64_t lo = std::max(start, b * kInitBlock), hi = std::min(start + count, (b + 1) * kInitBlock);
+    out.narrow(0, lo - start, hi - lo).copy_(block.narrow(0, lo - b * kInitBlock, hi - lo));
+  }
+  return out;
+}
+
+PartialFC::PartialFC(Distributed& dist, const PartialFCOptions& opts, torch::Device device)
+    : dist_(dist),
+      opts_(checked(opts)),
+      shard_(ClassShard::of(opts.num_classes, dist.world_size(), dist.rank())),
+      num_sample_(std::min<int64_t>(shard_.count, static_cast<int64_t>(opts.sample_rate * shard_.count))),
+      weight_(initial_rows(shard_.start, shard_.count, opts.embedding_size, opts.seed).to(device)),
+      optimizer_(weight_, opts.optimizer) {
+  if (!samples()) {
+    weight_.requires_grad_(true);
+    sub_weight_ = weight_;
+  }
+}
+
+PartialFCOutput PartialFC::forward(const at::Tensor& local_emb, const at::Tensor& local_labels) {
+  TORCH_CHECK(local_emb.dim() == 2 && local_emb.size(1) == opts_.embedding_size, "PartialFC: embeddings must be [B, ",
+              opts_.embedding_size, "], got ", local_emb.sizes());
+  const int W = dist_.world_size();
+  at::Tensor emb = all_gather_with_grad(dist_, local_emb, GatherGrad::ReduceScatterSum, static_cast<double>(W));
+  std::vector<int64_t> counts;
+  at::Tensor labels = dist_.all_gather(local_labels.reshape({-1}).to(torch::kLong).contiguous(), &counts);
+  TORCH_CHECK(labels.size(0) == emb.size(0), "PartialFC: ", emb.size(0), " embeddings but ", labels.size(0), " labels");
+
+  // Every rank sees every label: all of them reject a bad one in the same step.
+  at::Tensor bad = ((labels < 0) | (labels >= opts_.num_classes)).nonzero();
+  if (bad.numel() > 0) {
+    const int64_t row = bad[0][0].item<int64_t>();
+    int64_t owner = 0, first = 0;
+    while (owner < static_cast<int64_t>(counts.size()) - 1 && row >= first + counts[owner]) first += counts[owner++];
+    throw runtime_error("label ", labels[row].item<int64_t>(), " of rank ", owner, " (batch row ", row - first,
+                        ") is outside [0, ", opts_.num_classes, ") = the classifier's classes");
+  }
+
+  at::Tensor local = labels - shard_.start;
+  at::Tensor mine = (labels >= shard_.start) & (labels < shard_.end());
+  at::Tensor target = torch::where(mine, local, torch::full_like(local, -1));
+  at::Tensor centres;
+  if (samples()) {
+    torch::NoGradGuard ng;
+    // All positive classes of the global batch, then uniformly random negatives up to the
+    // budget (all positives when they exceed it).
+    at::Tensor positive = std::get<0>(torch::_unique(local.masked_select(mine), /*sorted=*/true));
+    if (positive.size(0) >= num_sample_) {
+      index_ = positive;
+    } else {
+      auto gen = at::make_generator<at::CPUGeneratorImpl>(opts_.seed * 7919ULL + static_cast<uint64_t>(shard_.rank) * 104729ULL +
+                                                          static_cast<uint64_t>(forwards_));
+      at::Tensor score = at::rand({shard_.count}, gen).to(weight_.device());
+      score.index_fill_(0, positive, 2.0);
+      index_ = std::get<0>(std::get<1>(score.topk(num_sample_)).sort());
+    }
+    target = torch::where(mine, torch::searchsorted(index_, local.clamp(0, shard_.count - 1)), target);
+    sub_weight_ = weight_.index_select(0, index_).requires_grad_(true);
+    centres = sub_weight_;
+  } else {
+    centres = weight_;
+  }
+  forwards_++;
+  namespace F = torch::nn::functional;
+  at::Tensor cos = torch::mm(F::normalize(emb.to(torch::kFloat), F::NormalizeFuncOptions().dim(1)),
+                             F::normalize(centres, F::NormalizeFuncOptions().dim(1)).t());
+  PartialFCOutput out;
+  out.loss = margin_softmax_cross_entropy(cos.clamp(-1, 1), target, opts_.margin, dist_, &out.accuracy);
+  return out;
+}
+
+at::Tensor PartialFC::gradient() const { return sub_weight_.defined() ? sub_weight_.grad() : at::Tensor(); }
+
+void PartialFC::accumulate() {
+  if (!samples() || !sub_weight_.defined() || !sub_weight_.grad().defined()) return;
+  pending_index_.push_back(index_);
+  pending_grad_.push_back(sub_weight_.grad());
+  sub_weight_.mutable_grad().reset();
+}
+
+void PartialFC::merge_accumulated() {
+  if (pending_index_.empty()) return;
+  torch::NoGradGuard ng;
+  accumulate();  // the last micro-batch's gradient joins the others
+  at::Tensor index = torch::cat(pending_index_), grad = torch::cat(pending_grad_);
+  auto uniq = at::_unique(index, /*sorted=*/true, /*return_inverse=*/true);
+  at::Tensor rows = std::get<0>(uniq);
+  at::Tensor sum = torch::zeros({rows.size(0), grad.size(1)}, grad.options()).index_add_(0, std::get<1>(uniq), grad);
+  pending_index_.clear();
+  pending_grad_.clear();
+  index_ = rows;
+  sub_weight_ = weight_.index_select(0, index_).requires_grad_(true);
+  sub_weight_.mutable_grad() = sum;
+}
+
+at::Tensor PartialFC::unscale_(const at::Tensor& inv_scale) {
+  merge_accumulated();
+  at::Tensor found_inf = torch::zeros({1}, weight_.options().requires_grad(false));
+  at::Tensor g = gradient();
+  if (!g.defined()) return found_inf;
+  torch::NoGradGuard ng;
+  std::vector<at::Tensor> grads{g};
+  at::_amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale.to(g.device()));
+  return found_inf;
+}
+
+void PartialFC::step(double lr) {
+  merge_accumulated();
+  at::Tensor g = gradient();
+  if (g.defined()) optimizer_.step(weight_, samples() ? index_ : at::Tensor(), g, lr);
+  zero_grad();
+}
+
+void PartialFC::zero_grad() {
+  if (sub_weight_.defined() && sub_weight_.grad().defined()) sub_weight_.mutable_grad().reset();
+  pending_index_.clear();
+  pending_grad_.clear();
+}
+
+ShardRows PartialFC::state() const {
+  ShardRows rows{{"weight", weight_.detach()}};
+  for (auto& kv : optimizer_.state()) rows.emplace_back("opt." + kv.first, kv.second);
+  return rows;
+}
+
+void PartialFC::load_state(const ShardRows& rows, const std::string& source) {
+  ShardRows mine = state();
+  torch::NoGradGuard ng;
+  for (const auto& kv : rows) {
+    auto it = std::find_if(mine.begin(), mine.end(), [&](const auto& m) { return m.first == kv.first; });
+    if (it == mine.end())
+      throw usage_error(source, ": classifier state '", kv.first, "' does not belong to the '",
+                        opts_.optimizer.kind, "' optimiser");
+    if (kv.second.sizes() != it->second.sizes())
+      throw usage_error(source, ": classifier state '", kv.first, "' has shape ", kv.second.sizes(), ", expected ",
+                        it->second.sizes());
+    it->second.copy_(kv.second);
+  }
+}
+
+}  // namespace faceshard

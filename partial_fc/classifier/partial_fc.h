@@ -1,0 +1,116 @@
+// The sharded classifier ("Partial FC"): one centre per identity, sharded by class across
+// the ranks and never replicated, together with its optimiser state. Forward gathers the
+// batch's embeddings (differentiable) and labels, normalises, takes the cosines against
+// this shard's centres (all of them, or with sample_rate < 1 the positive classes of the
+// batch plus random negatives), applies the margin and the distributed softmax
+// cross-entropy, and returns the global-batch loss. After backward, step() moves the rows
+// that took part (and only those) with the shard's optimiser.
+//
+// Gradient convention (DESIGN.md), decided here once: the loss is the mean over the global
+// batch, so the reduce-scatter in the gather's backward gives each rank exactly
+// dL/d(its embeddings); the backbone is replicated and DataParallel AVERAGES its
+// gradients over the W ranks, which would leave 1/W of dL/dtheta. The gather's backward
+// therefore multiplies the embedding gradient by W (as arcface_torch does), so that after
+// averaging the backbone receives dL/dtheta of the global-mean loss. Tested against one
+// process holding the whole batch and the whole weight matrix.
+#pragma once
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <torch/torch.h>
+
+#include "partial_fc/classifier/class_shard.h"
+#include "partial_fc/classifier/margin.h"
+#include "partial_fc/classifier/shard_optimizer.h"
+#include "partial_fc/runtime/distributed.h"
+
+namespace faceshard {
+
+struct PartialFCOptions {
+  int64_t num_classes = 0;
+  int64_t embedding_size = 512;
+  double sample_rate = 1.0;
+  CombinedMargin margin;
+  uint64_t seed = 2048;
+  ShardOptimizerOptions optimizer;
+};
+
+struct PartialFCOutput {
+  at::Tensor loss;      // 0-dim, differentiable w.r.t. the local embeddings and the centres
+  at::Tensor accuracy;  // 0-dim, global top-1 over the classes taking part
+};
+
+// Rows of a shard (name -> [count, ...] tensor), for checkpoints and resharding.
+using ShardRows = std::vector<std::pair<std::string, at::Tensor>>;
+
+class PartialFC {
+ public:
+  // Option errors name "num_classes", "sample_rate", "embedding_size" or "optimizer".
+  PartialFC(Distributed& dist, const PartialFCOptions& opts, torch::Device device = torch::kCPU);
+
+  // local_embeddings [B, d] (any floating dtype), local_labels [B] global class ids.
+  // Labels outside [0, num_classes) are an error naming the label, its rank and batch row.
+  PartialFCOutput forward(const at::Tensor& local_embeddings, const at::Tensor& local_labels);
+
+  // --- the optimiser side, called after backward ---------------------------------------
+  // Gradient accumulation: with sampling every forward selects its own rows, so after each
+  // micro-batch's backward but the last, accumulate() sets that gradient aside; the step
+  // then applies the sum, per row over the union of the rows: the exact gradient of the
+  // summed micro-batch losses. A no-op without sampling (autograd accumulates into the
+  // whole shard).
+  void accumulate();
+  // Mixed precision: multiplies the step's gradient by inv_scale (a 1-element fp32 tensor
+  // on the shard's device) and returns a 1-element fp32 flag there, 1 when the gradient
+  // holds an inf or NaN (torch's AMP unscale kernel; no host sync).
+  at::Tensor unscale_(const at::Tensor& inv_scale);
+  // Moves the rows that took part in the step (all of them without sampling) and drops
+  // the gradient. A step without a classifier gradient changes nothing.
+  void step(double lr);
+  // Drops the step's gradient (set-aside micro-batches included) without moving anything.
+  void zero_grad();
+
+  // --- state ----------------------------------------------------------------------------
+  // "weight" and "opt.<name>" per-class rows of this shard (live tensors, not copies).
+  ShardRows state() const;
+  // Replaces weight and optimiser rows (shapes checked; errors name `source` and the key).
+  void load_state(const ShardRows& rows, const std::string& source);
+  // Forwards taken: the sampling RNG is a function of seed, rank and this count, so a
+  // resumed run samples as the uninterrupted one (micro-batches count one each).
+  int64_t forwards() const { return forwards_; }
+  void set_forwards(int64_t n) { forwards_ = n; }
+
+  // --- inspection -------------------------------------------------------------------------
+  const ClassShard& shard() const { return shard_; }
+  const PartialFCOptions& options() const { return opts_; }
+  int64_t num_sample() const { return num_sample_; }
+  bool samples() const { return num_sample_ < shard_.count; }
+  // The whole shard [count, d], fp32.
+  const at::Tensor& weight() const { return weight_; }
+  // The rows (local indices, sorted) of the step so far: the last forward's, or the union
+  // of the micro-batches' once merged (after unscale_/step). Undefined without sampling.
+  const at::Tensor& sampled_index() const { return index_; }
+  // The gradient of those rows ([rows, d]; the whole shard without sampling), undefined
+  // before backward.
+  at::Tensor gradient() const;
+
+  // Deterministic initial centres N(0, 0.01) for global classes [start, start+count): the
+  // same class gets the same initial centre whatever the number of ranks.
+  static at::Tensor initial_rows(int64_t start, int64_t count, int64_t dim, uint64_t seed);
+
+ private:
+  void merge_accumulated();
+
+  Distributed& dist_;
+  PartialFCOptions opts_;
+  ClassShard shard_;
+  int64_t num_sample_;
+  at::Tensor weight_;
+  at::Tensor index_;       // sampled rows of the step
+  at::Tensor sub_weight_;  // the autograd leaf of the sampled rows (weight_ itself without sampling)
+  ShardOptimizer optimizer_;
+  std::vector<at::Tensor> pending_index_, pending_grad_;  // accumulate()
+  int64_t forwards_ = 0;
+};
+
+}  // namespace faceshard

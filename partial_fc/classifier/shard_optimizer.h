@@ -1,0 +1,43 @@
+// The optimiser state of a classifier shard, row by row: SGD momentum, or AdamW moments
+// with a step count per row (so the bias correction of a row counts its own updates). A
+// step updates only the rows it is given; every other row and its state stay
+// bit-identical (the Partial FC paper's behaviour; arcface_torch's V2 lets unsampled rows
+// drift under weight decay and momentum). PartialFC owns one and decides which rows move.
+#pragma once
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <torch/torch.h>
+
+namespace faceshard {
+
+struct ShardOptimizerOptions {
+  std::string kind = "sgd";  // sgd | adamw
+  double momentum = 0.9;
+  double weight_decay = 5e-4;
+  double beta1 = 0.9, beta2 = 0.999, eps = 1e-8;
+};
+
+class ShardOptimizer {
+ public:
+  // State rows shaped like `weight` [rows, d] (option errors name "optimizer").
+  ShardOptimizer(const at::Tensor& weight, const ShardOptimizerOptions& opts);
+
+  // Updates rows `index` (sorted, unique; undefined = every row) of `weight` with `grad`
+  // [index.size(0) or rows, d].
+  void step(at::Tensor& weight, const at::Tensor& index, const at::Tensor& grad, double lr);
+
+  // Per-row state tensors, same row order as the weight: "momentum" (sgd) or "exp_avg",
+  // "exp_avg_sq", "row_steps" (adamw). The live tensors, not copies.
+  std::vector<std::pair<std::string, at::Tensor>> state() const;
+  const ShardOptimizerOptions& options() const { return opts_; }
+
+ private:
+  ShardOptimizerOptions opts_;
+  at::Tensor momentum_;              // sgd
+  at::Tensor exp_avg_, exp_avg_sq_;  // adamw
+  at::Tensor row_steps_;             // adamw, int64 per row
+};
+
+}  // namespace faceshard

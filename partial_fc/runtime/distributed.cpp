@@ -1,0 +1,393 @@
+#include "partial_fc/runtime/distributed.h"
+
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+#include <torch/csrc/distributed/c10d/Types.hpp>
+
+#include <c10/util/Logging.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <exception>
+#include <mutex>
+#include <sstream>
+
+#include "partial_fc/runtime/error.h"
+#include "partial_fc/runtime/log.h"
+
+namespace faceshard {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+int64_t now_ms() {
+  return std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::system_clock::now().time_since_epoch())
+      .count();
+}
+
+std::string key_hb(int r) { return "fs/hb/" + std::to_string(r); }
+std::string key_err(int r) { return "fs/err/" + std::to_string(r); }
+
+std::string to_string(const std::vector<uint8_t>& v) { return std::string(v.begin(), v.end()); }
+std::vector<uint8_t> to_bytes(const std::string& s) { return std::vector<uint8_t>(s.begin(), s.end()); }
+
+c10d::ReduceOp to_c10d(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::Max: return c10d::ReduceOp::MAX;
+    case ReduceOp::Min: return c10d::ReduceOp::MIN;
+    default: return c10d::ReduceOp::SUM;
+  }
+}
+
+c10::intrusive_ptr<c10d::Store> connect_store(const DistEnv& env, bool server, std::chrono::milliseconds timeout) {
+  c10d::TCPStoreOptions o;
+  o.port = static_cast<uint16_t>(env.master_port);
+  o.isServer = server;
+  o.numWorkers = std::nullopt;
+  o.waitWorkers = false;
+  o.timeout = timeout;
+  o.multiTenant = true;
+  c10::intrusive_ptr<c10d::Store> store;
+  try {
+    store = c10::make_intrusive<c10d::TCPStore>(env.master_addr, o);
+  } catch (const std::exception& e) {
+    throw runtime_error(server ? "rank 0 cannot host the rendezvous store on port "
+                               : "cannot reach the rendezvous store at ",
+                        server ? std::to_string(env.master_port) : env.master_addr + ":" + std::to_string(env.master_port),
+                        ": ", one_line(e));
+  }
+  if (env.agent_store) {
+    store = c10::make_intrusive<c10d::PrefixStore>("/worker/attempt_" + std::to_string(env.restart_count), store);
+  }
+  return c10::make_intrusive<c10d::PrefixStore>("faceshard", store);
+}
+
+// A fatal error is usually reported after the Distributed object is gone (its scope was
+// left by the exception), so the connection used to publish it outlives the object.
+std::mutex g_fatal_mutex;
+c10::intrusive_ptr<c10d::Store> g_fatal_store;
+int g_fatal_rank = 0;
+
+// Installed as the fatal-error hook (error.h) so that a rank's fatal error reaches the others.
+void publish_fatal_to_peers(const std::string& line) {
+  std::lock_guard<std::mutex> lock(g_fatal_mutex);
+  if (!g_fatal_store) return;
+  try {
+    g_fatal_store->set(key_err(g_fatal_rank), to_bytes(line));
+  } catch (...) {
+  }
+}
+
+}  // namespace
+
+Distributed::Distributed(const DistEnv& env, const DistOptions& opts) : env_(env), opts_(opts) {}
+
+std::shared_ptr<Distributed> Distributed::init(const DistEnv& env, const DistOptions& opts) {
+  std::shared_ptr<Distributed> d(new Distributed(env, opts));
+  set_log_rank(env.rank, env.world_size);
+  // LibTorch's store warnings span a C++ backtrace each; the runtime reports failures in one
+  // line itself. TORCH_CPP_LOG_LEVEL still wins when set.
+  if (!std::getenv("TORCH_CPP_LOG_LEVEL")) FLAGS_caffe2_log_level = 2;
+  if (env.world_size > 1 || opts.use_cuda) {
+    const bool host = !env.agent_store && env.rank == 0;
+    d->store_ = connect_store(env, host, opts.rendezvous_timeout);
+    d->hb_store_ = connect_store(env, false, opts.rendezvous_timeout);
+    d->hb_store_->set(key_hb(env.rank), to_bytes(std::to_string(now_ms()) + " 0"));
+    d->heartbeat_ = std::thread([p = d.get()] { p->heartbeat_loop(); });
+    try {
+      d->gloo_ = make_gloo_backend(c10::make_intrusive<c10d::PrefixStore>("gloo", d->store_), env.rank,
+                                   env.world_size, env, opts.timeout);
+    } catch (const std::exception& e) {
+      // Which ranks never arrived?
+      std::string missing;
+      for (int r = 0; r < env.world_size; ++r)
+        if (!d->hb_store_->check({key_hb(r)})) missing += (missing.empty() ? "" : ",") + std::to_string(r);
+      throw runtime_error("rendezvous at ", env.master_addr, ":", env.master_port, " failed",
+                          missing.empty() ? "" : " (ranks never joined: " + missing + ")", ": ", one_line(e));
+    }
+    if (opts.use_cuda) {
+      if (!nccl_compiled()) throw usage_error("CUDA requested but faceshard was built without CUDA support");
+      d->nccl_ = make_nccl_backend(c10::make_intrusive<c10d::PrefixStore>("nccl", d->store_), env.rank,
+                                   env.world_size, env.local_rank, opts.timeout);
+    }
+    {
+      std::lock_guard<std::mutex> lock(g_fatal_mutex);
+      g_fatal_store = connect_store(env, false, opts.rendezvous_timeout);
+      g_fatal_rank = env.rank;
+    }
+    set_fatal_hook(&publish_fatal_to_peers);
+  }
+  log_debug("distributed runtime up: ", env.describe());
+  return d;
+}
+
+Distributed::~Distributed() {
+  // Leaving scope through an exception: no barrier (the peers learn of the failure from
+  // the error this rank publishes next, or from its silence).
+  if (std::uncaught_exceptions() > 0) failed_ = true;
+  try {
+    if (!shut_down_) shutdown();
+  } catch (const std::exception& e) {
+    log_warn("distributed shutdown: ", one_line(e));
+  }
+  stop_ = true;
+  if (heartbeat_.joinable()) heartbeat_.join();
+}
+
+void Distributed::heartbeat_loop() {
+  while (!stop_) {
+    try {
+      hb_store_->set(key_hb(env_.rank), to_bytes(std::to_string(now_ms()) + " " + std::to_string(seq_.load())));
+    } catch (...) {
+      // The store host may be gone; the collective that notices reports it.
+    }
+    auto until = Clock::now() + opts_.heartbeat_interval;
+    while (!stop_ && Clock::now() < until) std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+}
+
+void Distributed::publish_failure(const std::string& message) {
+  if (!hb_store_ || env_.world_size <= 1) return;
+  try {
+    hb_store_->set(key_err(env_.rank), to_bytes(message));
+  } catch (...) {
+  }
+}
+
+std::string Distributed::diagnose(const std::string& what, const std::string& error) {
+  std::ostringstream os;
+  os << what << " failed on rank " << env_.rank << ": ";
+  if (env_.world_size <= 1 || !hb_store_) {
+    os << error;
+    return os.str();
+  }
+  // Watch the heartbeats for a few intervals: a dead rank's stops moving.
+  struct Peer {
+    int64_t first_ms = -1, last_ms = -1, seq = -1;
+    std::string err;
+  };
+  std::vector<Peer> peers(env_.world_size);
+  auto read = [&](bool first) {
+    for (int r = 0; r < env_.world_size; ++r) {
+      if (r == env_.rank) continue;
+      std::string hb = to_string(hb_store_->get(key_hb(r)));
+      std::istringstream is(hb);
+      int64_t ms = 0, seq = 0;
+      is >> ms >> seq;
+      if (first) peers[r].first_ms = ms;
+      peers[r].last_ms = ms;
+      peers[r].seq = seq;
+      if (peers[r].err.empty() && hb_store_->check({key_err(r)})) peers[r].err = to_string(hb_store_->get(key_err(r)));
+    }
+  };
+  try {
+    hb_store_->setTimeout(std::chrono::seconds(5));
+    read(true);
+    std::this_thread::sleep_for(opts_.heartbeat_interval * 3);
+    read(false);
+  } catch (const std::exception&) {
+    os << "the rendezvous store " << env_.master_addr << ":" << env_.master_port << " is gone"
+       << (env_.agent_store ? "" : " (rank 0 hosts it: rank 0 died or exited)") << "; " << error;
+    return os.str();
+  }
+  std::vector<std::string> causes;
+  // A rank that published an error that is not itself a communication failure threw first.
+  for (int r = 0; r < env_.world_size; ++r)
+    if (!peers[r].err.empty() && peers[r].err.find("failed on rank") == std::string::npos)
+      causes.push_back("rank " + std::to_string(r) + " failed: " + peers[r].err);
+  if (causes.empty())
+    for (int r = 0; r < env_.world_size; ++r)
+      if (r != env_.rank && peers[r].err.empty() && peers[r].last_ms == peers[r].first_ms)
+        causes.push_back("rank " + std::to_string(r) + " died (no heartbeat for " +
+                         std::to_string((now_ms() - peers[r].last_ms) / 1000.0).substr(0, 4) + " s)");
+  if (causes.empty()) {
+    const int64_t mine = seq_.load();
+    for (int r = 0; r < env_.world_size; ++r)
+      if (r != env_.rank && peers[r].seq < mine && peers[r].err.empty())
+        causes.push_back("rank " + std::to_string(r) + " did not join collective #" + std::to_string(mine) +
+                         " (it is at #" + std::to_string(peers[r].seq) + ")");
+  }
+  if (causes.empty()) {
+    os << error;
+  } else {
+    for (size_t i = 0; i < causes.size(); ++i) os << (i ? "; " : "") << causes[i];
+    os << " [" << error << "]";
+  }
+  return os.str();
+}
+
+c10d::Backend& Distributed::backend_for(const at::Tensor& t) {
+  if (t.is_cuda() && nccl_) return *nccl_;
+  return *gloo_;
+}
+
+template <typename F>
+void Distributed::run_collective(const char* what, F&& launch) {
+  if (failed_) throw runtime_error(what, ": an earlier collective failed on this rank");
+  seq_++;
+  c10::intrusive_ptr<c10d::Work> work;
+  try {
+    work = launch();
+  } catch (const std::exception& e) {
+    failed_ = true;
+    throw runtime_error(diagnose(what, one_line(e)));
+  }
+  wait(work, what);
+}
+
+void Distributed::wait(const c10::intrusive_ptr<c10d::Work>& work, const char* what) {
+  try {
+    work->wait(opts_.timeout);
+  } catch (const std::exception& e) {
+    failed_ = true;
+    throw runtime_error(diagnose(what, one_line(e)));
+  }
+}
+
+void Distributed::all_reduce(at::Tensor& t, ReduceOp op) {
+  if (env_.world_size == 1) return;
+  TORCH_CHECK(t.is_contiguous(), "all_reduce needs a contiguous tensor");
+  run_collective("all_reduce", [&] {
+    std::vector<at::Tensor> v{t};
+    c10d::AllreduceOptions o;
+    o.reduceOp = to_c10d(op);
+    o.timeout = opts_.timeout;
+    return backend_for(t).allreduce(v, o);
+  });
+}
+
+c10::intrusive_ptr<c10d::Work> Distributed::all_reduce_async(at::Tensor& t) {
+  TORCH_CHECK(env_.world_size > 1, "all_reduce_async needs more than one rank");
+  TORCH_CHECK(t.is_contiguous(), "all_reduce_async needs a contiguous tensor");
+  seq_++;
+  try {
+    std::vector<at::Tensor> v{t};
+    c10d::AllreduceOptions o;
+    o.timeout = opts_.timeout;
+    return backend_for(t).allreduce(v, o);
+  } catch (const std::exception& e) {
+    failed_ = true;
+    throw runtime_error(diagnose("all_reduce", one_line(e)));
+  }
+}
+
+void Distributed::broadcast(at::Tensor& t, int root) {
+  if (env_.world_size == 1) return;
+  TORCH_CHECK(t.is_contiguous(), "broadcast needs a contiguous tensor");
+  run_collective("broadcast", [&] {
+    std::vector<at::Tensor> v{t};
+    c10d::BroadcastOptions o;
+    o.rootRank = root;
+    o.timeout = opts_.timeout;
+    return backend_for(t).broadcast(v, o);
+  });
+}
+
+at::Tensor Distributed::all_gather(const at::Tensor& t_in, std::vector<int64_t>* counts_out) {
+  at::Tensor t = t_in.contiguous();
+  const int W = env_.world_size;
+  if (W == 1) {
+    if (counts_out) *counts_out = {t.size(0)};
+    return t;
+  }
+  // Row counts first (ranks may differ), then one gather of blocks padded to the largest.
+  at::Tensor n = torch::zeros({W}, torch::kLong);
+  n[env_.rank] = t.size(0);
+  all_reduce(n);
+  std::vector<int64_t> counts(n.data_ptr<int64_t>(), n.data_ptr<int64_t>() + W);
+  if (counts_out) *counts_out = counts;
+  const int64_t mx = *std::max_element(counts.begin(), counts.end());
+  auto shape = t.sizes().vec();
+  shape[0] = mx;
+  at::Tensor block = t;
+  if (t.size(0) < mx) {
+    auto pad = shape;
+    pad[0] = mx - t.size(0);
+    block = torch::cat({t, torch::zeros(pad, t.options())});
+  }
+  auto out_shape = shape;
+  out_shape[0] = mx * W;
+  at::Tensor out = torch::empty(out_shape, t.options());
+  run_collective("all_gather", [&] {
+    c10d::AllgatherOptions o;
+    o.timeout = opts_.timeout;
+    return backend_for(t)._allgather_base(out, block, o);
+  });
+  bool equal = std::all_of(counts.begin(), counts.end(), [&](int64_t c) { return c == mx; });
+  if (equal) return out;
+  std::vector<at::Tensor> parts;
+  for (int r = 0; r < W; ++r) parts.push_back(out.narrow(0, r * mx, counts[r]));
+  return torch::cat(parts);
+}
+
+at::Tensor Distributed::reduce_scatter(const at::Tensor& in_t, const std::vector<int64_t>& counts) {
+  const int W = env_.world_size;
+  TORCH_CHECK(static_cast<int>(counts.size()) == W, "reduce_scatter: one count per rank expected");
+  at::Tensor in = in_t.contiguous();
+  if (W == 1) return in;
+  const int64_t mx = *std::max_element(counts.begin(), counts.end());
+  bool equal = std::all_of(counts.begin(), counts.end(), [&](int64_t c) { return c == mx; });
+  at::Tensor padded = in;
+  if (!equal) {
+    auto shape = in.sizes().vec();
+    shape[0] = mx * W;
+    padded = torch::zeros(shape, in.options());
+    int64_t off = 0;
+    for (int r = 0; r < W; ++r) {
+      padded.narrow(0, r * mx, counts[r]).copy_(in.narrow(0, off, counts[r]));
+      off += counts[r];
+    }
+  }
+  auto shape = in.sizes().vec();
+  shape[0] = mx;
+  at::Tensor out = torch::empty(shape, in.options());
+  if (in.is_cuda() && nccl_) {
+    run_collective("reduce_scatter", [&] {
+      c10d::ReduceScatterOptions o;
+      o.timeout = opts_.timeout;
+      return nccl_->_reduce_scatter_base(out, padded, o);
+    });
+  } else {
+    // Gloo's reduce-scatter takes a list of blocks.
+    std::vector<at::Tensor> outs{out};
+    std::vector<std::vector<at::Tensor>> ins(1);
+    for (int r = 0; r < W; ++r) ins[0].push_back(padded.narrow(0, r * mx, mx));
+    run_collective("reduce_scatter", [&] {
+      c10d::ReduceScatterOptions o;
+      o.timeout = opts_.timeout;
+      return gloo_->reduce_scatter(outs, ins, o);
+    });
+  }
+  return equal ? out : out.narrow(0, 0, counts[env_.rank]);
+}
+
+void Distributed::barrier() {
+  if (env_.world_size == 1) return;
+  at::Tensor t = torch::zeros({1});
+  all_reduce(t);
+}
+
+void Distributed::shutdown() {
+  if (shut_down_) return;
+  shut_down_ = true;
+  if (env_.world_size <= 1 && !nccl_) return;
+  if (!failed_) {
+    barrier();
+    // The store host must outlive every client's last use of it.
+    store_->add("exit", 1);
+    if (!env_.agent_store && env_.rank == 0) {
+      auto deadline = Clock::now() + opts_.timeout;
+      while (store_->add("exit", 0) < env_.world_size && Clock::now() < deadline)
+        std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+  }
+  stop_ = true;
+  if (heartbeat_.joinable()) heartbeat_.join();
+  if (nccl_) nccl_->shutdown();
+  if (!failed_) {
+    std::lock_guard<std::mutex> lock(g_fatal_mutex);
+    g_fatal_store.reset();
+  }
+}
+
+}  // namespace faceshard

@@ -1,0 +1,100 @@
+// The distributed runtime: TCPStore rendezvous, a Gloo backend for CPU tensors and an
+// NCCL backend for CUDA tensors (one GPU per rank), blocking collectives with a timeout,
+// and failure diagnosis: when a collective fails, the error names the rank that died,
+// hung or threw, using heartbeats every rank publishes in the store.
+#pragma once
+#include <atomic>
+#include <chrono>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+#include <torch/torch.h>
+
+#include "partial_fc/runtime/dist_env.h"
+
+namespace faceshard {
+
+struct DistOptions {
+  std::chrono::milliseconds timeout{std::chrono::seconds(300)};             // each collective
+  std::chrono::milliseconds rendezvous_timeout{std::chrono::seconds(300)};  // all ranks joining
+  std::chrono::milliseconds heartbeat_interval{500};
+  bool use_cuda = false;  // create an NCCL backend and bind this rank's GPU (local rank)
+};
+
+enum class ReduceOp { Sum, Max, Min };
+
+class Distributed {
+ public:
+  // Joins the job described by env (a single process needs no store and no network).
+  static std::shared_ptr<Distributed> init(const DistEnv& env, const DistOptions& opts = {});
+  ~Distributed();
+  Distributed(const Distributed&) = delete;
+  Distributed& operator=(const Distributed&) = delete;
+
+  int rank() const { return env_.rank; }
+  int world_size() const { return env_.world_size; }
+  int local_rank() const { return env_.local_rank; }
+  const DistEnv& env() const { return env_; }
+  const DistOptions& options() const { return opts_; }
+  bool has_nccl() const { return static_cast<bool>(nccl_); }
+  c10::intrusive_ptr<c10d::Store> store() const { return store_; }
+
+  // Blocking collectives (in place where it makes sense). All tensors must be contiguous.
+  void all_reduce(at::Tensor& t, ReduceOp op = ReduceOp::Sum);
+  void broadcast(at::Tensor& t, int root = 0);
+  // Gathers along dim 0; rows may differ per rank. counts (optional) receives every
+  // rank's row count.
+  at::Tensor all_gather(const at::Tensor& t, std::vector<int64_t>* counts = nullptr);
+  // Rows of `in` are the concatenation of every rank's block (block r has counts[r] rows);
+  // returns the element-wise sum over ranks of this rank's block.
+  at::Tensor reduce_scatter(const at::Tensor& in, const std::vector<int64_t>& counts);
+  void barrier();
+
+  // Asynchronous all-reduce (SUM) for overlapping communication with computation; finish
+  // it with wait(), which applies the timeout and the failure diagnosis.
+  c10::intrusive_ptr<c10d::Work> all_reduce_async(at::Tensor& t);
+  void wait(const c10::intrusive_ptr<c10d::Work>& work, const char* what);
+
+  // Orderly end of the job: all ranks meet, the store host stays up until every rank has
+  // left. Called by the destructor when not called explicitly.
+  void shutdown();
+
+  // Records this rank's fatal error in the store so the other ranks can name it.
+  void publish_failure(const std::string& message);
+
+  // Explains a failed collective: which rank died, threw, or hung.
+  std::string diagnose(const std::string& what, const std::string& error);
+
+ private:
+  Distributed(const DistEnv& env, const DistOptions& opts);
+  c10d::Backend& backend_for(const at::Tensor& t);
+  template <typename F>
+  void run_collective(const char* what, F&& launch);
+  void heartbeat_loop();
+
+  DistEnv env_;
+  DistOptions opts_;
+  c10::intrusive_ptr<c10d::Store> store_;
+  c10::intrusive_ptr<c10d::Store> hb_store_;  // separate connection for the heartbeat thread
+  c10::intrusive_ptr<c10d::Backend> gloo_;
+  c10::intrusive_ptr<c10d::Backend> nccl_;
+  std::atomic<int64_t> seq_{0};
+  std::atomic<bool> stop_{false};
+  std::atomic<bool> failed_{false};
+  bool shut_down_ = false;
+  std::thread heartbeat_;
+};
+
+// Backend factories (gloo_backend.cpp, nccl_backend.cpp).
+c10::intrusive_ptr<c10d::Backend> make_gloo_backend(const c10::intrusive_ptr<c10d::Store>& store, int rank,
+                                                    int size, const DistEnv& env,
+                                                    std::chrono::milliseconds timeout);
+c10::intrusive_ptr<c10d::Backend> make_nccl_backend(const c10::intrusive_ptr<c10d::Store>& store, int rank,
+                                                    int size, int device, std::chrono::milliseconds timeout);
+bool nccl_compiled();
+
+}  // namespace faceshard

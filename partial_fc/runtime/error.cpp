@@ -1,0 +1,41 @@
+#include "partial_fc/runtime/error.h"
+
+#include <c10/util/Exception.h>
+
+#include "partial_fc/runtime/log.h"
+
+namespace faceshard {
+
+std::string one_line(const std::exception& e) {
+  std::string msg;
+  if (auto* ce = dynamic_cast<const c10::Error*>(&e)) {
+    msg = ce->msg();  // without the C++ backtrace
+  } else {
+    msg = e.what();
+  }
+  // Keep the first meaningful line: LibTorch appends "Exception raised from ..." lines.
+  std::string out;
+  for (char c : msg) {
+    if (c == '\n') {
+      if (!out.empty()) break;
+      continue;
+    }
+    out.push_back(c);
+  }
+  while (!out.empty() && (out.back() == ' ' || out.back() == '\r')) out.pop_back();
+  return out.empty() ? std::string("unknown error") : out;
+}
+
+namespace {
+void (*g_fatal_hook)(const std::string&) = nullptr;
+}
+
+void set_fatal_hook(void (*hook)(const std::string& line)) { g_fatal_hook = hook; }
+
+void report_fatal(const char* prog, const std::string& line) {
+  if (g_fatal_hook) g_fatal_hook(line);
+  std::fprintf(stderr, "%s%s: error: %s\n", log_prefix().c_str(), prog, line.c_str());
+  std::fflush(stderr);
+}
+
+}  // namespace faceshard

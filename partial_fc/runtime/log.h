@@ -1,0 +1,25 @@
+// The logger: one line per message, prefixed with the rank in multi-rank runs. Only rank 0
+// prints info-level progress unless FACESHARD_LOG_ALL_RANKS=1; warnings and errors print
+// on every rank.
+#pragma once
+#include <string>
+
+#include "partial_fc/runtime/error.h"
+
+namespace faceshard {
+
+enum class LogLevel { Debug = 0, Info = 1, Warn = 2, Error = 3 };
+
+// Set once by the distributed runtime.
+void set_log_rank(int rank, int world_size);
+std::string log_prefix();  // "[rank 1/3] " or "" for one process
+void log_message(LogLevel level, const std::string& msg);
+
+template <typename... Args>
+void log_info(const Args&... args) { log_message(LogLevel::Info, detail::concat(args...)); }
+template <typename... Args>
+void log_warn(const Args&... args) { log_message(LogLevel::Warn, detail::concat(args...)); }
+template <typename... Args>
+void log_debug(const Args&... args) { log_message(LogLevel::Debug, detail::concat(args...)); }
+
+}  // namespace faceshard

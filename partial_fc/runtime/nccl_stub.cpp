@@ -1,0 +1,14 @@
+// Stand-in for nccl_backend.cpp in builds without CUDA.
+#include "partial_fc/runtime/distributed.h"
+#include "partial_fc/runtime/error.h"
+
+namespace faceshard {
+
+bool nccl_compiled() { return false; }
+
+c10::intrusive_ptr<c10d::Backend> make_nccl_backend(const c10::intrusive_ptr<c10d::Store>&, int, int, int,
+                                                    std::chrono::milliseconds) {
+  throw usage_error("this faceshard build has no CUDA/NCCL support (configure with FACESHARD_CUDA=ON)");
+}
+
+}  // namespace faceshard
