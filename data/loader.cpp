@@ -273,14 +273,13 @@ Batch DataLoader::to_device(Batch b) {
   {
     const c10::cuda::CUDAStreamGuard sg(*side);
     out.images = b.images.to(opt_.device, /*non_blocking=*/true);
-    out.labels = b.labels.to(opt_.device, /*non_blocking=*/true);
   }
+  out.labels = b.labels;  // host data: their only reader, the classifier, works on the host
   at::cuda::CUDAEvent done;
   done.record(*side);
   done.block(current);
   // The device memory was allocated on the side stream but is used on the current one.
   c10::cuda::CUDACachingAllocator::recordStream(out.images.storage().data_ptr(), current);
-  c10::cuda::CUDACachingAllocator::recordStream(out.labels.storage().data_ptr(), current);
   return out;
 #else
   throw usage_error("loader: CUDA device without CUDA support");

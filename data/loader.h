@@ -37,7 +37,7 @@ struct LoaderOptions {
 
 struct Batch {
   torch::Tensor images;  // [B, 3, H, W] float32, normalised RGB, on the loader's device
-  torch::Tensor labels;  // [B] int64 class ids
+  torch::Tensor labels;  // [B] int64 class ids, on the CPU (the classifier reads them on the host)
   uint64_t epoch = 0;
   uint64_t index = 0;    // batch index within the epoch
 };

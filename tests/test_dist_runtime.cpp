@@ -8,6 +8,7 @@
 #include "partial_fc/runtime/dist_env.h"
 #include "partial_fc/runtime/distributed.h"
 #include "partial_fc/runtime/error.h"
+#include "partial_fc/runtime/network.h"
 #include "tests/harness.h"
 
 namespace faceshard {
@@ -196,4 +197,33 @@ TEST(DistFailure, RankThatHangsIsNamedAfterTimeout) {
 }
 
 }  // namespace
+// The network choice's fixed points (the several-hosts cases run in tests/e2e/multihost.sh):
+// one host talks over loopback, a user's GLOO_SOCKET_IFNAME wins, a route is the kernel's.
+TEST(NetworkPlan, OneHostLoopbackUserVariablesWin) {
+  DistEnv one_host = DistEnv::from_map({{"RANK", "0"}, {"WORLD_SIZE", "4"}, {"LOCAL_WORLD_SIZE", "4"},
+                                        {"MASTER_ADDR", "10.1.2.3"}});
+  NetworkPlan p = plan_network(one_host, nullptr, "");
+  EXPECT_EQ(p.gloo_address, "127.0.0.1");
+  EXPECT_TRUE(p.gloo_interfaces.empty());
+  EXPECT_EQ(p.nccl_interface, "");
+  p = plan_network(one_host, "eth1,eth2", nullptr);
+  EXPECT_EQ(p.gloo_interfaces, (std::vector<std::string>{"eth1", "eth2"}));
+  EXPECT_NE(p.reason.find("GLOO_SOCKET_IFNAME=eth1,eth2"), std::string::npos) << p.reason;
+  const LocalInterface lo = route_to("127.0.0.1");
+  EXPECT_EQ(lo.address, "127.0.0.1");
+  EXPECT_EQ(lo.name, "lo");
+  EXPECT_EQ(resolve_ipv4("127.0.0.1"), "127.0.0.1");
+  EXPECT_TRUE(is_loopback_ipv4("127.0.1.1"));
+  EXPECT_FALSE(is_loopback_ipv4("10.78.0.1"));
+  DistEnv two_hosts = DistEnv::from_map({{"RANK", "0"}, {"WORLD_SIZE", "4"}, {"LOCAL_WORLD_SIZE", "2"},
+                                         {"MASTER_ADDR", "no-such-host.invalid"}});
+  try {
+    plan_network(two_hosts, nullptr, nullptr);
+    ADD_FAILURE() << "an unresolvable MASTER_ADDR was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("MASTER_ADDR 'no-such-host.invalid' does not resolve"), std::string::npos)
+        << e.what();
+  }
+}
+
 }  // namespace faceshard

@@ -17,7 +17,8 @@ using namespace faceshard;
 namespace {
 
 const char* kUsage =
-    "usage: faceshard-dist-check [--rounds N] [--interval-ms MS] [--timeout-s S] [--numel N] [--cuda]\n"
+    "usage: faceshard-dist-check [--rounds N] [--interval-ms MS] [--timeout-s S] [--rendezvous-timeout-s S]\n"
+    "                            [--numel N] [--cuda]\n"
     "Start it with tools/launch.sh --nproc N, torchrun --no-python or srun; alone it runs one rank.\n";
 
 double parse_num(const char* flag, const char* v) {
@@ -32,7 +33,7 @@ double parse_num(const char* flag, const char* v) {
 int main(int argc, char** argv) {
   return run_main("faceshard-dist-check", [&] {
     int64_t rounds = 20, numel = 1 << 16;
-    double interval_ms = 100, timeout_s = 30;
+    double interval_ms = 100, timeout_s = 30, rendezvous_timeout_s = 300;
     bool cuda = false;
     for (int i = 1; i < argc; ++i) {
       std::string a = argv[i];
@@ -46,12 +47,14 @@ int main(int argc, char** argv) {
       } else if (a == "--rounds") rounds = static_cast<int64_t>(parse_num("--rounds", value()));
       else if (a == "--interval-ms") interval_ms = parse_num("--interval-ms", value());
       else if (a == "--timeout-s") timeout_s = parse_num("--timeout-s", value());
+      else if (a == "--rendezvous-timeout-s") rendezvous_timeout_s = parse_num("--rendezvous-timeout-s", value());
       else if (a == "--numel") numel = std::max<int64_t>(1, static_cast<int64_t>(parse_num("--numel", value())));
       else if (a == "--cuda") cuda = true;
       else throw usage_error("unknown argument '", a, "' (see --help)");
     }
     DistOptions opts;
     opts.timeout = std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000));
+    opts.rendezvous_timeout = std::chrono::milliseconds(static_cast<int64_t>(rendezvous_timeout_s * 1000));
     opts.use_cuda = cuda;
     auto dist = Distributed::init(DistEnv::from_environment(), opts);
     const int W = dist->world_size(), r = dist->rank();

@@ -70,7 +70,10 @@ while [ "$remaining" -gt 0 ]; do
     for i in "${!pids[@]}"; do [ "${pids[$i]}" = "$done_pid" ] && failed_rank=$((node_rank * nproc + i)); done
     echo "launch.sh: rank ${failed_rank:-?} exited with status $rc; waiting ${grace}s for the other ranks to stop" >&2
     # The others notice through their collectives and exit on their own; stop stragglers.
-    ( sleep "$grace"; stop_all TERM; sleep 5; stop_all KILL ) &
+    # (The reaper takes its sleeps along when it is stopped: nothing of the launcher outlives it.)
+    ( trap 'kill "$s" 2>/dev/null; exit 0' TERM
+      sleep "$grace" & s=$!; wait "$s"; stop_all TERM
+      sleep 5 & s=$!; wait "$s"; stop_all KILL ) &
     reaper=$!
   fi
   unset done_pid

@@ -121,7 +121,8 @@ struct TrainConfig {
 
 struct DistConfig {
   std::string device = "auto";  // auto | cpu | cuda
-  double timeout_s = 600;
+  double timeout_s = 600;              // each collective
+  double rendezvous_timeout_s = 300;  // all ranks joining the job
   double bucket_mb = 25;
   bool find_unused_parameters = false;
 };

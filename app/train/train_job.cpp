@@ -90,6 +90,10 @@ void build_model(TrainJob& j) {
   po.margin = CombinedMargin{cfg.loss.margin[0], cfg.loss.margin[1], cfg.loss.margin[2], cfg.loss.scale,
                              cfg.loss.interclass_filtering_threshold};
   po.seed = static_cast<uint64_t>(cfg.seed);
+  // The big GEMMs in the body's precision, as arcface_torch runs its classifier under autocast.
+  po.gemm_dtype = bo.precision == BodyPrecision::BFloat16 ? at::kBFloat16
+                  : bo.precision == BodyPrecision::Float16 ? at::kHalf
+                                                           : at::kFloat;
   po.optimizer.kind = cfg.optim.classifier_optimizer();
   po.optimizer.momentum = cfg.optim.momentum;
   po.optimizer.weight_decay = cfg.optim.classifier_weight_decay();
@@ -138,6 +142,7 @@ TrainJob build_train_job(const Config& cfg) {
   j.cfg = cfg;
   DistOptions dopts;
   dopts.timeout = std::chrono::milliseconds(static_cast<int64_t>(cfg.dist.timeout_s * 1000));
+  dopts.rendezvous_timeout = std::chrono::milliseconds(static_cast<int64_t>(cfg.dist.rendezvous_timeout_s * 1000));
   DistEnv env = DistEnv::from_environment();
   j.device = pick_device(cfg, env);
   dopts.use_cuda = j.device.is_cuda();

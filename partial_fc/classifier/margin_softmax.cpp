@@ -1,79 +1,168 @@
 #include "partial_fc/classifier/margin_softmax.h"
 
+#include <algorithm>
+#include <cmath>
+#include <utility>
+
 #include "partial_fc/parallel/saved_value.h"
 
 namespace faceshard {
 namespace {
 
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+// Low-precision GEMM with an fp32 result. CUDA writes fp32 directly (mm's out_dtype); the
+// CPU backend returns the input type, converted chunk by chunk.
+at::Tensor mm_fp32(const at::Tensor& a, const at::Tensor& b) {
+  if (a.is_cuda()) return at::mm(a, b, at::kFloat);
+  return at::mm(a, b).to(at::kFloat);
+}
+
+// out [N, S] = a [N, d] . b [S, d]^T
+void gemm_forward(const at::Tensor& a, const at::Tensor& b, at::Tensor& out, const MarginSoftmaxOptions& o) {
+  if (o.gemm_dtype == at::kFloat) {
+    at::mm_out(out, a, b.t());
+    return;
+  }
+  const at::Tensor a_low = a.to(o.gemm_dtype);
+  for (int64_t j = 0; j < b.size(0); j += o.chunk_classes) {
+    const int64_t n = std::min(o.chunk_classes, b.size(0) - j);
+    out.narrow(1, j, n).copy_(mm_fp32(a_low, b.narrow(0, j, n).to(o.gemm_dtype).t()));
+  }
+}
+
+// Both backward GEMMs from the same gradient g [N, S]: g^T a [S, d] and g b [N, d] (b is
+// [S, d]); in reduced precision each chunk of g is converted once for both.
+std::pair<at::Tensor, at::Tensor> gemm_backward(const at::Tensor& g, const at::Tensor& a, const at::Tensor& b,
+                                                const MarginSoftmaxOptions& o) {
+  if (o.gemm_dtype == at::kFloat) return {at::mm(g.t(), a), at::mm(g, b)};
+  at::Tensor gt_a = at::empty({g.size(1), a.size(1)}, a.options().dtype(at::kFloat));
+  at::Tensor g_b = at::zeros({g.size(0), b.size(1)}, b.options().dtype(at::kFloat));
+  const at::Tensor a_low = a.to(o.gemm_dtype);
+  for (int64_t j = 0; j < g.size(1); j += o.chunk_classes) {
+    const int64_t n = std::min(o.chunk_classes, g.size(1) - j);
+    const at::Tensor g_low = g.narrow(1, j, n).to(o.gemm_dtype);  // [N, n], rows contiguous
+    gt_a.narrow(0, j, n).copy_(mm_fp32(g_low.t(), a_low));
+    g_b.add_(mm_fp32(g_low, b.narrow(0, j, n).to(o.gemm_dtype)));
+  }
+  return {gt_a, g_b};
+}
+
+// Row-wise dot products of two fp32 [S, d] tensors, summed in float64, in chunks (no
+// [S, d] temporary).
+at::Tensor row_dot_f64(const at::Tensor& x, const at::Tensor& y, int64_t chunk) {
+  at::Tensor out = at::empty({x.size(0)}, x.options().dtype(at::kDouble));
+  for (int64_t j = 0; j < x.size(0); j += chunk) {
+    const int64_t n = std::min(chunk, x.size(0) - j);
+    at::Tensor dst = out.narrow(0, j, n);
+    at::sum_out(dst, x.narrow(0, j, n).to(at::kDouble) * y.narrow(0, j, n).to(at::kDouble), {1});
+  }
+  return out;
+}
+
+// Row maxima of a [N, S] buffer into dst [N] (-inf for an empty shard).
+void row_max_into(const at::Tensor& buf, at::Tensor dst) {
+  if (buf.size(1) == 0) {
+    dst.fill_(-INFINITY);
+    return;
+  }
+  at::Tensor indices = at::empty({buf.size(0)}, buf.options().dtype(at::kLong));
+  at::max_out(dst, indices, buf, 1);
+}
+
 struct MarginSoftmaxFn : public torch::autograd::Function<MarginSoftmaxFn> {
-  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, const at::Tensor& cos_in,
-                                                const at::Tensor& target, const CombinedMargin& m, Distributed& dist_ref) {
-    Distributed* dist = &dist_ref;
-    const double filter = m.interclass_filter, s = m.scale;
-    at::Tensor cos = cos_in.to(torch::kFloat).contiguous();
-    const int64_t N = cos.size(0);
-    at::Tensor rows = (target >= 0).nonzero().view({-1});
-    at::Tensor cols = target.index_select(0, rows);
-    at::Tensor tc = cos.index({rows, cols});  // cos of the target entries this rank owns
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& emb, const at::Tensor& weight,
+                               const at::Tensor& target, const MarginSoftmaxOptions& o, Distributed& dist) {
+    const CombinedMargin& m = o.margin;
+    const double s = m.scale;
+    const int64_t N = emb.size(0), S = weight.size(0);
+    const at::Tensor e = emb.detach(), w = weight.detach();
+    // 1/max(||w_j||, eps), as torch's normalize divides.
+    const at::Tensor inv_norm = w.norm(2, {1}).clamp_min(1e-12).reciprocal();
+    at::Tensor buf = at::empty({N, S}, e.options().dtype(at::kFloat));
+    gemm_forward(e, w, buf, o);
+    // One pass makes the scaled cosines s * cos: from here on the buffer holds logits, and
+    // what is said of cosines is said at that scale.
+    buf.mul_((inv_norm * s).unsqueeze(0));
 
-    // One MAX all-reduce for the softmax shift and for the accuracy (plain cosines).
-    at::Tensor logits = cos.clone();
+    // Rows whose class this rank owns: their column, read and written through gather and
+    // scatter with the column clamped to 0 for the others, whose values are written back.
+    const at::Tensor valid = target >= 0;
+    const at::Tensor col = target.clamp_min(0).unsqueeze(1);
+    const at::Tensor tc = S > 0 ? buf.gather(1, col).squeeze(1).div(s).clamp(-1, 1) : torch::zeros({N}, buf.options());
+    at::Tensor maxes = at::empty({2 * N}, buf.options());
+    row_max_into(buf, maxes.narrow(0, N, N));  // s * the best plain cosine: the accuracy
     at::Tensor mask;
-    if (filter > 0) {
-      mask = logits > filter;
-      mask.index_put_({rows, cols}, false);
-      logits.masked_fill_(mask, 0.0);
+    if (m.interclass_filter > 0 && S > 0) {
+      mask = buf > m.interclass_filter * s;
+      mask.scatter_(1, col, mask.gather(1, col) & ~valid.unsqueeze(1));  // never the target
+      buf.masked_fill_(mask, 0.0);
     }
-    logits.index_put_({rows, cols}, m.target(tc));
-    logits.mul_(s);
-    at::Tensor maxes = torch::cat({std::get<0>(logits.max(1)), std::get<0>(cos.max(1))});
-    dist->all_reduce(maxes, ReduceOp::Max);
-    at::Tensor row_max = maxes.narrow(0, 0, N), best_cos = maxes.narrow(0, N, N);
+    const at::Tensor t = m.target(tc) * s;
+    if (S > 0) buf.scatter_(1, col, torch::where(valid, t, buf.gather(1, col).squeeze(1)).unsqueeze(1));
+    row_max_into(buf, maxes.narrow(0, 0, N));
+    dist.all_reduce(maxes, ReduceOp::Max);
+    const at::Tensor row_max = maxes.narrow(0, 0, N), best = maxes.narrow(0, N, N);
 
-    // One SUM all-reduce for the softmax denominator, the target logit (from its owner)
-    // and the number of rows whose target is the best cosine. The loss is computed in the
-    // log domain, log(sum exp) + max - target: exact even where the target probability
-    // underflows fp32 (a clamped log(p) would cap the loss at 69.08).
-    at::Tensor sums = torch::zeros({2 * N + 1}, cos.options());
-    sums.narrow(0, N, N).index_put_({rows}, logits.index({rows, cols}));
-    sums[2 * N] = (tc >= best_cos.index_select(0, rows)).sum().to(torch::kFloat);
-    logits.sub_(row_max.unsqueeze(1)).exp_();
-    sums.narrow(0, 0, N).copy_(logits.sum(1));
-    dist->all_reduce(sums);
-    at::Tensor sum_exp = sums.narrow(0, 0, N);
-    logits.div_(sum_exp.unsqueeze(1));  // global softmax, this rank's columns
+    // One SUM all-reduce: the softmax denominators, the target logits (from their owners)
+    // and the rows whose target is the best cosine. The loss in the log domain,
+    // log(sum exp) + max - target, is exact where the target probability underflows fp32.
+    at::Tensor sums = torch::zeros({2 * N + 1}, buf.options());
+    sums.narrow(0, N, N).copy_(torch::where(valid, t, torch::zeros_like(t)));
+    sums.narrow(0, 2 * N, 1).copy_((valid & (tc * s >= best)).sum().to(at::kFloat).reshape({1}));
+    buf.sub_(row_max.unsqueeze(1)).exp_();
+    if (S > 0) {
+      at::Tensor dst = sums.narrow(0, 0, N);
+      at::sum_out(dst, buf, {1});
+    }
+    dist.all_reduce(sums);
+    const at::Tensor sum_exp = sums.narrow(0, 0, N);
+    buf.div_(sum_exp.unsqueeze(1));  // the global softmax over this rank's columns
     at::Tensor loss = (sum_exp.log() + row_max - sums.narrow(0, N, N)).mean();
     at::Tensor acc = sums[2 * N] / static_cast<double>(N);
 
-    ctx->save_for_backward({logits, rows, cols, tc, mask.defined() ? mask : at::Tensor()});
-    save_value(ctx, "margin", m);
-    ctx->saved_data["dtype"] = static_cast<int64_t>(cos_in.scalar_type());
+    ctx->save_for_backward({buf, e, w, inv_norm, col, valid, tc, mask.defined() ? mask : at::Tensor()});
+    save_value(ctx, "options", o);
     ctx->mark_non_differentiable({acc});
     return {loss, acc};
   }
 
-  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
-                                                 torch::autograd::variable_list grads) {
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
     auto saved = ctx->get_saved_variables();
-    at::Tensor grad = saved[0];  // the probabilities, turned into the gradient in place
-    at::Tensor rows = saved[1], cols = saved[2], tc = saved[3], mask = saved[4];
-    const CombinedMargin& m = saved_value<CombinedMargin>(ctx, "margin");
-    const int64_t N = grad.size(0);
+    at::Tensor g = saved[0];  // the probabilities, turned into the gradient in place
+    const at::Tensor &e = saved[1], &w = saved[2], &inv_norm = saved[3], &col = saved[4], &valid = saved[5],
+                     &tc = saved[6], &mask = saved[7];
+    const MarginSoftmaxOptions& o = saved_value<MarginSoftmaxOptions>(ctx, "options");
+    const CombinedMargin& m = o.margin;
+    const int64_t N = g.size(0);
+    if (g.size(1) == 0) return {torch::zeros_like(e), torch::zeros_like(w), at::Tensor(), at::Tensor(), at::Tensor()};
     // d loss / d logit = (p - onehot) / N; d logit / d cos = s (target: s * dt/dc).
-    grad.index_put_({rows, cols}, grad.index({rows, cols}) - 1.0);
-    grad.mul_(grads[0] * (m.scale / static_cast<double>(N)));
-    if (!m.is_identity()) grad.index_put_({rows, cols}, grad.index({rows, cols}) * m.target_grad(tc));
-    if (mask.defined()) grad.masked_fill_(mask, 0.0);
-    const auto dtype = static_cast<at::ScalarType>(ctx->saved_data["dtype"].toInt());
-    return {grad.to(dtype), at::Tensor(), at::Tensor(), at::Tensor()};
+    g.scatter_add_(1, col, -valid.to(at::kFloat).unsqueeze(1));
+    if (!m.is_identity())
+      g.scatter_(1, col, g.gather(1, col) * torch::where(valid, m.target_grad(tc), torch::ones_like(tc)).unsqueeze(1));
+    if (mask.defined()) g.masked_fill_(mask, 0.0);
+    // One pass: times grad * s / N (the scalar) and 1 / ||w_j|| (per column). Then
+    // g' = dL/dcos_ij / ||w_j||, and through cos_ij = (e_i . w_j) / ||w_j||:
+    //   dL/de = g' W,   dL/dw_j = M_j - (w_j . M_j) w_j / ||w_j||^2  with M = g'^T E.
+    g.mul_((inv_norm * (grads[0] * (m.scale / static_cast<double>(N)))).unsqueeze(0));
+    auto [gw, ge] = gemm_backward(g, e, w, o);
+    // The radial part nearly cancels M where M is almost parallel to w: its coefficient is
+    // summed in float64 (a vector, cheap).
+    const at::Tensor coef = (row_dot_f64(w, gw, o.chunk_classes) * inv_norm.to(at::kDouble).pow(2)).to(at::kFloat);
+    gw.addcmul_(w, coef.unsqueeze(1), -1.0);
+    return {ge, gw, at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
 }  // namespace
 
-at::Tensor margin_softmax_cross_entropy(const at::Tensor& cos, const at::Tensor& target, const CombinedMargin& margin,
-                                        Distributed& dist, at::Tensor* accuracy) {
-  auto out = MarginSoftmaxFn::apply(cos, target, margin, dist);
+at::Tensor margin_softmax_loss(const at::Tensor& emb, const at::Tensor& weight, const at::Tensor& target,
+                               const MarginSoftmaxOptions& options, Distributed& dist, at::Tensor* accuracy) {
+  TORCH_CHECK(emb.dim() == 2 && weight.dim() == 2 && emb.size(1) == weight.size(1),
+              "margin_softmax_loss: embeddings ", emb.sizes(), " and centres ", weight.sizes(), " do not match");
+  TORCH_CHECK(options.chunk_classes > 0, "margin_softmax_loss: chunk_classes must be positive");
+  auto out = MarginSoftmaxFn::apply(emb, weight, target, options, dist);
   if (accuracy) *accuracy = out[1];
   return out[0];
 }

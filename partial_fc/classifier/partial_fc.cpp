@@ -1,6 +1,9 @@
 #include "partial_fc/classifier/partial_fc.h"
 
 #include <ATen/ops/_amp_foreach_non_finite_check_and_unscale.h>
+#ifdef FACESHARD_WITH_CUDA
+#include <ATen/cuda/CUDAGeneratorImpl.h>
+#endif
 
 #include "partial_fc/classifier/margin_softmax.h"
 #include "partial_fc/parallel/all_gather.h"
@@ -10,6 +13,25 @@ namespace faceshard {
 
 namespace {
 constexpr int64_t kInitBlock = 1024;  // classes drawn from one seeded generator
+
+// A host tensor on `dev`: from pinned memory and without waiting on a GPU, so the copy
+// queues behind the device's work instead of stopping the host.
+at::Tensor to_device(const at::Tensor& host, const torch::Device& dev) {
+  if (!dev.is_cuda()) return host.to(dev);
+  return host.pin_memory().to(dev, /*non_blocking=*/true);
+}
+
+// The sampling stream of a forward: a generator of the weight's device (CPU for any other).
+at::Generator sampling_generator(const torch::Device& dev, uint64_t seed) {
+#ifdef FACESHARD_WITH_CUDA
+  if (dev.is_cuda()) {
+    at::Generator gen = at::cuda::detail::createCUDAGenerator(dev.index());
+    gen.set_current_seed(seed);
+    return gen;
+  }
+#endif
+  return at::make_generator<at::CPUGeneratorImpl>(seed);
+}
 
 const PartialFCOptions& checked(const PartialFCOptions& o) {
   if (!(o.sample_rate >= 0 && o.sample_rate <= 1))
@@ -48,9 +70,10 @@ PartialFCOutput PartialFC::forward(const at::Tensor& local_emb, const at::Tensor
   TORCH_CHECK(local_emb.dim() == 2 && local_emb.size(1) == opts_.embedding_size, "PartialFC: embeddings must be [B, ",
               opts_.embedding_size, "], got ", local_emb.sizes());
   const int W = dist_.world_size();
+  const torch::Device dev = weight_.device();
   at::Tensor emb = all_gather_with_grad(dist_, local_emb, GatherGrad::ReduceScatterSum, static_cast<double>(W));
   std::vector<int64_t> counts;
-  at::Tensor labels = dist_.all_gather(local_labels.reshape({-1}).to(torch::kLong).contiguous(), &counts);
+  at::Tensor labels = dist_.all_gather(local_labels.reshape({-1}).to(torch::kCPU, torch::kLong).contiguous(), &counts);
   TORCH_CHECK(labels.size(0) == emb.size(0), "PartialFC: ", emb.size(0), " embeddings but ", labels.size(0), " labels");
 
   // Every rank sees every label: all of them reject a bad one in the same step.
@@ -63,36 +86,38 @@ PartialFCOutput PartialFC::forward(const at::Tensor& local_emb, const at::Tensor
                         ") is outside [0, ", opts_.num_classes, ") = the classifier's classes");
   }
 
-  at::Tensor local = labels - shard_.start;
-  at::Tensor mine = (labels >= shard_.start) & (labels < shard_.end());
-  at::Tensor target = torch::where(mine, local, torch::full_like(local, -1));
-  at::Tensor centres;
+  const at::Tensor local = labels - shard_.start;
+  const at::Tensor mine = (labels >= shard_.start) & (labels < shard_.end());
+  at::Tensor target;
   if (samples()) {
     torch::NoGradGuard ng;
     // All positive classes of the global batch, then uniformly random negatives up to the
-    // budget (all positives when they exceed it).
-    at::Tensor positive = std::get<0>(torch::_unique(local.masked_select(mine), /*sorted=*/true));
+    // budget (all positives when they exceed it). The positives are known on the host; the
+    // random scores are drawn on the device.
+    const at::Tensor positive = std::get<0>(at::_unique(local.masked_select(mine), /*sorted=*/true));
     if (positive.size(0) >= num_sample_) {
-      index_ = positive;
+      index_ = to_device(positive, dev);
     } else {
-      auto gen = at::make_generator<at::CPUGeneratorImpl>(opts_.seed * 7919ULL + static_cast<uint64_t>(shard_.rank) * 104729ULL +
-                                                          static_cast<uint64_t>(forwards_));
-      at::Tensor score = at::rand({shard_.count}, gen).to(weight_.device());
-      score.index_fill_(0, positive, 2.0);
+      at::Generator gen = sampling_generator(dev, opts_.seed * 7919ULL + static_cast<uint64_t>(shard_.rank) * 104729ULL +
+                                                      static_cast<uint64_t>(forwards_));
+      at::Tensor score = at::rand({shard_.count}, gen, weight_.options().requires_grad(false));
+      score.index_fill_(0, to_device(positive, dev), 2.0);
       index_ = std::get<0>(std::get<1>(score.topk(num_sample_)).sort());
     }
-    target = torch::where(mine, torch::searchsorted(index_, local.clamp(0, shard_.count - 1)), target);
+    const at::Tensor local_dev = to_device(local.clamp(0, shard_.count - 1), dev);
+    target = torch::where(to_device(mine, dev), torch::searchsorted(index_, local_dev), -1);
     sub_weight_ = weight_.index_select(0, index_).requires_grad_(true);
-    centres = sub_weight_;
   } else {
-    centres = weight_;
+    target = to_device(torch::where(mine, local, -1), dev);
   }
   forwards_++;
   namespace F = torch::nn::functional;
-  at::Tensor cos = torch::mm(F::normalize(emb.to(torch::kFloat), F::NormalizeFuncOptions().dim(1)),
-                             F::normalize(centres, F::NormalizeFuncOptions().dim(1)).t());
+  const at::Tensor e = F::normalize(emb.to(torch::kFloat), F::NormalizeFuncOptions().dim(1));
+  MarginSoftmaxOptions mo;
+  mo.margin = opts_.margin;
+  mo.gemm_dtype = opts_.gemm_dtype;
   PartialFCOutput out;
-  out.loss = margin_softmax_cross_entropy(cos.clamp(-1, 1), target, opts_.margin, dist_, &out.accuracy);
+  out.loss = margin_softmax_loss(e, samples() ? sub_weight_ : weight_, target, mo, dist_, &out.accuracy);
   return out;
 }
 

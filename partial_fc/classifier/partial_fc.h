@@ -34,6 +34,9 @@ struct PartialFCOptions {
   CombinedMargin margin;
   uint64_t seed = 2048;
   ShardOptimizerOptions optimizer;
+  // The type the big GEMMs run in (the body's precision: kBFloat16/kHalf under mixed
+  // precision); the logits and the softmax stay fp32 (margin_softmax.h).
+  at::ScalarType gemm_dtype = at::kFloat;
 };
 
 struct PartialFCOutput {
@@ -49,7 +52,10 @@ class PartialFC {
   // Option errors name "num_classes", "sample_rate", "embedding_size" or "optimizer".
   PartialFC(Distributed& dist, const PartialFCOptions& opts, torch::Device device = torch::kCPU);
 
-  // local_embeddings [B, d] (any floating dtype), local_labels [B] global class ids.
+  // local_embeddings [B, d] (any floating dtype) on the shard's device, local_labels [B]
+  // global class ids, on the CPU: labels are host data (the loader's), so they are gathered
+  // over the CPU backend and checked, and the classes to sample chosen, on the host, and
+  // the step never waits for the device (labels on a GPU are copied back first: a sync).
   // Labels outside [0, num_classes) are an error naming the label, its rank and batch row.
   PartialFCOutput forward(const at::Tensor& local_embeddings, const at::Tensor& local_labels);
 

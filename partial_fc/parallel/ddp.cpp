@@ -193,7 +193,7 @@ void DataParallel::finalize() {
   const double inv = 1.0 / dist_.world_size();
   torch::NoGradGuard ng;
   for (auto& b : buckets_) {
-    dist_.wait(b.work, "gradient all_reduce");
+    dist_.wait(b.work, "gradient all_reduce", b.flat.is_cuda());
     b.work.reset();
     b.flat.mul_(inv);
     for (size_t s = 0; s < b.params.size(); ++s) {

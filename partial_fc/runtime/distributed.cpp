@@ -7,6 +7,7 @@
 #include <c10/util/Logging.h>
 
 #include <algorithm>
+#include <condition_variable>
 #include <cstdlib>
 #include <exception>
 #include <mutex>
@@ -14,6 +15,7 @@
 
 #include "partial_fc/runtime/error.h"
 #include "partial_fc/runtime/log.h"
+#include "partial_fc/runtime/network.h"
 
 namespace faceshard {
 namespace {
@@ -29,6 +31,11 @@ std::string key_hb(int r) { return "fs/hb/" + std::to_string(r); }
 std::string key_err(int r) { return "fs/err/" + std::to_string(r); }
 
 std::string to_string(const std::vector<uint8_t>& v) { return std::string(v.begin(), v.end()); }
+std::string join(const std::vector<std::string>& v) {
+  std::string out;
+  for (const auto& x : v) out += (out.empty() ? "" : ",") + x;
+  return out;
+}
 std::vector<uint8_t> to_bytes(const std::string& s) { return std::vector<uint8_t>(s.begin(), s.end()); }
 
 c10d::ReduceOp to_c10d(ReduceOp op) {
@@ -51,10 +58,21 @@ c10::intrusive_ptr<c10d::Store> connect_store(const DistEnv& env, bool server, s
   try {
     store = c10::make_intrusive<c10d::TCPStore>(env.master_addr, o);
   } catch (const std::exception& e) {
+    // A master name that means this very host here cannot be the other hosts' master.
+    std::string hint;
+    if (!server && env.local_world_size < env.world_size) {
+      try {
+        const std::string ip = resolve_ipv4(env.master_addr);
+        if (is_loopback_ipv4(ip))
+          hint = " (MASTER_ADDR '" + env.master_addr + "' is " + ip +
+                 " on this host: give every host the master's address, e.g. torchrun's --local-addr on each node)";
+      } catch (const Error&) {
+      }
+    }
     throw runtime_error(server ? "rank 0 cannot host the rendezvous store on port "
                                : "cannot reach the rendezvous store at ",
                         server ? std::to_string(env.master_port) : env.master_addr + ":" + std::to_string(env.master_port),
-                        ": ", one_line(e));
+                        hint, ": ", one_line(e));
   }
   if (env.agent_store) {
     store = c10::make_intrusive<c10d::PrefixStore>("/worker/attempt_" + std::to_string(env.restart_count), store);
@@ -89,36 +107,102 @@ std::shared_ptr<Distributed> Distributed::init(const DistEnv& env, const DistOpt
   // line itself. TORCH_CPP_LOG_LEVEL still wins when set.
   if (!std::getenv("TORCH_CPP_LOG_LEVEL")) FLAGS_caffe2_log_level = 2;
   if (env.world_size > 1 || opts.use_cuda) {
+    // Decided before anything connects: a MASTER_ADDR that does not resolve fails at once.
+    const NetworkPlan net = plan_network(env, std::getenv("GLOO_SOCKET_IFNAME"), std::getenv("NCCL_SOCKET_IFNAME"));
+    if (env.local_rank == 0 && env.world_size > 1)
+      log_notice("network: Gloo on ", net.gloo_interfaces.empty() ? net.gloo_address : "interfaces " + join(net.gloo_interfaces),
+                 ": ", net.reason);
     const bool host = !env.agent_store && env.rank == 0;
     d->store_ = connect_store(env, host, opts.rendezvous_timeout);
     d->hb_store_ = connect_store(env, false, opts.rendezvous_timeout);
-    d->hb_store_->set(key_hb(env.rank), to_bytes(std::to_string(now_ms()) + " 0"));
-    d->heartbeat_ = std::thread([p = d.get()] { p->heartbeat_loop(); });
-    try {
-      d->gloo_ = make_gloo_backend(c10::make_intrusive<c10d::PrefixStore>("gloo", d->store_), env.rank,
-                                   env.world_size, env, opts.timeout);
-    } catch (const std::exception& e) {
-      // Which ranks never arrived?
-      std::string missing;
-      for (int r = 0; r < env.world_size; ++r)
-        if (!d->hb_store_->check({key_hb(r)})) missing += (missing.empty() ? "" : ",") + std::to_string(r);
-      throw runtime_error("rendezvous at ", env.master_addr, ":", env.master_port, " failed",
-                          missing.empty() ? "" : " (ranks never joined: " + missing + ")", ": ", one_line(e));
-    }
-    if (opts.use_cuda) {
-      if (!nccl_compiled()) throw usage_error("CUDA requested but faceshard was built without CUDA support");
-      d->nccl_ = make_nccl_backend(c10::make_intrusive<c10d::PrefixStore>("nccl", d->store_), env.rank,
-                                   env.world_size, env.local_rank, opts.timeout);
-    }
     {
+      // From here on a fatal error of this rank reaches the others (also during rendezvous).
       std::lock_guard<std::mutex> lock(g_fatal_mutex);
       g_fatal_store = connect_store(env, false, opts.rendezvous_timeout);
       g_fatal_rank = env.rank;
     }
     set_fatal_hook(&publish_fatal_to_peers);
+    d->hb_store_->set(key_hb(env.rank), to_bytes(std::to_string(now_ms()) + " 0"));
+    d->heartbeat_ = std::thread([p = d.get()] { p->heartbeat_loop(); });
+    d->rendezvous("Gloo full mesh", [&] {
+      d->gloo_ = make_gloo_backend(c10::make_intrusive<c10d::PrefixStore>("gloo", d->store_), env.rank, env.world_size,
+                                   net, opts.rendezvous_timeout);
+    });
+    if (opts.use_cuda) {
+      if (!nccl_compiled()) throw usage_error("CUDA requested but faceshard was built without CUDA support");
+      if (!net.nccl_interface.empty()) {
+        setenv("NCCL_SOCKET_IFNAME", net.nccl_interface.c_str(), 1);
+        if (env.local_rank == 0) log_notice("network: NCCL_SOCKET_IFNAME=", net.nccl_interface, " (", net.reason, ")");
+      }
+      d->rendezvous("NCCL communicator", [&] {
+        d->nccl_ = make_nccl_backend(c10::make_intrusive<c10d::PrefixStore>("nccl", d->store_), env.rank,
+                                     env.world_size, env.local_rank, opts.timeout);
+      });
+    }
   }
   log_debug("distributed runtime up: ", env.describe());
   return d;
+}
+
+void Distributed::rendezvous(const char* what, const std::function<void()>& connect) {
+  // A peer that fails to join publishes its error (the fatal hook); this rank, blocked in
+  // `connect` until the rendezvous timeout, stops at once instead and names it.
+  std::mutex mu;
+  std::condition_variable cv;
+  bool done = false;
+  std::thread watchdog([&] {
+    c10::intrusive_ptr<c10d::Store> store;
+    try {
+      store = connect_store(env_, false, opts_.rendezvous_timeout);
+    } catch (const std::exception&) {
+      return;  // the store host is gone: `connect` fails by itself
+    }
+    const std::string where = detail::concat("rendezvous at ", env_.master_addr, ":", env_.master_port,
+                                             " failed on rank ", env_.rank, " (", what, "): ");
+    std::unique_lock<std::mutex> lock(mu);
+    while (!cv.wait_for(lock, std::chrono::milliseconds(200), [&] { return done; })) {
+      std::string peer_error;
+      int peer = -1;
+      try {
+        for (int r = 0; r < env_.world_size && peer < 0; ++r)
+          if (r != env_.rank && store->check({key_err(r)})) peer = r, peer_error = to_string(store->get(key_err(r)));
+      } catch (const std::exception&) {
+        // Rank 0 hosts the store: it failed or exited, and nobody can join any more.
+        exit_fatal(where + (env_.agent_store ? "the rendezvous store is gone"
+                                             : "the rendezvous store is gone (rank 0 hosts it: rank 0 failed or exited)"));
+      }
+      if (peer >= 0) exit_fatal(where + "rank " + std::to_string(peer) + " failed: " + peer_error);
+    }
+  });
+  auto stop = [&] {
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      done = true;
+    }
+    cv.notify_all();
+    watchdog.join();
+  };
+  try {
+    connect();
+  } catch (const std::exception& e) {
+    stop();
+    // Which ranks never arrived, and what did the others say?
+    std::string missing, causes;
+    try {
+      for (int r = 0; r < env_.world_size; ++r) {
+        if (!hb_store_->check({key_hb(r)})) missing += (missing.empty() ? "" : ",") + std::to_string(r);
+        if (r != env_.rank && hb_store_->check({key_err(r)}))
+          causes += "; rank " + std::to_string(r) + " failed: " + to_string(hb_store_->get(key_err(r)));
+      }
+    } catch (const std::exception&) {
+      causes += "; the rendezvous store is gone";
+    }
+    failed_ = true;
+    throw runtime_error("rendezvous at ", env_.master_addr, ":", env_.master_port, " failed on rank ", env_.rank, " (",
+                        what, ")", missing.empty() ? "" : ": ranks never joined: " + missing, causes, " [",
+                        one_line(e), "]");
+  }
+  stop();
 }
 
 Distributed::~Distributed() {
@@ -222,7 +306,7 @@ c10d::Backend& Distributed::backend_for(const at::Tensor& t) {
 }
 
 template <typename F>
-void Distributed::run_collective(const char* what, F&& launch) {
+void Distributed::run_collective(const char* what, bool on_gpu, F&& launch) {
   if (failed_) throw runtime_error(what, ": an earlier collective failed on this rank");
   seq_++;
   c10::intrusive_ptr<c10d::Work> work;
@@ -232,12 +316,16 @@ void Distributed::run_collective(const char* what, F&& launch) {
     failed_ = true;
     throw runtime_error(diagnose(what, one_line(e)));
   }
-  wait(work, what);
+  wait(work, what, on_gpu);
 }
 
-void Distributed::wait(const c10::intrusive_ptr<c10d::Work>& work, const char* what) {
+void Distributed::wait(const c10::intrusive_ptr<c10d::Work>& work, const char* what, bool on_gpu) {
   try {
-    work->wait(opts_.timeout);
+    // NCCL: a wait with a timeout blocks the host until the GPU is done; without one it only
+    // orders the current stream after the collective, and NCCL's watchdog enforces the
+    // backend's timeout. Gloo (CPU) works carry their own per-operation timeout as well.
+    if (on_gpu && nccl_) work->wait();
+    else work->wait(opts_.timeout);
   } catch (const std::exception& e) {
     failed_ = true;
     throw runtime_error(diagnose(what, one_line(e)));
@@ -247,7 +335,7 @@ void Distributed::wait(const c10::intrusive_ptr<c10d::Work>& work, const char* w
 void Distributed::all_reduce(at::Tensor& t, ReduceOp op) {
   if (env_.world_size == 1) return;
   TORCH_CHECK(t.is_contiguous(), "all_reduce needs a contiguous tensor");
-  run_collective("all_reduce", [&] {
+  run_collective("all_reduce", t.is_cuda(), [&] {
     std::vector<at::Tensor> v{t};
     c10d::AllreduceOptions o;
     o.reduceOp = to_c10d(op);
@@ -274,7 +362,7 @@ c10::intrusive_ptr<c10d::Work> Distributed::all_reduce_async(at::Tensor& t) {
 void Distributed::broadcast(at::Tensor& t, int root) {
   if (env_.world_size == 1) return;
   TORCH_CHECK(t.is_contiguous(), "broadcast needs a contiguous tensor");
-  run_collective("broadcast", [&] {
+  run_collective("broadcast", t.is_cuda(), [&] {
     std::vector<at::Tensor> v{t};
     c10d::BroadcastOptions o;
     o.rootRank = root;
@@ -308,7 +396,7 @@ at::Tensor Distributed::all_gather(const at::Tensor& t_in, std::vector<int64_t>*
   auto out_shape = shape;
   out_shape[0] = mx * W;
   at::Tensor out = torch::empty(out_shape, t.options());
-  run_collective("all_gather", [&] {
+  run_collective("all_gather", t.is_cuda(), [&] {
     c10d::AllgatherOptions o;
     o.timeout = opts_.timeout;
     return backend_for(t)._allgather_base(out, block, o);
@@ -342,7 +430,7 @@ at::Tensor Distributed::reduce_scatter(const at::Tensor& in_t, const std::vector
   shape[0] = mx;
   at::Tensor out = torch::empty(shape, in.options());
   if (in.is_cuda() && nccl_) {
-    run_collective("reduce_scatter", [&] {
+    run_collective("reduce_scatter", in.is_cuda(), [&] {
       c10d::ReduceScatterOptions o;
       o.timeout = opts_.timeout;
       return nccl_->_reduce_scatter_base(out, padded, o);
@@ -352,7 +440,7 @@ at::Tensor Distributed::reduce_scatter(const at::Tensor& in_t, const std::vector
     std::vector<at::Tensor> outs{out};
     std::vector<std::vector<at::Tensor>> ins(1);
     for (int r = 0; r < W; ++r) ins[0].push_back(padded.narrow(0, r * mx, mx));
-    run_collective("reduce_scatter", [&] {
+    run_collective("reduce_scatter", in.is_cuda(), [&] {
       c10d::ReduceScatterOptions o;
       o.timeout = opts_.timeout;
       return gloo_->reduce_scatter(outs, ins, o);

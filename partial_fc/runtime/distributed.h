@@ -5,6 +5,7 @@
 #pragma once
 #include <atomic>
 #include <chrono>
+#include <functional>
 #include <memory>
 #include <string>
 #include <thread>
@@ -19,8 +20,10 @@
 namespace faceshard {
 
 struct DistOptions {
-  std::chrono::milliseconds timeout{std::chrono::seconds(300)};             // each collective
-  std::chrono::milliseconds rendezvous_timeout{std::chrono::seconds(300)};  // all ranks joining
+  std::chrono::milliseconds timeout{std::chrono::seconds(300)};  // each collective
+  // All ranks joining: the store connection, Gloo's full mesh, NCCL's communicator. A rank
+  // that cannot complete it exits within this time naming what failed.
+  std::chrono::milliseconds rendezvous_timeout{std::chrono::seconds(300)};
   std::chrono::milliseconds heartbeat_interval{500};
   bool use_cuda = false;  // create an NCCL backend and bind this rank's GPU (local rank)
 };
@@ -57,7 +60,7 @@ class Distributed {
   // Asynchronous all-reduce (SUM) for overlapping communication with computation; finish
   // it with wait(), which applies the timeout and the failure diagnosis.
   c10::intrusive_ptr<c10d::Work> all_reduce_async(at::Tensor& t);
-  void wait(const c10::intrusive_ptr<c10d::Work>& work, const char* what);
+  void wait(const c10::intrusive_ptr<c10d::Work>& work, const char* what, bool on_gpu = false);
 
   // Orderly end of the job: all ranks meet, the store host stays up until every rank has
   // left. Called by the destructor when not called explicitly.
@@ -73,7 +76,10 @@ class Distributed {
   Distributed(const DistEnv& env, const DistOptions& opts);
   c10d::Backend& backend_for(const at::Tensor& t);
   template <typename F>
-  void run_collective(const char* what, F&& launch);
+  void run_collective(const char* what, bool on_gpu, F&& launch);
+  // Runs one step of joining the job (`connect` blocks until every rank is there or the
+  // rendezvous timeout passes) with a watchdog for peers that fail meanwhile.
+  void rendezvous(const char* what, const std::function<void()>& connect);
   void heartbeat_loop();
 
   DistEnv env_;
@@ -90,9 +96,10 @@ class Distributed {
 };
 
 // Backend factories (gloo_backend.cpp, nccl_backend.cpp).
+struct NetworkPlan;
 c10::intrusive_ptr<c10d::Backend> make_gloo_backend(const c10::intrusive_ptr<c10d::Store>& store, int rank,
-                                                    int size, const DistEnv& env,
-                                                    std::chrono::milliseconds timeout);
+                                                    int size, const NetworkPlan& net,
+                                                    std::chrono::milliseconds rendezvous_timeout);
 c10::intrusive_ptr<c10d::Backend> make_nccl_backend(const c10::intrusive_ptr<c10d::Store>& store, int rank,
                                                     int size, int device, std::chrono::milliseconds timeout);
 bool nccl_compiled();

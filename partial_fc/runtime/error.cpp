@@ -2,6 +2,9 @@
 
 #include <c10/util/Exception.h>
 
+#include <cstdio>
+#include <cstdlib>
+
 #include "partial_fc/runtime/log.h"
 
 namespace faceshard {
@@ -28,6 +31,15 @@ std::string one_line(const std::exception& e) {
 
 namespace {
 void (*g_fatal_hook)(const std::string&) = nullptr;
+const char* g_program = "faceshard";
+}  // namespace
+
+void set_program_name(const char* prog) { g_program = prog; }
+
+void exit_fatal(const std::string& line) {
+  report_fatal(g_program, line);
+  std::fflush(stdout);
+  std::_Exit(1);
 }
 
 void set_fatal_hook(void (*hook)(const std::string& line)) { g_fatal_hook = hook; }

@@ -10,8 +10,15 @@ void report_fatal(const char* prog, const std::string& line);
 // the other ranks through it).
 void set_fatal_hook(void (*hook)(const std::string& line));
 
+// For fatal errors found outside the main thread's control flow (a rendezvous watchdog):
+// prints the line as run_main would, under the program name run_main recorded, and ends the
+// process with status 1 at once.
+void set_program_name(const char* prog);
+[[noreturn]] void exit_fatal(const std::string& line);
+
 template <typename F>
 int run_main(const char* prog, F&& body) {
+  set_program_name(prog);
   try {
     return body();
   } catch (const Error& e) {

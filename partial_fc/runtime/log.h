@@ -8,7 +8,9 @@
 
 namespace faceshard {
 
-enum class LogLevel { Debug = 0, Info = 1, Warn = 2, Error = 3 };
+// Notice: informational like Info, but printed on every rank that logs it (a per-host
+// line such as the network choice, logged by each host's local rank 0).
+enum class LogLevel { Debug = 0, Info = 1, Notice = 2, Warn = 3, Error = 4 };
 
 // Set once by the distributed runtime.
 void set_log_rank(int rank, int world_size);
@@ -17,6 +19,8 @@ void log_message(LogLevel level, const std::string& msg);
 
 template <typename... Args>
 void log_info(const Args&... args) { log_message(LogLevel::Info, detail::concat(args...)); }
+template <typename... Args>
+void log_notice(const Args&... args) { log_message(LogLevel::Notice, detail::concat(args...)); }
 template <typename... Args>
 void log_warn(const Args&... args) { log_message(LogLevel::Warn, detail::concat(args...)); }
 template <typename... Args>

@@ -1,0 +1,187 @@
+#!/usr/bin/env bash
+# Jobs across several hosts: each host is a network namespace of its own (ip netns), the
+# hosts joined by a veth pair (10.78.0.1 and 10.78.0.2). Nothing names an interface
+# (GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME unset) and this machine's hostname may resolve to
+# 127.0.0.1, as in many containers: the ranks must find the address that reaches the master.
+# usage: multihost.sh SOURCE_DIR BIN_DIR CASE
+#   CASE: dist_check_2x1 | dist_check_2x2 | train_resume | host_killed | rendezvous_fails | torchrun
+# Exits 77 (skipped) when namespaces cannot be created here (no privilege).
+set -u
+root="$1"; bin="$2"; case_name="$3"
+py="$root/.venv/bin/python"; [ -x "$py" ] || py=python3
+unset GLOO_SOCKET_IFNAME NCCL_SOCKET_IFNAME MASTER_ADDR MASTER_PORT RANK WORLD_SIZE LOCAL_RANK
+id="fs$$"                  # names are per run: ctest runs cases side by side
+h0="${id}h0"; h1="${id}h1"
+a0=10.78.0.1; a1=10.78.0.2
+work=$(mktemp -d)
+fail() { echo "FAIL: $*"; exit 1; }
+alive() { ip netns pids "$1" 2>/dev/null; }
+cleanup() {
+  for ns in "$h0" "$h1"; do alive "$ns" | xargs -r kill -9 2>/dev/null; ip netns del "$ns" 2>/dev/null; done
+  rm -rf "$work"
+}
+trap cleanup EXIT
+
+if ! { ip netns add "$h0" && ip netns add "$h1" && ip link add "${id}a" type veth peer name "${id}b" &&
+       ip link set "${id}a" netns "$h0" && ip link set "${id}b" netns "$h1" &&
+       ip -n "$h0" addr add "$a0/24" dev "${id}a" && ip -n "$h1" addr add "$a1/24" dev "${id}b" &&
+       ip -n "$h0" link set "${id}a" up && ip -n "$h1" link set "${id}b" up &&
+       ip -n "$h0" link set lo up && ip -n "$h1" link set lo up; } 2> "$work/netns.err"; then
+  echo "SKIP: cannot create network namespaces here: $(head -c 300 "$work/netns.err")"
+  exit 77
+fi
+on() { local ns="$1"; shift; ip netns exec "$ns" "$@"; }
+# launch NS NODE_RANK NPROC LOG PROGRAM... : tools/launch.sh on host NS, in the background.
+launch() {
+  local ns="$1" node="$2" nproc="$3" log="$4"; shift 4
+  on "$ns" "$root/tools/launch.sh" --nproc "$nproc" --nnodes 2 --node-rank "$node" --master-addr "$a0" \
+    --master-port 29500 --grace-s 30 -- "$@" > "$log" 2>&1 &
+}
+# Seconds since the epoch with a fraction, for the time limits.
+now() { date +%s.%N; }
+elapsed_below() { "$py" -c "import sys; sys.exit(0 if float(sys.argv[2]) - float(sys.argv[1]) < float(sys.argv[3]) else 1)" "$@"; }
+
+"$bin/faceshard-synth" --output "$work/data" --identities 16 --images 8 --holdout 8 --pairs 40 --seed 3 > /dev/null \
+  || fail "faceshard-synth"
+cat > "$work/tiny.yaml" <<YAML
+base: $root/configs/base.yaml
+output: $work/out
+seed: 7
+data: {rec: $work/data, num_classes: 16, batch_size: 8, num_workers: 1}
+model: {backbone: mbf, embedding_size: 64}
+loss: {margin: [1.0, 0.0, 0.4], scale: 16}
+optim: {lr: 0.05, epochs: 2, warmup_epochs: 0, total_steps: 8}
+train: {log_every: 1, verify_every: 0, checkpoint_every: 4, keep_checkpoints: 5, tensorboard: false}
+dist: {timeout_s: 10, rendezvous_timeout_s: 20}
+YAML
+train_args=("$bin/faceshard-train" --config "$work/tiny.yaml")
+losses() { "$py" -c "
+import json,sys
+for l in open(sys.argv[1]):
+    o=json.loads(l)
+    if 'loss' in o: print(o['step'], repr(o['loss']))" "$1"; }
+# two_hosts NPROC LOG0 LOG1 PROGRAM... : the same job on both hosts; fails unless both exit 0.
+two_hosts() {
+  local nproc="$1" l0="$2" l1="$3"; shift 3
+  launch "$h1" 1 "$nproc" "$l1" "$@"; local p1=$!
+  launch "$h0" 0 "$nproc" "$l0" "$@"; local p0=$!
+  wait "$p0"; local r0=$?
+  wait "$p1"; local r1=$?
+  [ "$r0" -eq 0 ] && [ "$r1" -eq 0 ] || { echo "--- host 0:"; cat "$l0"; echo "--- host 1:"; cat "$l1"; fail "exit $r0 / $r1"; }
+}
+check_network_lines() {  # each host logged its choice: its own veth address
+  grep -q "network: Gloo on $a0: the local end of the route to MASTER_ADDR $a0" "$1" || { cat "$1"; fail "host 0's choice"; }
+  grep -q "network: Gloo on $a1: the local end of the route to MASTER_ADDR $a0" "$2" || { cat "$2"; fail "host 1's choice"; }
+}
+
+case "$case_name" in
+dist_check_2x1|dist_check_2x2)
+  n=1; [ "$case_name" = dist_check_2x2 ] && n=2
+  two_hosts "$n" "$work/h0.log" "$work/h1.log" "$bin/faceshard-dist-check" --rounds 10 --interval-ms 1 --timeout-s 10 \
+    --rendezvous-timeout-s 20
+  grep -q "all 10 rounds verified on $((2 * n)) ranks" "$work/h0.log" || { cat "$work/h0.log"; fail "no verified rounds"; }
+  check_network_lines "$work/h0.log" "$work/h1.log"
+  echo "PASS: 2 hosts x $n ranks, no interface named" ;;
+train_resume)
+  # A: uninterrupted 2-host run. B: 2 hosts to step 4, then resumed on 2 hosts: its losses
+  # equal A's bit for bit. C: B's step-4 checkpoint resumed by one rank on one host (the two
+  # classifier shards become one).
+  two_hosts 1 "$work/a0.log" "$work/a1.log" "${train_args[@]}" --set output="$work/A"
+  check_network_lines "$work/a0.log" "$work/a1.log"
+  two_hosts 1 "$work/b0.log" "$work/b1.log" "${train_args[@]}" --set output="$work/B" --set train.max_steps=4
+  cp -r "$work/B/checkpoints/step_00000004" "$work/saved"
+  two_hosts 1 "$work/b2.log" "$work/b3.log" "${train_args[@]}" --set output="$work/B" --resume
+  grep -q "resumed from .*step_00000004 at step 4" "$work/b2.log" || { cat "$work/b2.log"; fail "did not resume at 4"; }
+  losses "$work/A/metrics.jsonl" > "$work/a.txt"; losses "$work/B/metrics.jsonl" > "$work/b.txt"
+  [ "$(wc -l < "$work/a.txt")" -eq 8 ] || fail "expected 8 logged steps"
+  diff "$work/a.txt" "$work/b.txt" > /dev/null || { paste "$work/a.txt" "$work/b.txt"; fail "losses differ after the 2-host resume"; }
+  # One host, one rank: the two shards of the checkpoint become one.
+  on "$h0" "$root/tools/launch.sh" --nproc 1 -- "${train_args[@]}" --set output="$work/C" --resume "$work/saved" \
+    > "$work/c.log" 2>&1 || { cat "$work/c.log"; fail "resume on one host"; }
+  grep -q "resharded from 2 to 1 ranks" "$work/c.log" || { cat "$work/c.log"; fail "no reshard on one host"; }
+  losses "$work/C/metrics.jsonl" > "$work/c.txt"
+  [ "$(wc -l < "$work/c.txt")" -eq 4 ] || { cat "$work/c.txt"; fail "the one-host resume logged no steps 5-8"; }
+  echo "PASS: 2-host resume equals the uninterrupted 2-host run bit for bit:"; paste "$work/a.txt" "$work/b.txt"
+  echo "one-host resume (resharded):"; cat "$work/c.txt" ;;
+host_killed)
+  # Kill every process of host K mid-run (SIGKILL: its connections close), or freeze them
+  # (SIGSTOP: a host that hangs or drops off the network, noticed by the collective timeout
+  # of 10 s); the other host's ranks exit non-zero within that timeout (plus diagnosis)
+  # naming the lost ranks, and nothing of that host is left running.
+  for victim in 1 0 stop1; do
+    rm -rf "$work/out"
+    launch "$h1" 1 2 "$work/k1.log" "${train_args[@]}" --set optim.total_steps=100000
+    launch "$h0" 0 2 "$work/k0.log" "${train_args[@]}" --set optim.total_steps=100000
+    for _ in $(seq 600); do grep -q "step 3/" "$work/k0.log" && break; sleep 0.1; done
+    grep -q "step 3/" "$work/k0.log" || { cat "$work/k0.log" "$work/k1.log"; fail "the job did not start"; }
+    sig=-9
+    case "$victim" in
+      1) dead="$h1"; live="$h0"; log="$work/k0.log"; lost="rank [23] died" ;;
+      0) dead="$h0"; live="$h1"; log="$work/k1.log"; lost="rank 0 died\|rank 0 hosts it" ;;
+      stop1) dead="$h1"; live="$h0"; log="$work/k0.log"; lost="rank [23] died (no heartbeat"; sig=-STOP ;;
+    esac
+    alive "$dead" | xargs -r kill "$sig"
+    t0=$(now)
+    for _ in $(seq 600); do [ -z "$(alive "$live")" ] && break; sleep 0.1; done
+    t1=$(now)
+    [ -z "$(alive "$live")" ] || { alive "$live" | xargs -r ps -o pid,args -p; fail "$live still running after 60 s"; }
+    elapsed_below "$t0" "$t1" 30 || { tail -5 "$log"; fail "$live took longer than 30 s to stop"; }
+    alive "$dead" | xargs -r kill -9
+    wait
+    grep -q "$lost" "$log" || { cat "$log"; fail "the surviving ranks did not name the lost ones"; }
+    grep -q "launch.sh: rank .* exited with status [1-9]" "$log" || { cat "$log"; fail "no non-zero exit on the surviving host"; }
+    echo "host ${victim#stop} $([ "$sig" = -9 ] && echo killed || echo stopped): the other host stopped in $("$py" -c "print(round($t1 - $t0, 1))") s:"
+    grep "error:" "$log" | head -2
+  done
+  echo "PASS" ;;
+rendezvous_fails)
+  # (a) host 1 never starts: host 0 names the ranks that never joined, within the timeout.
+  t0=$(now)
+  on "$h0" "$root/tools/launch.sh" --nproc 1 --nnodes 2 --node-rank 0 --master-addr "$a0" --master-port 29500 -- \
+    "$bin/faceshard-dist-check" --rendezvous-timeout-s 5 > "$work/a.log" 2>&1 && fail "(a) exit 0"
+  elapsed_below "$t0" "$(now)" 25 || fail "(a) took too long"
+  grep -q "ranks never joined: 1" "$work/a.log" || { cat "$work/a.log"; fail "(a) missing ranks not named"; }
+  [ "$(grep -c 'error:' "$work/a.log")" -eq 1 ] || { cat "$work/a.log"; fail "(a) not one line"; }
+  # (b) host 1 is given an address where no master listens: it says it cannot reach the store.
+  t0=$(now)
+  on "$h1" "$root/tools/launch.sh" --nproc 1 --nnodes 2 --node-rank 1 --master-addr 10.78.0.9 --master-port 29500 -- \
+    "$bin/faceshard-dist-check" --rendezvous-timeout-s 5 > "$work/b.log" 2>&1 && fail "(b) exit 0"
+  elapsed_below "$t0" "$(now)" 25 || fail "(b) took too long"
+  grep -q "cannot reach the rendezvous store at 10.78.0.9:29500" "$work/b.log" || { cat "$work/b.log"; fail "(b) cause not named"; }
+  # (c) a user-set GLOO_SOCKET_IFNAME wins, here a wrong one: both hosts advertise loopback
+  # (what a hostname resolving to 127.0.0.1 used to cause), so the full mesh cannot connect.
+  # Both hosts fail within the timeout, each with one line naming the rendezvous step.
+  t0=$(now)
+  GLOO_SOCKET_IFNAME=lo launch "$h0" 0 1 "$work/c0.log" "$bin/faceshard-dist-check" --rendezvous-timeout-s 8; p0=$!
+  GLOO_SOCKET_IFNAME=lo launch "$h1" 1 1 "$work/c1.log" "$bin/faceshard-dist-check" --rendezvous-timeout-s 8; p1=$!
+  wait "$p0"; r0=$?; wait "$p1"; r1=$?
+  [ "$r0" -ne 0 ] && [ "$r1" -ne 0 ] || { echo "--- c0"; cat "$work/c0.log"; echo "--- c1"; cat "$work/c1.log"; fail "(c) exit $r0 / $r1"; }
+  elapsed_below "$t0" "$(now)" 40 || { cat "$work/c0.log" "$work/c1.log"; fail "(c) took too long"; }
+  grep -q "GLOO_SOCKET_IFNAME=lo" "$work/c0.log" || { cat "$work/c0.log"; fail "(c) the user's variable did not win"; }
+  grep -q "rendezvous at $a0:29500 failed on rank 1" "$work/c1.log" || { cat "$work/c1.log"; fail "(c) host 1's cause"; }
+  grep -q "rendezvous at $a0:29500 failed on rank 0" "$work/c0.log" || { cat "$work/c0.log"; fail "(c) host 0's cause"; }
+  [ -z "$(alive "$h0")$(alive "$h1")" ] || fail "processes left running"
+  for f in a b c0 c1; do echo "$f: $(grep 'error:' "$work/$f.log" | head -1)"; done
+  echo "PASS" ;;
+torchrun)
+  # torchrun's c10d rendezvous (its agents host the stores) across the two hosts. This
+  # machine's hostname resolves to 127.0.0.1, so torchrun cannot tell by itself which host is
+  # the endpoint (is_host) nor which address to give the workers as MASTER_ADDR (--local-addr).
+  torchrun="$root/.venv/bin/torchrun"
+  [ -x "$torchrun" ] || fail "no torchrun in .venv"
+  for k in 1 0; do
+    ns="$h0"; [ "$k" = 1 ] && ns="$h1"
+    addr="$a0"; [ "$k" = 1 ] && addr="$a1"
+    is_host=$((1 - k))
+    on "$ns" env OMP_NUM_THREADS=1 "$torchrun" --nnodes 2 --nproc-per-node 1 --rdzv-backend c10d \
+      --rdzv-endpoint "$a0:29400" --rdzv-id fs --rdzv-conf "is_host=$is_host" --local-addr "$addr" --no-python \
+      "${train_args[@]}" --set output="$work/T" > "$work/t$k.log" 2>&1 &
+    eval "pt$k=\$!"
+  done
+  wait "$pt0"; r0=$?; wait "$pt1"; r1=$?
+  [ "$r0" -eq 0 ] && [ "$r1" -eq 0 ] || { cat "$work/t0.log" "$work/t1.log"; fail "torchrun exit $r0 / $r1"; }
+  grep -q "done: 8 steps" "$work/t0.log" "$work/t1.log" || { cat "$work/t0.log"; fail "no finished run"; }
+  losses "$work/T/metrics.jsonl" | tail -2
+  echo "PASS: torchrun across 2 hosts" ;;
+*) fail "unknown case $case_name" ;;
+esac
