@@ -1,6 +1,7 @@
 // Config system: inheritance order, --set overrides, and one-line errors naming file and key.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 
@@ -269,6 +270,33 @@ TEST(Config, PresetsMatchTheirDataSets) {
       }
   }
   EXPECT_EQ(n, 10);
+}
+
+TEST(Config, CheckpointingIsOptional) {
+  EXPECT_FALSE(load_config_text("data:\n  num_classes: 10\n", "mem.yaml").model.checkpointing.has_value());
+  const Config on = load_config_text("data:\n  num_classes: 10\nmodel:\n  checkpointing: true\n", "mem.yaml");
+  ASSERT_TRUE(on.model.checkpointing.has_value());
+  EXPECT_TRUE(*on.model.checkpointing);
+  const Config off = load_config_text("data:\n  num_classes: 10\n", "mem.yaml", {"model.checkpointing=false"});
+  ASSERT_TRUE(off.model.checkpointing.has_value());
+  EXPECT_FALSE(*off.model.checkpointing);
+  expect_usage_error([] { load_config_text("data:\n  num_classes: 10\nmodel:\n  checkpointing: sometimes\n", "mem.yaml"); },
+                     {"mem.yaml", "model.checkpointing", "true or false"});
+  // Printed and read back: set stays set, unset stays unset (null).
+  for (const Config* c : {&on, &off}) {
+    const Config back = load_config_text(config_to_yaml(*c), "printed.yaml");
+    EXPECT_EQ(back.model.checkpointing, c->model.checkpointing);
+  }
+  EXPECT_FALSE(load_config_text(config_to_yaml(load_config_text("data:\n  num_classes: 10\n", "m.yaml")), "p.yaml")
+                   .model.checkpointing.has_value());
+  // The backbone's refusal names the config key.
+  const Config mbf = load_config_text("data:\n  num_classes: 10\nmodel:\n  backbone: mbf\n  checkpointing: true\n", "job.yaml");
+  BackboneOptions bo;
+  bo.name = mbf.model.backbone;
+  bo.checkpointing = mbf.model.checkpointing;
+  expect_usage_error(
+      [&] { with_config_keys(mbf, {{"checkpointing", "model.checkpointing"}}, [&] { return make_backbone(bo); }); },
+      {"job.yaml", "key 'model.checkpointing'", "MobileFaceNet"});
 }
 }  // namespace
 }  // namespace faceshard
