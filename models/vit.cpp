@@ -18,7 +18,9 @@ struct NamedVariant {
 };
 
 // arcface_torch's backbones/__init__.py: dim, depth, heads, drop_path_rate, mask_ratio,
-// using_checkpoint. The dp005/mask variants are its WebFace42M settings.
+// using_checkpoint. The dp005/mask variants are its WebFace42M settings. (arcface_torch's
+// forward calls random_masking without the ratio, whose default is 0.1, so its *_mask_005
+// runs dropped 10% of the tokens; here each variant drops the fraction it names.)
 const std::vector<NamedVariant>& variants() {
   static const std::vector<NamedVariant> table = {
       {"vit_t", {256, 12, 8, 0.1, 0.1, false}},
