@@ -128,10 +128,14 @@ void Backbone::to_channels_last() {
     if (p.dim() == 4) p.set_data(p.data().contiguous(at::MemoryFormat::ChannelsLast));
 }
 
-torch::Tensor Backbone::prepare_input(const torch::Tensor& images) const {
+bool Backbone::accepts_input_size(int64_t height, int64_t width) const {
   // Four stride-2 stages (ceil halving) must end at 7x7 for the 7x7 head: 97..112 px.
   auto ok = [](int64_t s) { return s >= 97 && s <= 112; };
-  if (images.dim() != 4 || images.size(1) != 3 || !ok(images.size(2)) || !ok(images.size(3)) ||
+  return ok(height) && ok(width);
+}
+
+torch::Tensor Backbone::prepare_input(const torch::Tensor& images) const {
+  if (images.dim() != 4 || images.size(1) != 3 || !accepts_input_size(images.size(2), images.size(3)) ||
       !images.is_floating_point())
     throw usage_error("backbone '", options_.name, "': expected float images [B,3,112,112], got ",
                       images.scalar_type(), " ", shape_str(images.sizes()));

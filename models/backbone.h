@@ -1,10 +1,11 @@
-// The backbone interface shared by every face-recognition network (iresnet, MobileFaceNet):
-// options, the precision policy of the forward (autocast body, fp32 head), the state_dict
-// in insightface's key order, and loading/saving weights as torch.save files.
+// The backbone interface shared by every face-recognition network (iresnet, MobileFaceNet,
+// ViT): options, the precision policy of the forward (autocast body, fp32 head), the
+// state_dict in insightface's key order, and loading/saving weights as torch.save files.
 #pragma once
 #include <torch/torch.h>
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -23,11 +24,15 @@ BodyPrecision parse_body_precision(const std::string& text);
 std::string to_string(BodyPrecision precision);
 
 struct BackboneOptions {
-  std::string name = "r50";      // r18 r34 r50 r100 r200 mbf mbf_large
+  std::string name = "r50";      // r18 .. r200, r2060, mbf, mbf_large, vit_t .. vit_h
   int64_t embedding_size = 512;  // num_features in arcface_torch
   double dropout = 0.0;          // iresnet only (before fc); arcface_torch trains with 0
   BodyPrecision precision = BodyPrecision::Float32;
   bool channels_last = false;    // conv weights and activations in NHWC
+  // Activation checkpointing in training (models/checkpoint.h): ViT blocks, iresnet stages 2
+  // and 3. Unset: the network's default, on where arcface_torch uses it (vit_b*, vit_l*,
+  // vit_h, r2060); make_backbone resolves it. MobileFaceNet has none.
+  std::optional<bool> checkpointing;
 };
 
 class Backbone : public torch::nn::Module {
@@ -39,6 +44,7 @@ class Backbone : public torch::nn::Module {
 
   const BackboneOptions& options() const { return options_; }
   int64_t embedding_size() const { return options_.embedding_size; }
+  bool checkpointing() const { return options_.checkpointing.value_or(false); }
 
   // Parameters and buffers under insightface's PyTorch names and in PyTorch's order
   // (per module: parameters, then buffers, then children).
@@ -59,8 +65,11 @@ class Backbone : public torch::nn::Module {
   // autocast state is left alone, so an outer autocast region still applies.
   template <typename Body, typename Head>
   torch::Tensor run_with_precision(torch::Tensor x, Body&& body, Head&& head);
-  // Input layout: channels-last when asked (a no-op when it already is).
+  // Checks the input (a usage_error naming the shape) and sets its layout: channels-last
+  // when asked (a no-op when it already is).
   torch::Tensor prepare_input(const torch::Tensor& images) const;
+  // Image sizes the network takes: 97..112 for the CNNs (their stages must end at 7x7).
+  virtual bool accepts_input_size(int64_t height, int64_t width) const;
 
   BackboneOptions options_;
 };

@@ -6,25 +6,43 @@
 
 #include "models/iresnet.h"
 #include "models/mobilefacenet.h"
+#include "models/vit.h"
 #include "partial_fc/runtime/error.h"
 
 namespace faceshard {
 namespace {
 using Factory = std::function<std::shared_ptr<Backbone>(const BackboneOptions&)>;
 
-const std::vector<std::pair<std::string, Factory>>& registry() {
-  static const std::vector<std::pair<std::string, Factory>> entries = [] {
-    std::vector<std::pair<std::string, Factory>> e;
-    for (const char* name : {"r18", "r34", "r50", "r100", "r200"})
-      e.emplace_back(name, [name](const BackboneOptions& o) {
-        return std::make_shared<IResNet>(iresnet_layers(name), o);
-      });
-    e.emplace_back("mbf", [](const BackboneOptions& o) {
-      return std::make_shared<MobileFaceNet>(std::array<int64_t, 4>{1, 4, 6, 2}, 2, o);
-    });
-    e.emplace_back("mbf_large", [](const BackboneOptions& o) {
-      return std::make_shared<MobileFaceNet>(std::array<int64_t, 4>{2, 8, 12, 4}, 4, o);
-    });
+struct Entry {
+  std::string name;
+  Factory make;
+  bool checkpointing;  // the network's default (arcface_torch's choice)
+};
+
+const std::vector<Entry>& registry() {
+  static const std::vector<Entry> entries = [] {
+    std::vector<Entry> e;
+    for (const char* name : {"r18", "r34", "r50", "r100", "r200", "r2060"}) {
+      const std::string n = name;
+      e.push_back({n,
+                   [n](const BackboneOptions& o) { return std::make_shared<IResNet>(iresnet_layers(n), o); },
+                   n == "r2060"});
+    }
+    e.push_back({"mbf",
+                 [](const BackboneOptions& o) {
+                   return std::make_shared<MobileFaceNet>(std::array<int64_t, 4>{1, 4, 6, 2}, 2, o);
+                 },
+                 false});
+    e.push_back({"mbf_large",
+                 [](const BackboneOptions& o) {
+                   return std::make_shared<MobileFaceNet>(std::array<int64_t, 4>{2, 8, 12, 4}, 4, o);
+                 },
+                 false});
+    for (const auto& name : vit_names()) {
+      const VitVariant v = *vit_variant(name);
+      e.push_back({name, [v](const BackboneOptions& o) { return std::make_shared<VisionTransformer>(v, o); },
+                   v.checkpointing});
+    }
     return e;
   }();
   return entries;
@@ -33,15 +51,15 @@ const std::vector<std::pair<std::string, Factory>>& registry() {
 
 std::vector<std::string> backbone_names() {
   std::vector<std::string> names;
-  for (const auto& e : registry()) names.push_back(e.first);
+  for (const auto& e : registry()) names.push_back(e.name);
   return names;
 }
 
 std::shared_ptr<Backbone> make_backbone(const BackboneOptions& options) {
-  const Factory* factory = nullptr;
+  const Entry* entry = nullptr;
   for (const auto& e : registry())
-    if (e.first == options.name) factory = &e.second;
-  if (!factory) {
+    if (e.name == options.name) entry = &e;
+  if (!entry) {
     std::ostringstream known;
     for (const auto& n : backbone_names()) known << (known.tellp() > 0 ? ", " : "") << n;
     throw option_error("backbone", "'", options.name, "' is not a network faceshard knows; expected one of ", known.str());
@@ -51,10 +69,20 @@ std::shared_ptr<Backbone> make_backbone(const BackboneOptions& options) {
                        " must be positive");
   if (!(options.dropout >= 0.0 && options.dropout < 1.0))
     throw option_error("dropout", "of backbone '", options.name, "': ", options.dropout, " must be in [0, 1)");
-  if (options.dropout > 0 && options.name.rfind("mbf", 0) == 0)
+  const bool mbf = options.name.rfind("mbf", 0) == 0, vit = options.name.rfind("vit", 0) == 0;
+  if (options.dropout > 0 && mbf)
     throw option_error("dropout", "of backbone '", options.name, "': MobileFaceNet has no dropout layer (dropout ",
                        options.dropout, " requested)");
-  auto model = (*factory)(options);
+  if (options.dropout > 0 && vit)
+    throw option_error("dropout", "of backbone '", options.name,
+                       "': the ViTs have no dropout layer (they regularise with drop path and token masking; dropout ",
+                       options.dropout, " requested)");
+  if (options.checkpointing.value_or(false) && mbf)
+    throw option_error("checkpointing", "of backbone '", options.name,
+                       "': MobileFaceNet does not support activation checkpointing");
+  BackboneOptions resolved = options;
+  resolved.checkpointing = options.checkpointing.value_or(entry->checkpointing);
+  auto model = entry->make(resolved);
   if (options.channels_last) model->to_channels_last();
   return model;
 }

@@ -1,5 +1,5 @@
-// The backbone registry: builds a backbone from its config name ("r50", "mbf", ...) and
-// options, so the trainer and tools never name a concrete network class.
+// The backbone registry: builds a backbone from its config name ("r50", "mbf", "vit_t", ...)
+// and options, so the trainer and tools never name a concrete network class.
 #pragma once
 #include <memory>
 #include <string>
@@ -9,11 +9,13 @@
 
 namespace faceshard {
 
-// Names accepted by make_backbone, in a stable order.
+// Names accepted by make_backbone, in a stable order: r18 r34 r50 r100 r200 r2060 mbf
+// mbf_large, then arcface_torch's ViT variants.
 std::vector<std::string> backbone_names();
 
 // Builds options.name with the given options (validated: embedding size > 0, dropout in
-// [0, 1), dropout only for iresnets). Throws usage_error naming the bad option.
+// [0, 1), dropout only for iresnets, checkpointing not for MobileFaceNet; an unset
+// checkpointing becomes the network's default). Throws usage_error naming the bad option.
 std::shared_ptr<Backbone> make_backbone(const BackboneOptions& options);
 
 }  // namespace faceshard

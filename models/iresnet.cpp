@@ -1,5 +1,9 @@
 #include "models/iresnet.h"
 
+#include <algorithm>
+#include <memory>
+
+#include "models/checkpoint.h"
 #include "models/model_stats.h"
 
 namespace faceshard {
@@ -45,6 +49,7 @@ std::vector<int64_t> iresnet_layers(const std::string& name) {
   if (name == "r50") return {3, 4, 14, 3};
   if (name == "r100") return {3, 13, 30, 3};
   if (name == "r200") return {6, 26, 60, 6};
+  if (name == "r2060") return {3, 128, 1024 - 128, 3};
   return {};
 }
 
@@ -81,11 +86,43 @@ IResNet::IResNet(std::vector<int64_t> layers, BackboneOptions options)
   features_->weight.set_requires_grad(false);
 }
 
+int64_t IResNet::checkpoint_segments(size_t stage, int64_t blocks) {
+  if (stage == 1) return std::min<int64_t>(20, blocks);
+  if (stage == 2) return std::min<int64_t>(100, blocks);
+  return 0;
+}
+
+torch::Tensor IResNet::run_stage(std::vector<IBasicBlock>& stage, int64_t segments, torch::Tensor x) {
+  const auto n = static_cast<int64_t>(stage.size());
+  int64_t start = 0;
+  if (segments > 1) {
+    const int64_t size = n / segments;
+    for (; start < size * (segments - 1); start += size) {
+      std::vector<std::shared_ptr<IBasicBlockImpl>> run;
+      std::vector<torch::Tensor> params;
+      for (int64_t i = start; i < start + size; ++i) {
+        run.push_back(stage[static_cast<size_t>(i)].ptr());
+        for (auto& p : run.back()->parameters()) params.push_back(p);
+      }
+      x = checkpointed(
+          [run](const torch::Tensor& t) {
+            torch::Tensor y = t;
+            for (const auto& b : run) y = b->forward(y);
+            return y;
+          },
+          x, params);
+    }
+  }
+  for (int64_t i = start; i < n; ++i) x = stage[static_cast<size_t>(i)]->forward(x);
+  return x;
+}
+
 torch::Tensor IResNet::forward(torch::Tensor images) {
   auto body = [this](torch::Tensor x) {
     x = prelu_->forward(bn1_->forward(counted_conv(conv1_, x)));
-    for (auto& stage : stages_)
-      for (auto& block : stage) x = block->forward(x);
+    const bool recompute = checkpointing() && is_training();
+    for (size_t s = 0; s < stages_.size(); ++s)
+      x = run_stage(stages_[s], recompute ? checkpoint_segments(s, static_cast<int64_t>(stages_[s].size())) : 0, x);
     // BN2d -> flatten -> dropout (in that order). flatten is a view for NCHW; for
     // channels-last it is the one copy that puts features in the fc's (C,H,W) order.
     x = torch::flatten(bn2_->forward(x), 1);

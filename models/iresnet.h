@@ -1,6 +1,6 @@
-// iresnet18/34/50/100/200: the "improved" pre-activation ResNets of insightface's
-// arcface_torch (backbones/iresnet.py), with identical parameter and buffer names so
-// released PyTorch weights load unchanged.
+// iresnet18/34/50/100/200 and iresnet2060: the "improved" pre-activation ResNets of
+// insightface's arcface_torch (backbones/iresnet.py, iresnet2060.py), with identical
+// parameter and buffer names so released PyTorch weights load unchanged.
 #pragma once
 #include <torch/torch.h>
 
@@ -37,7 +37,14 @@ class IResNet : public Backbone {
   IResNet(std::vector<int64_t> layers, BackboneOptions options);
   torch::Tensor forward(torch::Tensor images) override;
 
+  // With checkpointing, stage `stage` (0-based) runs as this many segments, all but the last
+  // recomputed in backward (torch.utils.checkpoint_sequential's split): layer2 in 20 and
+  // layer3 in 100 as arcface_torch's r2060, at most one block per segment; 0: not split.
+  static int64_t checkpoint_segments(size_t stage, int64_t blocks);
+
  private:
+  torch::Tensor run_stage(std::vector<IBasicBlock>& stage, int64_t segments, torch::Tensor x);
+
   torch::nn::Conv2d conv1_{nullptr};
   NormLayer bn1_{nullptr};
   torch::nn::PReLU prelu_{nullptr};
@@ -47,8 +54,8 @@ class IResNet : public Backbone {
   NormLayer features_{nullptr};
 };
 
-// Blocks per stage of a named iresnet ("r18", "r34", "r50", "r100", "r200"); empty if the
-// name is not an iresnet.
+// Blocks per stage of a named iresnet ("r18", "r34", "r50", "r100", "r200", "r2060"); empty
+// if the name is not an iresnet.
 std::vector<int64_t> iresnet_layers(const std::string& name);
 
 }  // namespace faceshard

@@ -40,6 +40,13 @@ torch::Tensor counted_linear(const torch::nn::Linear& fc, const torch::Tensor& x
   return y;
 }
 
+torch::Tensor counted_matmul(const torch::Tensor& a, const torch::Tensor& b) {
+  torch::Tensor y = torch::matmul(a, b);
+  // Each output element is a dot product of length a.size(-1).
+  if (g_mac_tally) *g_mac_tally += y.numel() / y.size(0) * a.size(-1);
+  return y;
+}
+
 int64_t count_macs(Backbone& model, int64_t height, int64_t width) {
   const bool was_training = model.is_training();
   model.eval();

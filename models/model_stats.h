@@ -17,14 +17,17 @@ struct ParameterCount {
 };
 ParameterCount count_parameters(const torch::nn::Module& model);
 
-// Conv2d and Linear MACs of one forward of a single height x width image (BN, PReLU and
-// additions are not counted, matching the "GFLOPs" insightface publishes from ptflops).
+// Conv2d, Linear and attention-matmul MACs of one forward of a single height x width image
+// (BN, LayerNorm, activations, softmax and additions are not counted). For the CNNs this is
+// the "GFLOPs" insightface publishes from ptflops; for the ViTs it adds the q.k and attn.v
+// products as arcface_torch's extra_gflops does.
 // Runs one eval-mode forward without autograd on the model's device; restores train mode.
 int64_t count_macs(Backbone& model, int64_t height = 112, int64_t width = 112);
 
-// The layer calls the backbones use; identical to conv->forward(x) / fc->forward(x)
-// except for the tally.
+// The layer calls the backbones use; identical to conv->forward(x) / fc->forward(x) /
+// torch::matmul(a, b) except for the tally. Batched inputs count per sample (dim 0).
 torch::Tensor counted_conv(const torch::nn::Conv2d& conv, const torch::Tensor& x);
 torch::Tensor counted_linear(const torch::nn::Linear& fc, const torch::Tensor& x);
+torch::Tensor counted_matmul(const torch::Tensor& a, const torch::Tensor& b);
 
 }  // namespace faceshard

@@ -1,7 +1,8 @@
 // The batch-normalisation layer of faceshard's backbones: BatchNorm1d/2d semantics and
 // parameter names, plus a replaceable forward so that a distributed runtime can turn it
 // into SyncBatchNorm after the model is built (LibTorch's BatchNorm forward is not virtual
-// and parents call their members directly, so swapping modules would not be seen).
+// and parents call their members directly, so swapping modules would not be seen). When a
+// checkpointed segment reruns in backward it normalises without updating its statistics.
 #pragma once
 #include <functional>
 

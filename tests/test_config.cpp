@@ -1,6 +1,7 @@
 // Config system: inheritance order, --set overrides, and one-line errors naming file and key.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 
@@ -269,6 +270,76 @@ TEST(Config, PresetsMatchTheirDataSets) {
       }
   }
   EXPECT_EQ(n, 10);
+
+  // The ViT jobs: arcface_torch's AdamW recipe (lr 1e-3 and weight decay 0.1 for backbone
+  // and classifier, warm-up a tenth of 40 epochs), inherited from the ViT-T preset, which
+  // takes WebFace42M, CosFace 0.4 and Partial FC 0.3 from wf42m_pfc03_r100.
+  struct Vit {
+    std::string name, backbone;
+    int64_t batch, accumulation, epochs;
+    double warmup, sample_rate;
+  };
+  const std::vector<std::string> known = backbone_names();
+  for (const Vit& v : std::vector<Vit>{{"wf42m_pfc03_40epoch_8gpu_vit_t", "vit_t_dp005_mask0", 512, 1, 40, 4, 0.3},
+                                       {"wf42m_pfc03_40epoch_64gpu_vit_s", "vit_s_dp005_mask_0", 384, 1, 40, 4, 0.3},
+                                       {"wf42m_pfc03_40epoch_8gpu_vit_b", "vit_b_dp005_mask_005", 256, 12, 40, 4, 0.3},
+                                       {"wf42m_pfc03_40epoch_64gpu_vit_l", "vit_l_dp005_mask_005", 384, 1, 40, 4, 0.3},
+                                       {"wf42m_pfc02_vit_h", "vit_h", 768, 1, 16, 2, 0.5}}) {
+    SCOPED_TRACE(v.name);
+    const std::string path = std::string(FACESHARD_SOURCE_DIR) + "/configs/" + v.name + ".yaml";
+    ASSERT_TRUE(std::filesystem::exists(path));
+    const Config c = load_config(path);
+    EXPECT_EQ(c.model.backbone, v.backbone);
+    EXPECT_NE(std::find(known.begin(), known.end(), v.backbone), known.end());
+    EXPECT_FALSE(c.model.checkpointing.has_value());  // the network's default (on for b, l, h)
+    EXPECT_EQ(c.data.batch_size, v.batch);
+    EXPECT_EQ(c.optim.grad_accumulation, v.accumulation);
+    EXPECT_EQ(c.optim.epochs, v.epochs);
+    EXPECT_EQ(c.optim.warmup_epochs, v.warmup);
+    EXPECT_EQ(c.loss.sample_rate, v.sample_rate);
+    EXPECT_EQ(c.optim.optimizer, "adamw");
+    EXPECT_EQ(c.optim.classifier_optimizer(), "adamw");
+    EXPECT_EQ(c.optim.lr, 0.001);
+    EXPECT_EQ(c.optim.classifier_lr(), 0.001);
+    EXPECT_EQ(c.optim.weight_decay, 0.1);
+    EXPECT_EQ(c.optim.classifier_weight_decay(), 0.1);
+    EXPECT_EQ(c.optim.grad_clip, 5.0);
+    EXPECT_EQ(c.data.num_classes, 2059906);
+    EXPECT_EQ(c.data.num_images, 42474557);
+    EXPECT_EQ(c.loss.margin, (std::vector<double>{1.0, 0.0, 0.4}));
+    EXPECT_EQ(c.loss.scale, 64.0);
+    EXPECT_EQ(c.model.embedding_size, 512);
+    EXPECT_TRUE(c.data.val_targets.empty());
+    EXPECT_EQ(c.train.precision, "bf16");
+    EXPECT_EQ(c.output, "work_dirs/" + v.name);
+  }
+}
+
+TEST(Config, CheckpointingIsOptional) {
+  EXPECT_FALSE(load_config_text("data:\n  num_classes: 10\n", "mem.yaml").model.checkpointing.has_value());
+  const Config on = load_config_text("data:\n  num_classes: 10\nmodel:\n  checkpointing: true\n", "mem.yaml");
+  ASSERT_TRUE(on.model.checkpointing.has_value());
+  EXPECT_TRUE(*on.model.checkpointing);
+  const Config off = load_config_text("data:\n  num_classes: 10\n", "mem.yaml", {"model.checkpointing=false"});
+  ASSERT_TRUE(off.model.checkpointing.has_value());
+  EXPECT_FALSE(*off.model.checkpointing);
+  expect_usage_error([] { load_config_text("data:\n  num_classes: 10\nmodel:\n  checkpointing: sometimes\n", "mem.yaml"); },
+                     {"mem.yaml", "model.checkpointing", "true or false"});
+  // Printed and read back: set stays set, unset stays unset (null).
+  for (const Config* c : {&on, &off}) {
+    const Config back = load_config_text(config_to_yaml(*c), "printed.yaml");
+    EXPECT_EQ(back.model.checkpointing, c->model.checkpointing);
+  }
+  EXPECT_FALSE(load_config_text(config_to_yaml(load_config_text("data:\n  num_classes: 10\n", "m.yaml")), "p.yaml")
+                   .model.checkpointing.has_value());
+  // The backbone's refusal names the config key.
+  const Config mbf = load_config_text("data:\n  num_classes: 10\nmodel:\n  backbone: mbf\n  checkpointing: true\n", "job.yaml");
+  BackboneOptions bo;
+  bo.name = mbf.model.backbone;
+  bo.checkpointing = mbf.model.checkpointing;
+  expect_usage_error(
+      [&] { with_config_keys(mbf, {{"checkpointing", "model.checkpointing"}}, [&] { return make_backbone(bo); }); },
+      {"job.yaml", "key 'model.checkpointing'", "MobileFaceNet"});
 }
 }  // namespace
 }  // namespace faceshard

@@ -1,6 +1,7 @@
-// Tests of models/: the iresnet and MobileFaceNet backbones, their registry, parameter and
-// MAC counts against closed forms, and weight interchange with Python torch both ways
-// against an independent reference written here with torch.nn.functional ops.
+// Tests of models/: the iresnet, MobileFaceNet and ViT backbones, their registry, parameter
+// and MAC counts against closed forms, weight interchange with Python torch both ways
+// against an independent reference written here with torch.nn.functional ops, and
+// activation checkpointing against the plain backward.
 #include <ATen/autocast_mode.h>
 #include <caffe2/serialize/inline_container.h>
 #include <gtest/gtest.h>
@@ -12,14 +13,17 @@
 #include <chrono>
 #include <cmath>
 #include <map>
+#include <set>
 #include <sstream>
 
 #include "models/backbone.h"
 #include "models/backbone_registry.h"
+#include "models/checkpoint.h"
 #include "models/iresnet.h"
 #include "models/model_stats.h"
 #include "models/norm_layer.h"
 #include "models/state_dict_io.h"
+#include "models/vit.h"
 #include "partial_fc/runtime/error.h"
 #include "tests/harness.h"
 
@@ -33,6 +37,8 @@ const char* kReferenceScript = R"PY(
 # Modes:
 #   make  <dir> <arch> <emb> : random weights (torch.save'd OrderedDict), an input batch,
 #                              eval/train embeddings and the state after one train step
+#                              (train mode draws its random numbers after manual_seed(77),
+#                              in the order the C++ model draws them)
 #   check <dir> <arch> <emb> : load faceshard's export with torch.load, check keys/shapes,
 #                              recompute its embeddings, re-save the weights for C++
 #   misc  <dir>              : write/check the small format cases (views, dtypes, errors)
@@ -43,6 +49,13 @@ import torch.nn.functional as F
 IRESNET = {"r18": [2, 2, 2, 2], "r34": [3, 4, 6, 3], "r50": [3, 4, 14, 3],
            "r100": [3, 13, 30, 3], "r200": [6, 26, 60, 6]}
 MBF = {"mbf": ((1, 4, 6, 2), 2), "mbf_large": ((2, 8, 12, 4), 4)}
+# dim, depth, heads, drop path of the last block, mask ratio (arcface_torch's variants)
+VIT = {"vit_t": (256, 12, 8, 0.1, 0.1), "vit_t_dp005_mask0": (256, 12, 8, 0.05, 0.0),
+       "vit_s": (512, 12, 8, 0.1, 0.1), "vit_s_dp005_mask_0": (512, 12, 8, 0.05, 0.0),
+       "vit_b": (512, 24, 8, 0.1, 0.1), "vit_b_dp005_mask_005": (512, 24, 8, 0.05, 0.05),
+       "vit_l_dp005_mask_005": (768, 24, 8, 0.05, 0.05), "vit_h": (1024, 48, 8, 0.1, 0.0)}
+TOKENS = 144  # (112 // 9) ** 2 patches of 9x9
+TRAIN_SEED = 77
 
 
 class Spec:
@@ -61,6 +74,10 @@ class Spec:
 
     def prelu(self, n, c):
         self.entries.append((n + ".weight", (c,), "prelu"))
+
+    def ln(self, n, c):
+        self.entries.append((n + ".weight", (c,), "ln_w"))
+        self.entries.append((n + ".bias", (c,), "bias"))
 
     def linear(self, n, cout, cin, bias):
         self.entries.append((n + ".weight", (cout, cin), "linear"))
@@ -112,9 +129,29 @@ def mbf_spec(blocks, scale, emb):
     return s
 
 
+def vit_spec(cfg, emb):
+    d, depth = cfg[0], cfg[1]
+    s = Spec()
+    s.entries.append(("pos_embed", (1, TOKENS, d), "token"))
+    s.entries.append(("mask_token", (1, 1, d), "token"))
+    s.conv("patch_embed.proj", d, 3, 9)
+    s.entries.append(("patch_embed.proj.bias", (d,), "bias"))
+    for i in range(depth):
+        p = "blocks.%d." % i
+        s.ln(p + "norm1", d); s.ln(p + "norm2", d)
+        s.linear(p + "attn.qkv", 3 * d, d, False); s.linear(p + "attn.proj", d, d, True)
+        s.linear(p + "mlp.fc1", 4 * d, d, True); s.linear(p + "mlp.fc2", d, 4 * d, True)
+    s.ln("norm", d)
+    s.linear("feature.0", d, TOKENS * d, False); s.bn("feature.1", d)
+    s.linear("feature.2", emb, d, False); s.bn("feature.3", emb)
+    return s
+
+
 def spec_for(arch, emb):
     if arch in IRESNET:
         return iresnet_spec(IRESNET[arch], emb)
+    if arch in VIT:
+        return vit_spec(VIT[arch], emb)
     return mbf_spec(*MBF[arch], emb)
 
 
@@ -125,7 +162,7 @@ class Ops:
 
     def conv(self, n, x, stride, pad, groups=1):
         w = self.sd[n + ".weight"]
-        y = F.conv2d(x, w, None, stride, pad, 1, groups)
+        y = F.conv2d(x, w, self.sd.get(n + ".bias"), stride, pad, 1, groups)
         self.macs += y[0].numel() * w.shape[1] * w.shape[2] * w.shape[3]
         return y
 
@@ -135,12 +172,17 @@ class Ops:
         self.macs += y[0].numel() * w.shape[1]
         return y
 
-    def bn(self, n, x):
+    def matmul(self, a, b):
+        y = a @ b
+        self.macs += y[0].numel() * a.shape[-1]
+        return y
+
+    def bn(self, n, x, eps=1e-5):
         sd = self.sd
         if self.training:
             sd[n + ".num_batches_tracked"] += 1
         return F.batch_norm(x, sd[n + ".running_mean"], sd[n + ".running_var"], sd[n + ".weight"],
-                            sd[n + ".bias"], self.training, 0.1, 1e-5)
+                            sd[n + ".bias"], self.training, 0.1, eps)
 
     def prelu(self, n, x):
         return F.prelu(x, self.sd[n + ".weight"])
@@ -184,10 +226,59 @@ def mbf_forward(o, blocks, x):
     return o.bn("features.layers.3", o.linear("features.layers.2", torch.flatten(x, 1)))
 
 
+def vit_forward(o, cfg, x):
+    d, depth, heads, drop_path, mask_ratio = cfg
+    sd, training = o.sd, o.training
+    x = o.conv("patch_embed.proj", x, 9, 0)  # 112 -> 12x12 patches, the last 4 pixels unused
+    b = x.shape[0]
+    x = x.flatten(2).transpose(1, 2) + sd["pos_embed"]
+    n_all = x.shape[1]
+    restore = None
+    if training and mask_ratio > 0:
+        # Each sample keeps a random subset of its tokens (a random permutation's first part).
+        keep = int(n_all * (1 - mask_ratio))
+        order = torch.argsort(torch.rand(b, n_all), dim=1)
+        restore = torch.argsort(order, dim=1)
+        x = torch.gather(x, 1, order[:, :keep].unsqueeze(-1).repeat(1, 1, d))
+    rates = [r.item() for r in torch.linspace(0, drop_path, depth)]
+
+    def drop(y, rate):  # stochastic depth: whole samples, survivors scaled by 1/keep
+        if not training or rate <= 0:
+            return y
+        m = y.new_empty((y.shape[0],) + (1,) * (y.dim() - 1)).bernoulli_(1 - rate)
+        return y * m.div_(1 - rate)
+
+    def ln(n, y):
+        return F.layer_norm(y, (d,), sd[n + ".weight"], sd[n + ".bias"], 1e-5)
+
+    for i in range(depth):
+        p = "blocks.%d." % i
+        y = ln(p + "norm1", x)
+        n = y.shape[1]
+        qkv = o.linear(p + "attn.qkv", y).reshape(b, n, 3, heads, d // heads).permute(2, 0, 3, 1, 4)
+        att = (o.matmul(qkv[0], qkv[1].transpose(-2, -1)) * (d // heads) ** -0.5).softmax(-1)
+        y = o.linear(p + "attn.proj", o.matmul(att, qkv[2]).transpose(1, 2).reshape(b, n, d))
+        x = x + drop(y, rates[i])
+        y = o.linear(p + "mlp.fc2", F.relu6(o.linear(p + "mlp.fc1", ln(p + "norm2", x))))
+        x = x + drop(y, rates[i])
+    x = ln("norm", x)
+    if restore is not None:
+        x = torch.cat([x, sd["mask_token"].repeat(b, n_all - x.shape[1], 1)], 1)
+        x = torch.gather(x, 1, restore.unsqueeze(-1).repeat(1, 1, d))
+    x = x.reshape(b, n_all * d)
+    x = o.bn("feature.1", o.linear("feature.0", x), 2e-5)
+    return o.bn("feature.3", o.linear("feature.2", x), 2e-5)
+
+
 def forward(arch, sd, x, training):
     o = Ops(sd, training)
     with torch.no_grad():
-        y = iresnet_forward(o, IRESNET[arch], x) if arch in IRESNET else mbf_forward(o, MBF[arch][0], x)
+        if arch in IRESNET:
+            y = iresnet_forward(o, IRESNET[arch], x)
+        elif arch in VIT:
+            y = vit_forward(o, VIT[arch], x)
+        else:
+            y = mbf_forward(o, MBF[arch][0], x)
     return y, o.macs
 
 
@@ -199,8 +290,10 @@ def random_weights(spec, g):
             for d in shape[1:]:
                 fan_in *= d
             t = torch.randn(shape, generator=g) * (1.0 / fan_in) ** 0.5
-        elif kind == "bn_w" or kind == "rv":
+        elif kind in ("bn_w", "rv", "ln_w"):
             t = torch.rand(shape, generator=g) * 0.5 + 0.75
+        elif kind == "token":
+            t = torch.randn(shape, generator=g) * 0.5
         elif kind in ("bn_b", "rm", "bias"):
             t = torch.randn(shape, generator=g) * 0.1
         elif kind == "prelu":
@@ -224,6 +317,7 @@ def make(d, arch, emb):
     sd64 = collections.OrderedDict((k, v.double() if v.is_floating_point() else v) for k, v in sd.items())
     y_eval, macs = forward(arch, sd64, x.double(), False)
     after = collections.OrderedDict((k, v.clone()) for k, v in sd64.items())
+    torch.manual_seed(TRAIN_SEED)
     y_train, _ = forward(arch, after, x.double(), True)
     torch.save(after, d + "/py_after_train.pt")
     torch.save({"input": x, "eval": y_eval, "train": y_train}, d + "/py_io.pt")
@@ -404,16 +498,67 @@ int64_t iresnet_macs(const std::vector<int64_t>& layers, int64_t emb) {
   return m + 512 * 49 * emb;
 }
 
+// dim and depth of arcface_torch's ViT variants (backbones/__init__.py).
+struct VitArch {
+  int64_t dim, depth;
+};
+const std::map<std::string, VitArch> kVitArch = {
+    {"vit_t", {256, 12}},  {"vit_t_dp005_mask0", {256, 12}},    {"vit_s", {512, 12}},
+    {"vit_s_dp005_mask_0", {512, 12}}, {"vit_b", {512, 24}},   {"vit_b_dp005_mask_005", {512, 24}},
+    {"vit_l_dp005_mask_005", {768, 24}}, {"vit_h", {1024, 48}}};
+constexpr int64_t kTokens = 144;  // (112 / 9)^2 patches
+
+int64_t vit_params(const VitArch& a, int64_t emb) {
+  const int64_t d = a.dim;
+  const int64_t block = 2 * 2 * d            // norm1, norm2
+                        + 3 * d * d          // qkv, no bias
+                        + d * d + d          // proj
+                        + 4 * d * d + 4 * d  // fc1
+                        + 4 * d * d + d;     // fc2
+  return kTokens * d + d                   // pos_embed, mask_token
+         + 3 * 9 * 9 * d + d                // patch conv
+         + a.depth * block + 2 * d          // blocks, norm
+         + kTokens * d * d + 2 * d + d * emb + 2 * emb;  // feature: Linear, BN, Linear, BN
+}
+
+int64_t vit_macs(const VitArch& a, int64_t emb) {
+  const int64_t d = a.dim, n = kTokens;
+  // Per block: qkv 3nd^2, proj nd^2, MLP 8nd^2; q.k^T and attn.v n^2 d each.
+  return n * d * 3 * 81 + a.depth * (12 * n * d * d + 2 * n * n * d) + n * d * d + d * emb;
+}
+
+// The networks too large for a CPU forward/backward in CI (3 GB and 4.5 GB of weights):
+// vit_h gets an eval forward of one image, r2060 a parameter count from its blocks.
+bool heavy(const std::string& name) { return name == "vit_h" || name == "r2060"; }
+
 // ---- registry --------------------------------------------------------------------------
 
 TEST(ModelsRegistry, NamesOptionsAndErrors) {
-  const std::vector<std::string> want = {"r18", "r34", "r50", "r100", "r200", "mbf", "mbf_large"};
+  const std::vector<std::string> want = {"r18",
+                                         "r34",
+                                         "r50",
+                                         "r100",
+                                         "r200",
+                                         "r2060",
+                                         "mbf",
+                                         "mbf_large",
+                                         "vit_t",
+                                         "vit_t_dp005_mask0",
+                                         "vit_s",
+                                         "vit_s_dp005_mask_0",
+                                         "vit_b",
+                                         "vit_b_dp005_mask_005",
+                                         "vit_l_dp005_mask_005",
+                                         "vit_h"};
   EXPECT_EQ(backbone_names(), want);
   auto r18 = make_backbone(opts("r18", 128));
   EXPECT_EQ(r18->embedding_size(), 128);
   EXPECT_NE(dynamic_cast<IResNet*>(r18.get()), nullptr);
+  EXPECT_FALSE(r18->checkpointing());
+
 
   std::string msg = error_of([] { make_backbone(opts("r51")); });
+  EXPECT_NE(msg.find("vit_h"), std::string::npos) << msg;
   EXPECT_NE(msg.find("'r51'"), std::string::npos) << msg;
   EXPECT_NE(msg.find("r50"), std::string::npos) << msg;
   msg = error_of([] { make_backbone(opts("r50", 0)); });
@@ -440,6 +585,61 @@ TEST(ModelsRegistry, NamesOptionsAndErrors) {
   EXPECT_NE(msg.find("[1,3,64,64]"), std::string::npos) << msg;
   msg = error_of([&] { r18->forward(torch::zeros({1, 3, 112, 112})); });
   EXPECT_NE(msg.find("batch of at least 2"), std::string::npos) << msg;
+
+  // arcface_torch's variant settings (backbones/__init__.py): drop path of the last block,
+  // mask ratio, and activation checkpointing (its using_checkpoint) as the default.
+  struct Want {
+    std::string name;
+    int64_t dim, depth;
+    double drop_path, mask;
+    bool checkpointing;
+  };
+  for (const Want& w : std::vector<Want>{{"vit_t", 256, 12, 0.1, 0.1, false},
+                                         {"vit_t_dp005_mask0", 256, 12, 0.05, 0.0, false},
+                                         {"vit_s", 512, 12, 0.1, 0.1, false},
+                                         {"vit_s_dp005_mask_0", 512, 12, 0.05, 0.0, false},
+                                         {"vit_b", 512, 24, 0.1, 0.1, true},
+                                         {"vit_b_dp005_mask_005", 512, 24, 0.05, 0.05, true},
+                                         {"vit_l_dp005_mask_005", 768, 24, 0.05, 0.05, true},
+                                         {"vit_h", 1024, 48, 0.1, 0.0, true}}) {
+    SCOPED_TRACE(w.name);
+    const auto v = vit_variant(w.name);
+    ASSERT_TRUE(v.has_value());
+    EXPECT_EQ(v->dim, w.dim);
+    EXPECT_EQ(v->depth, w.depth);
+    EXPECT_EQ(v->heads, 8);
+    EXPECT_EQ(v->drop_path, w.drop_path);
+    EXPECT_EQ(v->mask_ratio, w.mask);
+    EXPECT_EQ(v->checkpointing, w.checkpointing);
+  }
+  EXPECT_FALSE(vit_variant("vit_x").has_value());
+  auto vit = make_backbone(opts("vit_t", 128));
+  EXPECT_NE(dynamic_cast<VisionTransformer*>(vit.get()), nullptr);
+  EXPECT_FALSE(vit->checkpointing());
+  {
+    auto o = opts("vit_t");
+    o.checkpointing = true;
+    EXPECT_TRUE(make_backbone(o)->checkpointing());
+    o = opts("r18");
+    o.checkpointing = true;
+    EXPECT_TRUE(make_backbone(o)->checkpointing());
+  }
+  // ViTs take exactly 112x112 (144 position embeddings); no dropout layer, like MobileFaceNet.
+  msg = error_of([&] { vit->forward(torch::zeros({2, 3, 108, 108})); });
+  EXPECT_NE(msg.find("[2,3,108,108]"), std::string::npos) << msg;
+  msg = error_of([] {
+    auto o = opts("vit_s");
+    o.dropout = 0.1;
+    make_backbone(o);
+  });
+  EXPECT_NE(msg.find("no dropout"), std::string::npos) << msg;
+  msg = error_of([] {
+    auto o = opts("mbf");
+    o.checkpointing = true;
+    make_backbone(o);
+  });
+  EXPECT_NE(msg.find("checkpointing"), std::string::npos) << msg;
+  EXPECT_EQ(iresnet_layers("r2060"), (std::vector<int64_t>{3, 128, 1024 - 128, 3}));
 }
 
 // ---- sizes -----------------------------------------------------------------------------
@@ -472,6 +672,61 @@ TEST(ModelsStats, IresnetMacsMatchClosedForm) {
     const double published = name == "r18" ? 2.6 : name == "r50" ? 6.3 : 12.1;
     EXPECT_NEAR(macs / 1e9, published, 0.05);
   }
+}
+
+TEST(ModelsStats, VitParameterCountsAndMacsMatchArcfaceTorch) {
+  // sum(p.numel() for p in model.parameters()) of arcface_torch's models, num_features 512.
+  const std::map<std::string, int64_t> arcface_torch = {{"vit_t", 19137792},
+                                                        {"vit_s", 76023296},
+                                                        {"vit_b", 113833472},
+                                                        {"vit_l_dp005_mask_005", 255684352},
+                                                        {"vit_h", 756393984}};
+  // arcface_torch's README "GFLOPs" (MACs with the attention products): 1.5, 5.7, 11.4, 25.3.
+  const std::map<std::string, double> published_g = {
+      {"vit_t", 1.5}, {"vit_s", 5.7}, {"vit_b", 11.4}, {"vit_l_dp005_mask_005", 25.3}};
+  for (const auto& name : vit_names()) {
+    SCOPED_TRACE(name);
+    const VitArch& a = kVitArch.at(name);
+    if (arcface_torch.count(name)) {
+      EXPECT_EQ(vit_params(a, 512), arcface_torch.at(name));
+    }
+    if (name == "vit_h") continue;  // built in BackboneForward.VitHugeEvalForwardOfOne
+    auto model = make_backbone(opts(name));
+    const auto c = count_parameters(*model);
+    EXPECT_EQ(c.total, vit_params(a, 512));
+    // Nothing frozen but the mask token of the variants that never mask.
+    EXPECT_EQ(c.trainable, c.total - (vit_variant(name)->mask_ratio > 0 ? 0 : a.dim));
+    const int64_t macs = count_macs(*model);
+    EXPECT_EQ(macs, vit_macs(a, 512));
+    std::cout << "[models] " << name << " parameters " << c.total << ", MACs " << macs << "\n";
+    if (published_g.count(name)) {
+      EXPECT_NEAR(macs / 1e9, published_g.at(name), 0.05);
+    }
+  }
+  auto small = make_backbone(opts("vit_t", 128));
+  EXPECT_EQ(count_parameters(*small).total, vit_params(kVitArch.at("vit_t"), 128));
+  EXPECT_EQ(count_macs(*small), vit_macs(kVitArch.at("vit_t"), 128));
+}
+
+TEST(ModelsStats, R2060ParameterCountFromItsBlocks) {
+  // r2060 is 4.5 GB of weights: its count is taken from the real modules without building
+  // it whole. Layer3's 896 blocks after the first are identical 256->256 blocks, so r2060 =
+  // the same network with one layer3 block + 895 such blocks.
+  const std::vector<int64_t> layers = iresnet_layers("r2060");
+  ASSERT_EQ(layers, (std::vector<int64_t>{3, 128, 896, 3}));
+  IResNet one_in_layer3({layers[0], layers[1], 1, layers[3]}, opts("r2060"));
+  IBasicBlock block(256, 256, 1);
+  const int64_t total = count_parameters(one_in_layer3).total + (layers[2] - 1) * count_parameters(*block).total;
+  EXPECT_EQ(total, 1122301120);  // arcface_torch's iresnet2060
+  EXPECT_EQ(total, iresnet_params(layers, 512));
+  const int64_t block_macs = 2 * 256 * 256 * 9 * 14 * 14;  // two 3x3 convs at 14x14
+  EXPECT_EQ(count_macs(one_in_layer3) + (layers[2] - 1) * block_macs, iresnet_macs(layers, 512));
+  std::cout << "[models] r2060 parameters " << total << ", MACs " << iresnet_macs(layers, 512) << "\n";
+  // Checkpointed as arcface_torch: layer2 in 20 segments, layer3 in 100.
+  EXPECT_EQ(IResNet::checkpoint_segments(1, 128), 20);
+  EXPECT_EQ(IResNet::checkpoint_segments(2, 896), 100);
+  EXPECT_EQ(IResNet::checkpoint_segments(0, 3), 0);
+  EXPECT_EQ(IResNet::checkpoint_segments(3, 3), 0);
 }
 
 // ---- interchange with Python -----------------------------------------------------------
@@ -518,11 +773,13 @@ TEST_P(BackboneInterchange, PythonWeightsGiveSameEmbeddings) {
   }
   EXPECT_LT(testing::relative_error(y_eval, lookup(io, "eval"), testing::ErrorNorm::Max), 1e-9);
 
-  // Train mode: batch statistics in every BN, and the same running-stat updates.
+  // Train mode: batch statistics in every BN, and the same running-stat updates; the ViTs'
+  // token masking and drop path draw the reference's random numbers (same seed, same order).
   model->train();
   torch::Tensor y_train;
   {
     torch::NoGradGuard no_grad;
+    torch::manual_seed(77);
     y_train = model->forward(x);
   }
   EXPECT_LT(testing::relative_error(y_train, lookup(io, "train"), testing::ErrorNorm::Max), 1e-9);
@@ -570,7 +827,8 @@ TEST_P(BackboneInterchange, ExportLoadsInPython) {
 
 INSTANTIATE_TEST_SUITE_P(Backbone, BackboneInterchange,
                          ::testing::Values(ArchCase{"r18", 256}, ArchCase{"r50", 512},
-                                           ArchCase{"mbf", 512}, ArchCase{"mbf_large", 128}),
+                                           ArchCase{"mbf", 512}, ArchCase{"mbf_large", 128},
+                                           ArchCase{"vit_t", 512}),
                          [](const auto& info) { return info.param.name + "_" + std::to_string(info.param.emb); });
 
 // ---- file format edge cases and bad input ----------------------------------------------
@@ -717,7 +975,13 @@ TEST_P(BackboneForward, TrainAndEvalOnCpu) {
     const std::string& k = kp.key();
     const torch::Tensor& p = kp.value();
     if (!p.requires_grad()) {
-      EXPECT_EQ(k, "features.weight");  // iresnet's frozen embedding-BN scale
+      // iresnet's frozen embedding-BN scale; the mask token of ViTs that do not mask.
+      const auto vit = vit_variant(GetParam());
+      if (k == "mask_token") {
+        EXPECT_TRUE(vit && vit->mask_ratio == 0.0) << GetParam();
+      } else {
+        EXPECT_EQ(k, "features.weight");
+      }
       EXPECT_FALSE(p.grad().defined());
       continue;
     }
@@ -727,7 +991,7 @@ TEST_P(BackboneForward, TrainAndEvalOnCpu) {
   int moved = 0;
   for (const auto& [k, v] : model->state_dict())
     if (k.find("running_mean") != std::string::npos && !torch::equal(v, saved.at(k))) ++moved;
-  EXPECT_GT(moved, 10);
+  EXPECT_EQ(moved, bn_keys);  // every BN (the ViTs have two, in the head)
   EXPECT_EQ(lookup(model->state_dict(), before.back().first.substr(0, before.back().first.rfind('.')) +
                                             ".num_batches_tracked")
                 .item<int64_t>(),
@@ -746,8 +1010,100 @@ TEST_P(BackboneForward, TrainAndEvalOnCpu) {
   EXPECT_GT(testing::relative_error(model->forward(x), e1, testing::ErrorNorm::Max), 1e-3);
 }
 
-INSTANTIATE_TEST_SUITE_P(Backbone, BackboneForward, ::testing::ValuesIn(backbone_names()),
+std::vector<std::string> ci_sized_backbones() {
+  std::vector<std::string> names;
+  for (const auto& n : backbone_names())
+    if (!heavy(n)) names.push_back(n);
+  return names;
+}
+
+INSTANTIATE_TEST_SUITE_P(Backbone, BackboneForward, ::testing::ValuesIn(ci_sized_backbones()),
                          [](const auto& info) { return info.param; });
+
+TEST(BackboneForward, VitHugeEvalForwardOfOne) {
+  // 756M parameters: built, counted, and one eval forward (which count_macs is) on the CPU.
+  auto model = make_backbone(opts("vit_h"));
+  EXPECT_EQ(count_parameters(*model).total, vit_params(kVitArch.at("vit_h"), 512));
+  EXPECT_EQ(count_parameters(*model).total, 756393984);
+  EXPECT_TRUE(model->checkpointing());
+  model->eval();
+  torch::manual_seed(3);
+  torch::Tensor y;
+  {
+    torch::NoGradGuard no_grad;
+    y = model->forward(torch::randn({1, 3, 112, 112}));
+  }
+  ASSERT_EQ(y.sizes(), (std::vector<int64_t>{1, 512}));
+  EXPECT_TRUE(torch::isfinite(y).all().item<bool>());
+  EXPECT_GT(y.abs().max().item<double>(), 0.0);
+}
+
+// Block i of a ViT (for its drop-path rate).
+VitBlockImpl& vit_block(Backbone& m, int i) {
+  auto found = m.named_modules()["blocks." + std::to_string(i)];
+  return *found->as<VitBlockImpl>();
+}
+
+// Train mode everywhere but the head's BatchNorms, so that differences come from the blocks.
+void train_blocks_only(Backbone& m) {
+  m.train();
+  for (auto& mod : m.modules())
+    if (auto* bn = dynamic_cast<NormLayerImpl*>(mod.get())) bn->eval();
+}
+
+TEST(BackboneForward, VitDropPathAndMaskingOnlyInTraining) {
+  // Small ViTs (dim 64, depth 4) with one regulariser at a time and the same weights.
+  auto make = [](double drop_path, double mask) {
+    return std::make_shared<VisionTransformer>(VitVariant{64, 4, 4, drop_path, mask, false}, opts("vit_t"));
+  };
+  auto plain = make(0.0, 0.0), dropping = make(0.5, 0.0), masking = make(0.0, 0.5);
+  randomise_state(*plain, 21);
+  {
+    torch::NoGradGuard no_grad;
+    for (auto* m : {dropping.get(), masking.get()})
+      for (auto& [k, v] : m->state_dict()) v.copy_(lookup(plain->state_dict(), k));
+  }
+  // Stochastic depth rises linearly from 0 (first block) to the variant's rate (last).
+  for (int i = 0; i < 4; ++i)
+    EXPECT_NEAR(vit_block(*dropping, i).drop_path(), 0.5 * i / 3.0, 1e-7) << "block " << i;
+
+  torch::manual_seed(4);
+  // Four copies of one face: without randomness the four embeddings are equal.
+  const torch::Tensor x = torch::randn({1, 3, 112, 112}).expand({4, 3, 112, 112}).contiguous();
+  torch::NoGradGuard no_grad;
+  auto run = [&](Backbone& m, uint64_t seed) {
+    torch::manual_seed(seed);
+    return m.forward(x);
+  };
+  plain->eval(), dropping->eval(), masking->eval();
+  const torch::Tensor reference = run(*plain, 1);
+  EXPECT_TRUE(torch::equal(run(*dropping, 1), reference));  // eval: no drop path
+  EXPECT_TRUE(torch::equal(run(*masking, 1), reference));   // eval: no masking
+  train_blocks_only(*plain);
+  EXPECT_TRUE(torch::equal(run(*plain, 1), reference));  // nothing random without them
+  auto rows_differ = [](const torch::Tensor& y) {
+    return testing::relative_error(y[0], y[1], testing::ErrorNorm::Max) > 1e-3 ||
+           testing::relative_error(y[0], y[2], testing::ErrorNorm::Max) > 1e-3;
+  };
+  EXPECT_FALSE(rows_differ(reference));
+  for (auto* m : {dropping.get(), masking.get()}) {
+    SCOPED_TRACE(m == dropping.get() ? "drop path" : "masking");
+    train_blocks_only(*m);
+    const torch::Tensor a = run(*m, 1), b = run(*m, 2), a2 = run(*m, 1);
+    EXPECT_TRUE(torch::equal(a, a2));  // the randomness is the RNG's
+    EXPECT_GT(testing::relative_error(a, b, testing::ErrorNorm::Max), 1e-3);
+    EXPECT_TRUE(rows_differ(a));  // drawn per sample
+  }
+  // The learned mask token stands in for the dropped tokens, in training only.
+  train_blocks_only(*masking);
+  const torch::Tensor train_before = run(*masking, 1);
+  masking->eval();
+  const torch::Tensor eval_before = run(*masking, 1);
+  masking->named_parameters()["mask_token"].add_(1.0);
+  EXPECT_TRUE(torch::equal(run(*masking, 1), eval_before));
+  train_blocks_only(*masking);
+  EXPECT_GT(testing::relative_error(run(*masking, 1), train_before, testing::ErrorNorm::Max), 1e-3);
+}
 
 TEST(BackboneForward, DropoutOnlyInTraining) {
   auto o = opts("r18");
@@ -895,6 +1251,147 @@ TEST(BackboneForward, CudaHalfChannelsLast) {
       }
     }
   }
+}
+
+// ---- activation checkpointing ----------------------------------------------------------
+
+// One training forward/backward: the output, every parameter's and the input's gradient,
+// and the state afterwards (BN statistics).
+struct StepResult {
+  torch::Tensor y, input_grad;
+  std::map<std::string, torch::Tensor> grads, state;
+  int checkpoint_nodes = 0, graph_nodes = 0;
+  // Trainable parameters whose gradient accumulator the graph does not reach (what
+  // DataParallel's unused-parameter walk would mark unused).
+  std::vector<std::string> unreached;
+};
+
+StepResult train_step(Backbone& m, const torch::Tensor& x, const torch::Tensor& w, uint64_t seed) {
+  m.train();
+  m.zero_grad();
+  torch::manual_seed(seed);
+  StepResult r;
+  const torch::Tensor xi = x.clone().requires_grad_(true);
+  r.y = m.forward(xi);
+  // The graph the backward will walk: checkpointed segments are single nodes in it.
+  std::vector<torch::autograd::Node*> stack{r.y.grad_fn().get()};
+  std::set<torch::autograd::Node*> seen;
+  while (!stack.empty()) {
+    auto* n = stack.back();
+    stack.pop_back();
+    if (!n || !seen.insert(n).second) continue;
+    r.checkpoint_nodes += n->name().find("CheckpointFn") != std::string::npos;
+    for (const auto& e : n->next_edges()) stack.push_back(e.function.get());
+  }
+  r.graph_nodes = static_cast<int>(seen.size());
+  for (const auto& kp : m.named_parameters())
+    if (kp.value().requires_grad() && !seen.count(torch::autograd::impl::grad_accumulator(kp.value()).get()))
+      r.unreached.push_back(kp.key());
+  (r.y * w).sum().backward();
+  r.input_grad = xi.grad();
+  for (const auto& kp : m.named_parameters())
+    if (kp.value().requires_grad()) r.grads[kp.key()] = kp.value().grad().clone();
+  for (const auto& [k, v] : m.state_dict()) r.state[k] = v.clone();
+  return r;
+}
+
+struct CheckpointCase {
+  std::string name;
+  int segments;  // checkpointed segments in its graph
+};
+std::ostream& operator<<(std::ostream& os, const CheckpointCase& c) { return os << c.name; }
+
+class Checkpointing : public ::testing::TestWithParam<CheckpointCase> {};
+
+TEST_P(Checkpointing, BackwardEqualsPlainInFloat64) {
+  const auto& c = GetParam();
+  auto plain_opts = opts(c.name), ck_opts = opts(c.name);
+  plain_opts.checkpointing = false;
+  ck_opts.checkpointing = true;
+  auto plain = make_backbone(plain_opts), ck = make_backbone(ck_opts);
+  randomise_state(*plain, 9);
+  {
+    torch::NoGradGuard no_grad;
+    for (auto& [k, v] : ck->state_dict()) v.copy_(lookup(plain->state_dict(), k));
+  }
+  plain->to(torch::kDouble);
+  ck->to(torch::kDouble);
+  torch::manual_seed(8);
+  const torch::Tensor x = torch::randn({2, 3, 112, 112}, torch::kDouble);
+  const torch::Tensor w = torch::randn({2, 512}, torch::kDouble);
+
+  // Same seed: the recomputation must redraw the forward's drop-path masks (ViT) and keep
+  // BN statistics as one forward leaves them (iresnet).
+  const StepResult a = train_step(*plain, x, w, 5), b = train_step(*ck, x, w, 5);
+  EXPECT_EQ(a.checkpoint_nodes, 0);
+  EXPECT_EQ(b.checkpoint_nodes, c.segments);
+  std::cout << "[models] " << c.name << " autograd nodes: plain " << a.graph_nodes << ", checkpointed "
+            << b.graph_nodes << "\n";
+  EXPECT_LT(b.graph_nodes, a.graph_nodes);  // the segments' insides are not kept
+  // The segments' parameters are inputs of their checkpoint nodes, so the walk reaches them.
+  EXPECT_TRUE(a.unreached.empty()) << a.unreached.front();
+  EXPECT_TRUE(b.unreached.empty()) << b.unreached.front();
+  EXPECT_LT(testing::relative_error(b.y, a.y), 1e-12);
+  EXPECT_LT(testing::relative_error(b.input_grad, a.input_grad), 1e-6);
+  ASSERT_EQ(a.grads.size(), b.grads.size());
+  for (const auto& [k, g] : a.grads) EXPECT_LT(testing::relative_error(b.grads.at(k), g), 1e-6) << k;
+  for (const auto& [k, v] : a.state) {
+    if (v.is_floating_point()) {
+      EXPECT_LT(testing::relative_error(b.state.at(k), v, testing::ErrorNorm::Max), 1e-12) << k;
+    } else {
+      EXPECT_TRUE(torch::equal(b.state.at(k), v)) << k;
+    }
+  }
+  // Eval and no-grad forwards are plain.
+  ck->eval();
+  plain->eval();
+  {
+    torch::NoGradGuard no_grad;
+    EXPECT_TRUE(torch::equal(ck->forward(x), plain->forward(x)));
+  }
+  if (c.name.rfind("vit", 0) == 0) {
+    // The comparison has teeth: another seed draws other masks and other gradients.
+    const StepResult other = train_step(*plain, x, w, 6);
+    EXPECT_GT(testing::relative_error(other.grads.at("blocks.11.mlp.fc2.weight"), a.grads.at("blocks.11.mlp.fc2.weight")),
+              1e-3);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Backbone, Checkpointing,
+                         ::testing::Values(CheckpointCase{"vit_t", 12},
+                                           // layer2 and layer3 of r18 have 2 blocks: 2 segments each, the last plain
+                                           CheckpointCase{"r18", 2}),
+                         [](const auto& info) { return info.param.name; });
+
+TEST(Checkpointing, RecomputesUnderTheForwardsAutocast) {
+  // bf16 body: the rerun must use bf16 as the forward did. A rerun in fp32 would differ from
+  // the plain bf16 backward by bf16 rounding (~1e-2), far above the tolerance.
+  auto o = opts("vit_t");
+  o.precision = BodyPrecision::BFloat16;
+  o.checkpointing = false;
+  auto plain = make_backbone(o);
+  o.checkpointing = true;
+  auto ck = make_backbone(o);
+  o.precision = BodyPrecision::Float32;
+  auto fp32 = make_backbone(o);
+  {
+    torch::NoGradGuard no_grad;
+    for (auto* m : {ck.get(), fp32.get()})
+      for (auto& [k, v] : m->state_dict()) v.copy_(lookup(plain->state_dict(), k));
+  }
+  torch::manual_seed(8);
+  const torch::Tensor x = torch::randn({2, 3, 112, 112});
+  const torch::Tensor w = torch::randn({2, 512});
+  const StepResult a = train_step(*plain, x, w, 5), b = train_step(*ck, x, w, 5), f = train_step(*fp32, x, w, 5);
+  EXPECT_EQ(b.checkpoint_nodes, 12);
+  const std::string probe = "blocks.5.attn.qkv.weight";
+  const double same = testing::relative_error(b.grads.at(probe), a.grads.at(probe));
+  const double other = testing::relative_error(f.grads.at(probe), a.grads.at(probe));
+  std::cout << "[models] bf16 checkpointed vs plain " << same << ", fp32 vs bf16 " << other << "\n";
+  EXPECT_LT(same, 1e-5);
+  EXPECT_GT(other, 1e-3);
+  for (const auto& [k, g] : a.grads) EXPECT_LT(testing::relative_error(b.grads.at(k), g), 1e-5) << k;
+  EXPECT_FALSE(at::autocast::is_autocast_enabled(c10::DeviceType::CPU));
 }
 
 }  // namespace

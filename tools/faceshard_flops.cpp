@@ -1,5 +1,6 @@
 // faceshard-flops: parameter counts and multiply-accumulates of the registered backbones,
-// measured on the built models (one 112x112 forward each on the CPU).
+// measured on the built models (one 112x112 forward each on the CPU; the ViTs' MACs include
+// the attention products). vit_h and r2060 take a few GB and seconds each.
 // Usage: faceshard-flops [--embedding N] [name ...]   (default: every registered backbone)
 #include <algorithm>
 #include <cstdio>
@@ -37,7 +38,7 @@ int main(int argc, char** argv) {
       probe.name = name;
       if (std::find(known.begin(), known.end(), name) == known.end()) faceshard::make_backbone(probe);
     }
-    std::printf("%-10s %14s %10s %14s %8s\n", "backbone", "parameters", "M", "MACs@112", "G");
+    std::printf("%-22s %14s %10s %14s %8s\n", "backbone", "parameters", "M", "MACs@112", "G");
     for (const auto& name : names) {
       faceshard::BackboneOptions options;
       options.name = name;
@@ -45,7 +46,7 @@ int main(int argc, char** argv) {
       auto model = faceshard::make_backbone(options);
       const auto params = faceshard::count_parameters(*model);
       const int64_t macs = faceshard::count_macs(*model);
-      std::printf("%-10s %14lld %10.2f %14lld %8.3f\n", name.c_str(), static_cast<long long>(params.total),
+      std::printf("%-22s %14lld %10.2f %14lld %8.3f\n", name.c_str(), static_cast<long long>(params.total),
                   params.total / 1e6, static_cast<long long>(macs), macs / 1e9);
     }
     return 0;

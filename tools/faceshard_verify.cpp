@@ -26,7 +26,7 @@ const char* kUsage =
     "usage: faceshard-verify --model PATH --bin FILE.bin [--bin FILE.bin ...] [options]\n"
     "  --model PATH          faceshard export (folder or model.pt), checkpoint step folder, run\n"
     "                        folder, or a state_dict file such as insightface's backbone.pth\n"
-    "  --network NAME        backbone when the model has no metadata (r18 r34 r50 r100 r200 mbf ...)\n"
+    "  --network NAME        backbone when the model has no metadata (r50, mbf, vit_t, ...: faceshard-flops lists all)\n"
     "  --embedding-size N    embedding size when the model has no metadata (default 512)\n"
     "  --bin FILE            an insightface verification set (.bin); repeatable\n"
     "  --batch N             images per forward pass (default 64)\n"

@@ -234,6 +234,7 @@ class Reader : public FieldVisitor {
   void field(const std::string& p, std::optional<std::string>& v, const FieldSpec& s) override { optional(p, v, s); }
   void field(const std::string& p, std::optional<int64_t>& v, const FieldSpec& s) override { optional(p, v, s); }
   void field(const std::string& p, std::optional<double>& v, const FieldSpec& s) override { optional(p, v, s); }
+  void field(const std::string& p, std::optional<bool>& v, const FieldSpec& s) override { optional(p, v, s); }
 
   // Every key in the files must be one the config knows.
   void check_unknown(const YAML::Node& n, const std::string& path) {
@@ -330,6 +331,7 @@ class Printer : public FieldVisitor {
   void field(const std::string& p, std::optional<std::string>& v, const FieldSpec&) override { optional(p, v); }
   void field(const std::string& p, std::optional<int64_t>& v, const FieldSpec&) override { optional(p, v); }
   void field(const std::string& p, std::optional<double>& v, const FieldSpec&) override { optional(p, v); }
+  void field(const std::string& p, std::optional<bool>& v, const FieldSpec&) override { optional(p, v); }
 
  private:
   template <typename T>
@@ -420,6 +422,7 @@ void Config::visit(FieldVisitor& v) {
   v.field("model.dropout", model.dropout, range(0, 0.99));
   v.field("model.sync_bn", model.sync_bn, none);
   v.field("model.channels_last", model.channels_last, none);
+  v.field("model.checkpointing", model.checkpointing, none);
   v.field("model.init", model.init, none);
 
   FieldSpec margin;

@@ -41,6 +41,7 @@ class FieldVisitor {
   virtual void field(const std::string& path, std::optional<std::string>& v, const FieldSpec& s) = 0;
   virtual void field(const std::string& path, std::optional<int64_t>& v, const FieldSpec& s) = 0;
   virtual void field(const std::string& path, std::optional<double>& v, const FieldSpec& s) = 0;
+  virtual void field(const std::string& path, std::optional<bool>& v, const FieldSpec& s) = 0;
 };
 
 struct DataConfig {
@@ -69,6 +70,9 @@ struct ModelConfig {
   double dropout = 0.0;
   bool sync_bn = false;
   bool channels_last = false;
+  // Recompute activations in backward (ViT blocks, iresnet stages 2-3); unset: the network's
+  // default, on for vit_b*, vit_l*, vit_h and r2060 as in arcface_torch.
+  std::optional<bool> checkpointing;
   std::optional<std::string> init;  // a state_dict file to start the backbone from
 };
 

@@ -67,11 +67,14 @@ void build_model(TrainJob& j) {
   bo.embedding_size = cfg.model.embedding_size;
   bo.dropout = cfg.model.dropout;
   bo.channels_last = cfg.model.channels_last;
+  bo.checkpointing = cfg.model.checkpointing;
   bo.precision = parse_body_precision(cfg.train.precision);
   torch::manual_seed(cfg.seed);
   j.backbone = with_config_keys(cfg, {{"backbone", "model.backbone"}, {"embedding_size", "model.embedding_size"},
-                                      {"dropout", "model.dropout"}},
+                                      {"dropout", "model.dropout"}, {"checkpointing", "model.checkpointing"}},
                                 [&] { return make_backbone(bo); });
+  if (j.backbone->checkpointing())
+    log_info("activation checkpointing: ", cfg.model.backbone, " recomputes its blocks in backward");
   if (cfg.model.init) load_backbone_weights(*j.backbone, *cfg.model.init);
   j.backbone->to(j.device);
   if (cfg.model.channels_last) j.backbone->to_channels_last();
