@@ -49,11 +49,12 @@ import torch.nn.functional as F
 IRESNET = {"r18": [2, 2, 2, 2], "r34": [3, 4, 6, 3], "r50": [3, 4, 14, 3],
            "r100": [3, 13, 30, 3], "r200": [6, 26, 60, 6]}
 MBF = {"mbf": ((1, 4, 6, 2), 2), "mbf_large": ((2, 8, 12, 4), 4)}
-# dim, depth, heads, drop path of the last block, mask ratio (arcface_torch's variants)
+# dim, depth, heads, drop path of the last block, mask ratio (arcface_torch's variants; the
+# ratio is what its forward applies: random_masking's default 0.1 whenever a variant masks)
 VIT = {"vit_t": (256, 12, 8, 0.1, 0.1), "vit_t_dp005_mask0": (256, 12, 8, 0.05, 0.0),
        "vit_s": (512, 12, 8, 0.1, 0.1), "vit_s_dp005_mask_0": (512, 12, 8, 0.05, 0.0),
-       "vit_b": (512, 24, 8, 0.1, 0.1), "vit_b_dp005_mask_005": (512, 24, 8, 0.05, 0.05),
-       "vit_l_dp005_mask_005": (768, 24, 8, 0.05, 0.05), "vit_h": (1024, 48, 8, 0.1, 0.0)}
+       "vit_b": (512, 24, 8, 0.1, 0.1), "vit_b_dp005_mask_005": (512, 24, 8, 0.05, 0.1),
+       "vit_l_dp005_mask_005": (768, 24, 8, 0.05, 0.1), "vit_h": (1024, 48, 8, 0.1, 0.0)}
 TOKENS = 144  # (112 // 9) ** 2 patches of 9x9
 TRAIN_SEED = 77
 
@@ -599,8 +600,8 @@ TEST(ModelsRegistry, NamesOptionsAndErrors) {
                                          {"vit_s", 512, 12, 0.1, 0.1, false},
                                          {"vit_s_dp005_mask_0", 512, 12, 0.05, 0.0, false},
                                          {"vit_b", 512, 24, 0.1, 0.1, true},
-                                         {"vit_b_dp005_mask_005", 512, 24, 0.05, 0.05, true},
-                                         {"vit_l_dp005_mask_005", 768, 24, 0.05, 0.05, true},
+                                         {"vit_b_dp005_mask_005", 512, 24, 0.05, 0.1, true},
+                                         {"vit_l_dp005_mask_005", 768, 24, 0.05, 0.1, true},
                                          {"vit_h", 1024, 48, 0.1, 0.0, true}}) {
     SCOPED_TRACE(w.name);
     const auto v = vit_variant(w.name);
