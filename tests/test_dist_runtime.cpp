@@ -2,8 +2,14 @@
 // real processes, and failure reporting (a rank that throws, dies or hangs is named).
 #include <gtest/gtest.h>
 
+#include <fcntl.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
 #include <csignal>
 #include <thread>
+
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include "partial_fc/runtime/dist_env.h"
 #include "partial_fc/runtime/distributed.h"
@@ -178,6 +184,62 @@ TEST(DistFailure, RankThatDiesIsNamed) {
 }
 
 // A rank that hangs outside the collective: the others time out and name it.
+// A peer that joined the store and then died while the others wait in the rendezvous (for
+// NCCL's communicator that wait has no end): its heartbeat stops, and the waiting rank
+// exits within seconds naming it, long before its rendezvous timeout (60 s here). Rank 0 is
+// faceshard-dist-check; rank 1 is played by this process, which writes one heartbeat into
+// rank 0's store and goes silent.
+TEST(DistFailure, PeerThatDiesDuringRendezvousIsNamed) {
+  const std::string dir = testing::temp_dir("rdzv");
+  const int port = [] {  // a free port for rank 0's store
+    c10d::TCPStoreOptions so;
+    so.port = 0;
+    so.isServer = true;
+    so.waitWorkers = false;
+    return static_cast<int>(c10d::TCPStore("127.0.0.1", so).getPort());
+  }();
+  const std::string log_path = dir + "/rank0.log", bin = std::string(FACESHARD_BIN_DIR) + "/faceshard-dist-check";
+  const std::string port_env = "MASTER_PORT=" + std::to_string(port);
+  const auto t0 = std::chrono::steady_clock::now();
+  pid_t pid = fork();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {  // only exec-safe calls between fork and exec
+    const int fd = open(log_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    dup2(fd, 1);
+    dup2(fd, 2);
+    const char* env[] = {"RANK=0", "WORLD_SIZE=2", "LOCAL_WORLD_SIZE=2", "MASTER_ADDR=127.0.0.1", port_env.c_str(),
+                         "OMP_NUM_THREADS=1", nullptr};
+    execle(bin.c_str(), "faceshard-dist-check", "--rendezvous-timeout-s", "60", (char*)nullptr, env);
+    _exit(127);
+  }
+  c10d::TCPStoreOptions co;
+  co.port = static_cast<uint16_t>(port);
+  co.isServer = false;
+  co.timeout = std::chrono::seconds(30);
+  {
+    c10d::TCPStore peer("127.0.0.1", co);  // retries until rank 0 listens
+    peer.set("faceshard/fs/hb/1", std::vector<uint8_t>{'1', ' ', '0'});
+  }
+  int status = 0;
+  while (waitpid(pid, &status, WNOHANG) == 0) {
+    if (std::chrono::steady_clock::now() - t0 > std::chrono::seconds(40)) {
+      kill(pid, SIGKILL);
+      waitpid(pid, &status, 0);
+      FAIL() << "rank 0 did not stop: " << testing::read_text(log_path);
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  const std::string log = testing::read_text(log_path);
+  ASSERT_TRUE(WIFEXITED(status)) << log;
+  EXPECT_EQ(WEXITSTATUS(status), 1) << log;
+  EXPECT_NE(log.find("faceshard-dist-check: error: rendezvous at 127.0.0.1:" + std::to_string(port) +
+                     " failed on rank 0 (Gloo full mesh): rank 1 died (its heartbeat stopped)"),
+            std::string::npos)
+      << log;
+  EXPECT_LT(secs, 30.0) << log;
+}
+
 TEST(DistFailure, RankThatHangsIsNamedAfterTimeout) {
   RankOptions o;
   o.collective_timeout = std::chrono::seconds(3);

@@ -362,7 +362,10 @@ at::Tensor index_select_meta(const at::Tensor& self, int64_t dim, const at::Tens
   shape[at::maybe_wrap_dim(dim, self.dim())] = index.numel();
   return at::empty(shape, self.options());
 }
+void fused_sgd_meta(at::TensorList, at::TensorList, at::TensorList, double, double, double, double, bool, bool, bool,
+                    const std::optional<at::Tensor>&, const std::optional<at::Tensor>&) {}  // in place: shapes stay
 TORCH_LIBRARY_IMPL(aten, Meta, m) {
+  m.impl("_fused_sgd_", fused_sgd_meta);
   m.impl("index_select", index_select_meta);
   m.impl("where.self", where_meta);
   m.impl("searchsorted.Tensor", searchsorted_meta);

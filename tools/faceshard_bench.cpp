@@ -43,11 +43,7 @@
 #include "partial_fc/runtime/distributed.h"
 #include "partial_fc/runtime/error.h"
 #include "partial_fc/runtime/log.h"
-#include "partial_fc/classifier/class_shard.h"
 #include "partial_fc/classifier/partial_fc.h"
-#include "partial_fc/classifier/shard_optimizer.h"
-#include "partial_fc/parallel/all_gather.h"
-#include "partial_fc/parallel/saved_value.h"
 
 using namespace faceshard;
 
@@ -55,7 +51,7 @@ namespace {
 
 const char* kUsage =
     "usage: faceshard-bench --mode classifier [--classes-per-shard LIST] [--sample-rate LIST] [--precision LIST]\n"
-    "                       [--baseline] [--batch B] [--dim D] [--steps K] [--windows N] [--warmup K]\n"
+    "                       [--batch B] [--dim D] [--steps K] [--windows N] [--warmup K]\n"
     "                       [--device cpu|cuda] [--json FILE]\n"
     "       faceshard-bench --mode step [--network NAME] [--batch B] [--classes C] [--sample-rate R]\n"
     "                       [--precision fp32|bf16|fp16] [--device cpu|cuda] [--config FILE] [--set key=value ...]\n"
@@ -70,7 +66,6 @@ struct Args {
   double sample_rate = 1.0;
   // --mode classifier: comma-separated lists, every combination is measured
   std::string classes_list = "100000", rates = "1.0", precisions = "fp32";
-  bool baseline = false;
   std::string device = "cpu", json;
   // --mode data
   std::string data, workers = "1,2,all";
@@ -137,87 +132,6 @@ void write_json(const std::string& path, const std::string& text) {
   std::rename(tmp.c_str(), path.c_str());
 }
 
-// --- the classifier step as it was before the one-buffer function (margin_softmax.h),
-// kept to measure against (--baseline): a normalised copy of the weight, the cosine GEMM
-// output kept by autograd for the clamp, the clamped copy, and a clone for the logits.
-namespace baseline {
-
-struct OldMarginSoftmaxFn : public torch::autograd::Function<OldMarginSoftmaxFn> {
-  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, const at::Tensor& cos_in,
-                                                const at::Tensor& target, const CombinedMargin& m, Distributed& dist) {
-    at::Tensor cos = cos_in.contiguous();
-    const int64_t N = cos.size(0);
-    at::Tensor rows = (target >= 0).nonzero().view({-1});
-    at::Tensor cols = target.index_select(0, rows);
-    at::Tensor tc = cos.index({rows, cols});
-    at::Tensor logits = cos.clone();
-    logits.index_put_({rows, cols}, m.target(tc));
-    logits.mul_(m.scale);
-    at::Tensor maxes = torch::cat({std::get<0>(logits.max(1)), std::get<0>(cos.max(1))});
-    dist.all_reduce(maxes, ReduceOp::Max);
-    at::Tensor row_max = maxes.narrow(0, 0, N);
-    at::Tensor sums = torch::zeros({2 * N}, cos.options());
-    sums.narrow(0, N, N).index_put_({rows}, logits.index({rows, cols}));
-    logits.sub_(row_max.unsqueeze(1)).exp_();
-    sums.narrow(0, 0, N).copy_(logits.sum(1));
-    dist.all_reduce(sums);
-    at::Tensor sum_exp = sums.narrow(0, 0, N);
-    logits.div_(sum_exp.unsqueeze(1));
-    at::Tensor loss = (sum_exp.log() + row_max - sums.narrow(0, N, N)).mean();
-    ctx->save_for_backward({logits, rows, cols, tc});
-    save_value(ctx, "margin", m);
-    return {loss};
-  }
-  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
-                                                 torch::autograd::variable_list grads) {
-    auto saved = ctx->get_saved_variables();
-    at::Tensor grad = saved[0];
-    at::Tensor rows = saved[1], cols = saved[2], tc = saved[3];
-    const CombinedMargin& m = saved_value<CombinedMargin>(ctx, "margin");
-    grad.index_put_({rows, cols}, grad.index({rows, cols}) - 1.0);
-    grad.mul_(grads[0] * (m.scale / static_cast<double>(grad.size(0))));
-    grad.index_put_({rows, cols}, grad.index({rows, cols}) * m.target_grad(tc));
-    return {grad, at::Tensor(), at::Tensor(), at::Tensor()};
-  }
-};
-
-// One step: gather, normalise both sides, cosines, old margin softmax, backward, SGD.
-struct Classifier {
-  Classifier(Distributed& d, int64_t classes, int64_t dim, double rate, torch::Device dev)
-      : dist(d), shard(ClassShard::of(classes, d.world_size(), d.rank())),
-        weight(PartialFC::initial_rows(shard.start, shard.count, dim, 2048).to(dev)),
-        opt(weight, ShardOptimizerOptions{}), num_sample(static_cast<int64_t>(rate * shard.count)) {}
-  void step(const at::Tensor& local_emb, const at::Tensor& local_labels) {
-    namespace F = torch::nn::functional;
-    at::Tensor emb = all_gather_with_grad(dist, local_emb, GatherGrad::ReduceScatterSum, dist.world_size());
-    at::Tensor labels = dist.all_gather(local_labels.to(torch::kLong).contiguous()).to(weight.device());
-    at::Tensor local = labels - shard.start, mine = (labels >= shard.start) & (labels < shard.end());
-    at::Tensor target = torch::where(mine, local, torch::full_like(local, -1));
-    at::Tensor index, leaf;
-    if (num_sample < shard.count) {
-      at::Tensor positive = std::get<0>(torch::_unique(local.masked_select(mine), true));
-      at::Tensor score = torch::rand({shard.count}, weight.options());
-      score.index_fill_(0, positive, 2.0);
-      index = std::get<0>(std::get<1>(score.topk(std::max(num_sample, positive.size(0)))).sort());
-      target = torch::where(mine, torch::searchsorted(index, local.clamp(0, shard.count - 1)), target);
-      leaf = weight.index_select(0, index).requires_grad_(true);
-    } else {
-      leaf = weight.detach().requires_grad_(true);
-    }
-    at::Tensor cos = torch::mm(F::normalize(emb, F::NormalizeFuncOptions().dim(1)),
-                               F::normalize(leaf, F::NormalizeFuncOptions().dim(1)).t());
-    OldMarginSoftmaxFn::apply(cos.clamp(-1, 1), target, CombinedMargin{1.0, 0.5, 0.0}, dist)[0].backward();
-    opt.step(weight, index, leaf.grad(), 0.1);
-  }
-  Distributed& dist;
-  ClassShard shard;
-  at::Tensor weight;
-  ShardOptimizer opt;
-  int64_t num_sample;
-};
-
-}  // namespace baseline
-
 std::vector<std::string> split_list(const std::string& list) {
   std::vector<std::string> out;
   std::stringstream ss(list);
@@ -228,14 +142,13 @@ std::vector<std::string> split_list(const std::string& list) {
 
 // The classifier step alone, at every shard size x sample rate x precision asked for: median
 // time per step, the three GEMMs alone for comparison, and peak memory. Peak memory at two
-// shard sizes gives the bytes per class (the slope); --baseline runs the step as it was
-// before, side by side.
+// shard sizes gives the bytes per class (the slope).
 int run_classifier(const Args& a, Distributed& dist) {
   const bool cuda = a.device == "cuda";
   const torch::Device dev = cuda ? torch::Device(torch::kCUDA, dist.local_rank()) : torch::Device(torch::kCPU);
   const auto opts = torch::TensorOptions().device(dev);
   struct Row {
-    std::string impl, precision;
+    std::string precision;
     int64_t classes;
     double rate, step_ms, gemm_ms, peak_mb;
   };
@@ -254,8 +167,6 @@ int run_classifier(const Args& a, Distributed& dist) {
     std::sort(per_step.begin(), per_step.end());
     return per_step[per_step.size() / 2] * 1e3;
   };
-  std::vector<std::string> impls{"new"};
-  if (a.baseline) impls.insert(impls.begin(), "old");
   for (const std::string& cps : split_list(a.classes_list)) {
     const int64_t classes = parse_int("--classes-per-shard", cps) * dist.world_size();
     for (const std::string& rs : split_list(a.rates)) {
@@ -265,64 +176,50 @@ int run_classifier(const Args& a, Distributed& dist) {
         const at::ScalarType dt = prec == "fp32" ? at::kFloat : prec == "bf16" ? at::kBFloat16 : prec == "fp16" ? at::kHalf
                                                                                                  : at::kLong;
         if (dt == at::kLong) throw usage_error("--precision entries must be fp32, bf16 or fp16, got '", prec, "'");
-        for (const std::string& impl : impls) {
-          if (impl == "old" && dt != at::kFloat) continue;  // the old step had fp32 GEMMs only
-          torch::manual_seed(dist.rank());
-          at::Tensor emb = torch::randn({a.batch, a.dim}, opts).requires_grad_();
-          at::Tensor labels = torch::randint(0, classes, {a.batch}, torch::kLong);
-          sync_device(cuda);
-          reset_peak(cuda);
-          double step_ms = 0;
-          int64_t sampled = 0;
-          if (impl == "old") {
-            baseline::Classifier fc(dist, classes, a.dim, rate, dev);
-            sampled = std::max<int64_t>(fc.num_sample, 1);
-            step_ms = time_windows([&] {
-              fc.step(emb, labels);
-              emb.mutable_grad().reset();
-            });
-          } else {
-            PartialFCOptions o;
-            o.num_classes = classes;
-            o.embedding_size = a.dim;
-            o.sample_rate = rate;
-            o.margin = CombinedMargin{1.0, 0.5, 0.0};
-            o.gemm_dtype = dt;
-            PartialFC fc(dist, o, dev);
-            sampled = fc.num_sample();
-            step_ms = time_windows([&] {
-              fc.forward(emb, labels).loss.backward();
-              fc.step(0.1);
-              emb.mutable_grad().reset();
-            });
-          }
-          const double peak = peak_bytes(cuda) / 1048576.0;
-          // The step's three GEMMs alone, at the same sizes and type: forward N x S x d,
-          // grad(W) S x N x d, grad(E) N x S x d.
-          const int64_t S = sampled, N = a.batch * dist.world_size();
-          at::Tensor e = torch::randn({N, a.dim}, opts).to(dt), w = torch::randn({S, a.dim}, opts).to(dt);
-          at::Tensor g = torch::randn({N, S}, opts).to(dt);
-          const double gemm_ms = time_windows([&] {
-            at::mm(e, w.t());
-            at::mm(g.t(), e);
-            at::mm(g, w);
-          });
-          rows.push_back({impl, prec, classes / dist.world_size(), rate, step_ms, gemm_ms, peak});
-          log_info("classifier ", impl, ": ", classes / dist.world_size(), " classes/shard, rate ", rate, " (", S,
-                   " per step), ", prec, ", batch ", a.batch, "x", dist.world_size(), ", dim ", a.dim, ": ", step_ms,
-                   " ms/step, GEMMs alone ", gemm_ms, " ms (x", step_ms / gemm_ms, "), peak ", peak, " MB (",
-                   cuda ? "GPU allocated" : "process RSS", ")");
-        }
+        torch::manual_seed(dist.rank());
+        at::Tensor emb = torch::randn({a.batch, a.dim}, opts).requires_grad_();
+        at::Tensor labels = torch::randint(0, classes, {a.batch}, torch::kLong);
+        sync_device(cuda);
+        reset_peak(cuda);
+        PartialFCOptions o;
+        o.num_classes = classes;
+        o.embedding_size = a.dim;
+        o.sample_rate = rate;
+        o.margin = CombinedMargin{1.0, 0.5, 0.0};
+        o.gemm_dtype = dt;
+        PartialFC fc(dist, o, dev);
+        const int64_t sampled = fc.num_sample();
+        const double step_ms = time_windows([&] {
+          fc.forward(emb, labels).loss.backward();
+          fc.step(0.1);
+          emb.mutable_grad().reset();
+        });
+        const double peak = peak_bytes(cuda) / 1048576.0;
+        // The step's three GEMMs alone, at the same sizes and type: forward N x S x d,
+        // grad(W) S x N x d, grad(E) N x S x d.
+        const int64_t S = sampled, N = a.batch * dist.world_size();
+        at::Tensor e = torch::randn({N, a.dim}, opts).to(dt), w = torch::randn({S, a.dim}, opts).to(dt);
+        at::Tensor g = torch::randn({N, S}, opts).to(dt);
+        const double gemm_ms = time_windows([&] {
+          at::mm(e, w.t());
+          at::mm(g.t(), e);
+          at::mm(g, w);
+        });
+        rows.push_back({prec, classes / dist.world_size(), rate, step_ms, gemm_ms, peak});
+        log_info("classifier: ", classes / dist.world_size(), " classes/shard, rate ", rate, " (", S,
+                 " per step), ", prec, ", batch ", a.batch, "x", dist.world_size(), ", dim ", a.dim, ": ", step_ms,
+                 " ms/step, GEMMs alone ", gemm_ms, " ms (x", step_ms / gemm_ms, "), peak ", peak, " MB (",
+                 cuda ? "GPU allocated" : "process RSS", ")");
       }
     }
   }
   // Bytes per class: the slope of peak memory between the smallest and the largest shard of
-  // each implementation, rate and precision.
+  // each rate and precision.
   std::ostringstream js;
   js << "{\"mode\":\"classifier\",\"device\":\"" << a.device << "\",\"world_size\":" << dist.world_size()
      << ",\"batch_per_rank\":" << a.batch << ",\"dim\":" << a.dim << ",\"runs\":[";
   for (size_t i = 0; i < rows.size(); ++i)
-    js << (i ? "," : "") << "{\"impl\":\"" << rows[i].impl << "\",\"precision\":\"" << rows[i].precision
+    js << (i ? "," : "") << "{\"precision\":\"" << rows[i].precision
        << "\",\"classes_per_shard\":" << rows[i].classes << ",\"sample_rate\":" << rows[i].rate
        << ",\"step_ms\":" << rows[i].step_ms << ",\"gemm_ms\":" << rows[i].gemm_ms
        << ",\"peak_memory_mb\":" << rows[i].peak_mb << "}";
@@ -331,11 +228,11 @@ int run_classifier(const Args& a, Distributed& dist) {
   for (size_t i = 0; i < rows.size(); ++i)
     for (size_t k = i + 1; k < rows.size(); ++k) {
       const Row &lo = rows[i], &hi = rows[k];
-      if (lo.impl != hi.impl || lo.precision != hi.precision || lo.rate != hi.rate || hi.classes == lo.classes) continue;
+      if (lo.precision != hi.precision || lo.rate != hi.rate || hi.classes == lo.classes) continue;
       const double slope = (hi.peak_mb - lo.peak_mb) * 1048576.0 / static_cast<double>(hi.classes - lo.classes);
-      log_info("bytes per class, ", lo.impl, " ", lo.precision, " rate ", lo.rate, ": ", slope, " (peak ", lo.peak_mb,
+      log_info("bytes per class, ", lo.precision, " rate ", lo.rate, ": ", slope, " (peak ", lo.peak_mb,
                " MB at ", lo.classes, ", ", hi.peak_mb, " MB at ", hi.classes, " classes/shard)");
-      js << (first ? "" : ",") << "{\"impl\":\"" << lo.impl << "\",\"precision\":\"" << lo.precision
+      js << (first ? "" : ",") << "{\"precision\":\"" << lo.precision
          << "\",\"sample_rate\":" << lo.rate << ",\"from\":" << lo.classes << ",\"to\":" << hi.classes
          << ",\"bytes_per_class\":" << slope << "}";
       first = false;
@@ -532,10 +429,11 @@ int run_data(const Args& a) {
 
 int main(int argc, char** argv) {
   // CPU peak memory is read as the process's peak RSS: with a fixed mmap threshold every
-  // block of 256 KB or more is mapped on its own and unmapped when freed (glibc would
-  // otherwise raise the threshold after the first large free and keep later blocks in its
-  // heap), so the RSS follows the live tensors.
-  mallopt(M_MMAP_THRESHOLD, 256 * 1024);
+  // block of 4 MB or more (the per-class tensors) is mapped on its own and unmapped when
+  // freed (glibc would otherwise raise the threshold after the first large free and keep
+  // later blocks in its heap), so the RSS follows the live tensors; smaller blocks (chunk
+  // temporaries) stay in the heap and are reused without page faults.
+  mallopt(M_MMAP_THRESHOLD, 4 * 1024 * 1024);
   return run_main("faceshard-bench", [&] {
     Args a;
     for (int i = 1; i < argc; ++i) {
@@ -549,7 +447,6 @@ int main(int argc, char** argv) {
         return 0;
       } else if (s == "--mode") a.mode = value();
       else if (s == "--classes-per-shard") a.classes_list = value();
-      else if (s == "--baseline") a.baseline = true;
       else if (s == "--batch") a.batch = parse_int(s, value()), a.batch_given = true;
       else if (s == "--data") a.data = value();
       else if (s == "--workers") a.workers = value();

@@ -12,11 +12,12 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-// Low-precision GEMM with an fp32 result. CUDA writes fp32 directly (mm's out_dtype); the
-// CPU backend returns the input type, converted chunk by chunk.
-at::Tensor mm_fp32(const at::Tensor& a, const at::Tensor& b) {
+// A low-precision GEMM for an fp32 destination: CUDA computes an fp32 result directly (mm's
+// out_dtype); the CPU backend returns the input type, which the caller's copy_ or add_
+// converts in the same pass.
+at::Tensor mm_low(const at::Tensor& a, const at::Tensor& b) {
   if (a.is_cuda()) return at::mm(a, b, at::kFloat);
-  return at::mm(a, b).to(at::kFloat);
+  return at::mm(a, b);
 }
 
 // out [N, S] = a [N, d] . b [S, d]^T
@@ -28,7 +29,7 @@ void gemm_forward(const at::Tensor& a, const at::Tensor& b, at::Tensor& out, con
   const at::Tensor a_low = a.to(o.gemm_dtype);
   for (int64_t j = 0; j < b.size(0); j += o.chunk_classes) {
     const int64_t n = std::min(o.chunk_classes, b.size(0) - j);
-    out.narrow(1, j, n).copy_(mm_fp32(a_low, b.narrow(0, j, n).to(o.gemm_dtype).t()));
+    out.narrow(1, j, n).copy_(mm_low(a_low, b.narrow(0, j, n).to(o.gemm_dtype).t()));
   }
 }
 
@@ -43,20 +44,21 @@ std::pair<at::Tensor, at::Tensor> gemm_backward(const at::Tensor& g, const at::T
   for (int64_t j = 0; j < g.size(1); j += o.chunk_classes) {
     const int64_t n = std::min(o.chunk_classes, g.size(1) - j);
     const at::Tensor g_low = g.narrow(1, j, n).to(o.gemm_dtype);  // [N, n], rows contiguous
-    gt_a.narrow(0, j, n).copy_(mm_fp32(g_low.t(), a_low));
-    g_b.add_(mm_fp32(g_low, b.narrow(0, j, n).to(o.gemm_dtype)));
+    gt_a.narrow(0, j, n).copy_(mm_low(g_low.t(), a_low));
+    g_b.add_(mm_low(g_low, b.narrow(0, j, n).to(o.gemm_dtype)));
   }
   return {gt_a, g_b};
 }
 
-// Row-wise dot products of two fp32 [S, d] tensors, summed in float64, in chunks (no
-// [S, d] temporary).
-at::Tensor row_dot_f64(const at::Tensor& x, const at::Tensor& y, int64_t chunk) {
-  at::Tensor out = at::empty({x.size(0)}, x.options().dtype(at::kDouble));
-  for (int64_t j = 0; j < x.size(0); j += chunk) {
-    const int64_t n = std::min(chunk, x.size(0) - j);
+// Row-wise dot products of two [S, d] tensors, in chunks of rows small enough for the
+// product to stay in cache (no [S, d] temporary).
+at::Tensor row_dot(const at::Tensor& x, const at::Tensor& y) {
+  constexpr int64_t kRows = 256;
+  at::Tensor out = at::empty({x.size(0)}, x.options());
+  for (int64_t j = 0; j < x.size(0); j += kRows) {
+    const int64_t n = std::min(kRows, x.size(0) - j);
     at::Tensor dst = out.narrow(0, j, n);
-    at::sum_out(dst, x.narrow(0, j, n).to(at::kDouble) * y.narrow(0, j, n).to(at::kDouble), {1});
+    at::sum_out(dst, x.narrow(0, j, n) * y.narrow(0, j, n), {1});
   }
   return out;
 }
@@ -147,10 +149,7 @@ struct MarginSoftmaxFn : public torch::autograd::Function<MarginSoftmaxFn> {
     //   dL/de = g' W,   dL/dw_j = M_j - (w_j . M_j) w_j / ||w_j||^2  with M = g'^T E.
     g.mul_((inv_norm * (grads[0] * (m.scale / static_cast<double>(N)))).unsqueeze(0));
     auto [gw, ge] = gemm_backward(g, e, w, o);
-    // The radial part nearly cancels M where M is almost parallel to w: its coefficient is
-    // summed in float64 (a vector, cheap).
-    const at::Tensor coef = (row_dot_f64(w, gw, o.chunk_classes) * inv_norm.to(at::kDouble).pow(2)).to(at::kFloat);
-    gw.addcmul_(w, coef.unsqueeze(1), -1.0);
+    gw.addcmul_(w, (row_dot(w, gw) * inv_norm.pow(2)).unsqueeze(1), -1.0);
     return {ge, gw, at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };

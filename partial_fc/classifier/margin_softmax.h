@@ -27,7 +27,7 @@ struct MarginSoftmaxOptions {
   at::ScalarType gemm_dtype = at::kFloat;
   // Reduced-precision GEMMs convert W and the buffer in chunks of this many classes, so no
   // full-size low-precision copy exists at any time.
-  int64_t chunk_classes = 8192;
+  int64_t chunk_classes = 2048;
 };
 
 // emb: [N, d] fp32, rows L2-normalised (differentiable); weight: [S, d] fp32, this rank's

@@ -2,12 +2,14 @@
 
 #include <algorithm>
 
+#include <ATen/ops/_fused_sgd.h>
+
 #include "partial_fc/runtime/error.h"
 
 namespace faceshard {
 
 namespace {
-constexpr int64_t kChunkRows = 8192;
+constexpr int64_t kChunkRows = 256;
 }  // namespace
 
 ShardOptimizer::ShardOptimizer(const at::Tensor& w, const ShardOptimizerOptions& opts) : opts_(opts) {
@@ -31,8 +33,23 @@ std::vector<std::pair<std::string, at::Tensor>> ShardOptimizer::state() const {
 void ShardOptimizer::step(at::Tensor& W, const at::Tensor& idx, const at::Tensor& g, double lr) {
   torch::NoGradGuard ng;
   const bool all = !idx.defined();
+  if (opts_.kind == "sgd") {
+    // torch's fused SGD: one pass over weight, gradient and momentum (dampening 0, no
+    // Nesterov, like torch.optim.SGD with arcface_torch's settings). The momentum buffers
+    // start at zero, so every step is momentum * buf + (g + wd * w), the first one included.
+    if (all) {
+      at::_fused_sgd_({W}, {g}, {momentum_}, opts_.weight_decay, opts_.momentum, lr, 0.0, false, false, false);
+      return;
+    }
+    at::Tensor w = W.index_select(0, idx), m = momentum_.index_select(0, idx);
+    at::_fused_sgd_({w}, {g}, {m}, opts_.weight_decay, opts_.momentum, lr, 0.0, false, false, false);
+    W.index_copy_(0, idx, w);
+    momentum_.index_copy_(0, idx, m);
+    return;
+  }
+  // AdamW with a step count per row (torch's fused AdamW takes one count per tensor), in
+  // chunks of rows small enough for the temporaries to stay in cache.
   const int64_t rows = all ? W.size(0) : idx.size(0);
-  // Rows in chunks: every temporary of the update is a chunk's size, never the shard's.
   for (int64_t j = 0; j < rows; j += kChunkRows) {
     const int64_t n = std::min(kChunkRows, rows - j);
     const at::Tensor ix = all ? at::Tensor() : idx.narrow(0, j, n);
@@ -41,27 +58,18 @@ void ShardOptimizer::step(at::Tensor& W, const at::Tensor& idx, const at::Tensor
     auto write_back = [&](at::Tensor& t, const at::Tensor& v) {
       if (!all) t.index_copy_(0, ix, v);
     };
-    at::Tensor w = rows_of(W);
+    at::Tensor w = rows_of(W), m = rows_of(exp_avg_), v = rows_of(exp_avg_sq_), t = rows_of(row_steps_);
     const at::Tensor gc = g.narrow(0, j, n);
-    if (opts_.kind == "sgd") {
-      at::Tensor m = rows_of(momentum_);
-      const at::Tensor d = opts_.weight_decay != 0 ? gc + w * opts_.weight_decay : gc;
-      m.mul_(opts_.momentum).add_(d);
-      w.add_(m, -lr);
-      write_back(momentum_, m);
-    } else {
-      at::Tensor m = rows_of(exp_avg_), v = rows_of(exp_avg_sq_), t = rows_of(row_steps_);
-      t.add_(1);
-      w.mul_(1 - lr * opts_.weight_decay);
-      m.mul_(opts_.beta1).add_(gc, 1 - opts_.beta1);
-      v.mul_(opts_.beta2).addcmul_(gc, gc, 1 - opts_.beta2);
-      const at::Tensor tf = t.to(w.scalar_type()).unsqueeze(1);
-      const at::Tensor bc1 = 1 - torch::pow(opts_.beta1, tf), bc2 = 1 - torch::pow(opts_.beta2, tf);
-      w.sub_(m / bc1 / ((v / bc2).sqrt() + opts_.eps) * lr);
-      write_back(exp_avg_, m);
-      write_back(exp_avg_sq_, v);
-      write_back(row_steps_, t);
-    }
+    t.add_(1);
+    w.mul_(1 - lr * opts_.weight_decay);
+    m.mul_(opts_.beta1).add_(gc, 1 - opts_.beta1);
+    v.mul_(opts_.beta2).addcmul_(gc, gc, 1 - opts_.beta2);
+    const at::Tensor tf = t.to(w.scalar_type()).unsqueeze(1);
+    const at::Tensor bc1 = 1 - torch::pow(opts_.beta1, tf), bc2 = 1 - torch::pow(opts_.beta2, tf);
+    w.sub_(m / bc1 / ((v / bc2).sqrt() + opts_.eps) * lr);
+    write_back(exp_avg_, m);
+    write_back(exp_avg_sq_, v);
+    write_back(row_steps_, t);
     write_back(W, w);
   }
 }

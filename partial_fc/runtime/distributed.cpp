@@ -145,8 +145,9 @@ std::shared_ptr<Distributed> Distributed::init(const DistEnv& env, const DistOpt
 }
 
 void Distributed::rendezvous(const char* what, const std::function<void()>& connect) {
-  // A peer that fails to join publishes its error (the fatal hook); this rank, blocked in
-  // `connect` until the rendezvous timeout, stops at once instead and names it.
+  // A peer that fails to join publishes its error (the fatal hook), and a peer that dies
+  // stops its heartbeat; this rank, blocked in `connect` until the rendezvous timeout (or,
+  // in NCCL's communicator set-up, for good), stops instead and names it.
   std::mutex mu;
   std::condition_variable cv;
   bool done = false;
@@ -159,19 +160,32 @@ void Distributed::rendezvous(const char* what, const std::function<void()>& conn
     }
     const std::string where = detail::concat("rendezvous at ", env_.master_addr, ":", env_.master_port,
                                              " failed on rank ", env_.rank, " (", what, "): ");
+    // A heartbeat that has not moved for this long belongs to a process that is gone.
+    const auto silent_limit = std::max(opts_.heartbeat_interval * 10, std::chrono::milliseconds(3000));
+    std::vector<std::string> last_beat(env_.world_size);
+    std::vector<Clock::time_point> since(env_.world_size, Clock::now());
     std::unique_lock<std::mutex> lock(mu);
     while (!cv.wait_for(lock, std::chrono::milliseconds(200), [&] { return done; })) {
       std::string peer_error;
       int peer = -1;
       try {
-        for (int r = 0; r < env_.world_size && peer < 0; ++r)
-          if (r != env_.rank && store->check({key_err(r)})) peer = r, peer_error = to_string(store->get(key_err(r)));
+        for (int r = 0; r < env_.world_size && peer < 0; ++r) {
+          if (r == env_.rank) continue;
+          if (store->check({key_err(r)})) {
+            peer = r, peer_error = "rank " + std::to_string(r) + " failed: " + to_string(store->get(key_err(r)));
+          } else if (store->check({key_hb(r)})) {
+            std::string beat = to_string(store->get(key_hb(r)));
+            if (beat != last_beat[r]) last_beat[r] = beat, since[r] = Clock::now();
+            else if (Clock::now() - since[r] > silent_limit)
+              peer = r, peer_error = "rank " + std::to_string(r) + " died (its heartbeat stopped)";
+          }
+        }
       } catch (const std::exception&) {
         // Rank 0 hosts the store: it failed or exited, and nobody can join any more.
         exit_fatal(where + (env_.agent_store ? "the rendezvous store is gone"
                                              : "the rendezvous store is gone (rank 0 hosts it: rank 0 failed or exited)"));
       }
-      if (peer >= 0) exit_fatal(where + "rank " + std::to_string(peer) + " failed: " + peer_error);
+      if (peer >= 0) exit_fatal(where + peer_error);
     }
   });
   auto stop = [&] {
