@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# faceshard-bench's step and classifier modes on a tiny job: they run the trainer's own step
+# and the classifier, the step's phases account for the measured rate, and every shard size x
+# sample rate x precision asked for is reported with its bytes per class.
+# usage: bench_modes.sh SOURCE_DIR BIN_DIR
+set -u
+root="$1"; bin="$2"
+py="$root/.venv/bin/python"; [ -x "$py" ] || py=python3
+work=$(mktemp -d); trap 'rm -rf "$work"' EXIT
+fail() { echo "FAIL: $*"; exit 1; }
+OMP_NUM_THREADS=1 "$bin/faceshard-bench" --mode step --network mbf --batch 8 --classes 200 --steps 2 --windows 2 \
+  --warmup 1 --set data.num_workers=1 --json "$work/step.json" > "$work/step.log" 2>&1 || { cat "$work/step.log"; fail "step mode"; }
+OMP_NUM_THREADS=1 "$bin/faceshard-bench" --mode classifier --classes-per-shard 2000,4000 --sample-rate 1.0,0.5 \
+  --precision fp32,bf16 --batch 16 --dim 64 --steps 1 --windows 1 --warmup 1 --json "$work/cls.json" \
+  > "$work/cls.log" 2>&1 || { cat "$work/cls.log"; fail "classifier mode"; }
+"$py" - "$work/step.json" "$work/cls.json" <<'PY' || exit 1
+import json, sys
+step = json.load(open(sys.argv[1]))
+assert step["network"] == "mbf" and step["batch_per_rank"] == 8 and step["classes"] == 200, step
+split = step["split_ms"]
+assert all(split[k] >= 0 for k in ("data", "forward", "backward", "optimizer")), split
+# The phases, timed one by one, account for the wall-clock rate measured over the windows.
+from_phases = step["batch_per_rank"] * step["world_size"] * step["micro_batches"] * 1000.0 / sum(split.values())
+assert abs(from_phases - step["images_per_s"]) <= 0.25 * step["images_per_s"], (from_phases, step["images_per_s"])
+assert step["peak_memory_mb"] > 0, step
+cls = json.load(open(sys.argv[2]))
+runs = cls["runs"]
+combos = {(r["classes_per_shard"], r["sample_rate"], r["precision"]) for r in runs}
+assert combos == {(c, s, p) for c in (2000, 4000) for s in (1.0, 0.5) for p in ("fp32", "bf16")}, combos
+assert all(r["step_ms"] > 0 and r["gemm_ms"] > 0 and r["peak_memory_mb"] > 0 for r in runs), runs
+slopes = {(b["sample_rate"], b["precision"]) for b in cls["bytes_per_class"]}
+assert slopes == {(s, p) for s in (1.0, 0.5) for p in ("fp32", "bf16")}, slopes
+print("step: %.1f images/s, split %s" % (step["images_per_s"], split))
+print("classifier bytes per class:", [(b["sample_rate"], b["precision"], round(b["bytes_per_class"])) for b in cls["bytes_per_class"]])
+PY
+echo "PASS"
