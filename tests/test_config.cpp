@@ -120,6 +120,30 @@ TEST(Config, WrongTypeAndRange) {
   expect_usage_error([] { load_config_text("data: 3\n", "t.yaml"); }, {"key 'data'", "mapping"});
 }
 
+// loss.margin_mode and optim.fc_update: defaults, choices, and the margins arcface_torch's
+// CombinedMarginLoss cannot express (it raises for them) named at load time.
+TEST(Config, MarginModeAndClassifierUpdate) {
+  const Config d = load_config_text("data:\n  num_classes: 10\n", "mem.yaml");
+  EXPECT_EQ(d.loss.margin_mode, "exact");
+  EXPECT_EQ(d.optim.fc_update, "sampled");
+  const Config t = load_config_text("data:\n  num_classes: 10\n", "mem.yaml",
+                                    {"loss.margin_mode=arcface_torch", "loss.margin=[1.0, 0.3, 0.2]", "optim.fc_update=all"});
+  EXPECT_EQ(t.loss.margin_mode, "arcface_torch");
+  EXPECT_EQ(t.optim.fc_update, "all");
+  EXPECT_EQ(config_to_yaml(t).find("margin_mode: arcface_torch") != std::string::npos, true);
+  expect_usage_error([] { load_config_text("data:\n  num_classes: 10\nloss:\n  margin_mode: torch\n", "t.yaml"); },
+                     {"t.yaml", "key 'loss.margin_mode'", "exact, arcface_torch", "'torch'"});
+  expect_usage_error([] { load_config_text("data:\n  num_classes: 10\noptim:\n  fc_update: dense\n", "t.yaml"); },
+                     {"key 'optim.fc_update'", "sampled, all"});
+  // SphereFace-like m1 without m3, and a negative m3: exact takes them, arcface_torch cannot.
+  for (const char* m : {"[1.35, 0.0, 0.0]", "[1.0, 0.5, -0.1]"}) {
+    const std::string yaml = std::string("data:\n  num_classes: 10\nloss:\n  margin: ") + m + "\n";
+    EXPECT_NO_THROW(load_config_text(yaml, "t.yaml"));
+    expect_usage_error([&] { load_config_text(yaml + "  margin_mode: arcface_torch\n", "t.yaml"); },
+                       {"t.yaml", "key 'loss.margin'", "no arcface_torch equivalent", "loss.margin_mode exact"});
+  }
+}
+
 TEST(Config, MissingBaseFileAndCycles) {
   ConfigFiles f;
   std::string top = f.write("job.yaml", "base: nowhere.yaml\ndata:\n  num_classes: 1\n");

@@ -65,6 +65,54 @@ TEST(Margin, ArcFaceBeyondPiContinuesLinearly) {
   EXPECT_TRUE(torch::allclose(m.target_grad(c), torch::ones_like(c)));
 }
 
+// arcface_torch's CombinedMarginLoss: the angular margin without a correction where
+// theta + m2 > pi (the cosine turns back up), its gradient passed straight through, m3
+// alone whenever m3 > 0, and no case for m1 != 1 without m3.
+TEST(Margin, ArcfaceTorchModeClosedForms) {
+  CombinedMargin arc{1.0, 0.5, 0.0};
+  arc.mode = MarginMode::ArcfaceTorch;
+  at::Tensor c = torch::linspace(-1.0, 1.0, 2001, torch::kDouble);
+  EXPECT_LT((arc.target(c) - (c.acos() + 0.5).cos()).abs().max().item<double>(), 1e-12);
+  EXPECT_TRUE(torch::equal(arc.target_grad(c), torch::ones_like(c)));
+  EXPECT_TRUE(arc.unit_gradient());
+  // Beyond theta = pi - m2: cos(theta + m2) > -1 (here the exact mode continues below -1).
+  const double cmax = std::cos(M_PI - 0.5);
+  at::Tensor beyond = torch::tensor({cmax - 0.05, -1.0}, torch::kDouble);
+  EXPECT_NEAR(arc.target(beyond)[0].item<double>(), std::cos(std::acos(cmax - 0.05) + 0.5), 1e-12);
+  EXPECT_NEAR(arc.target(beyond)[1].item<double>(), std::cos(M_PI + 0.5), 1e-12);
+  CombinedMargin exact{1.0, 0.5, 0.0};
+  EXPECT_NEAR(exact.target(beyond)[1].item<double>(), -1.0 - cmax - 1.0, 1e-12);
+  EXPECT_FALSE(exact.unit_gradient());
+  // Combined margins: m3 alone (m1 and m2 ignored), gradient 1.
+  CombinedMargin combined{1.2, 0.3, 0.2};
+  combined.mode = MarginMode::ArcfaceTorch;
+  EXPECT_NO_THROW(combined.validate());
+  EXPECT_LT((combined.target(c) - (c - 0.2)).abs().max().item<double>(), 1e-12);
+  EXPECT_TRUE(torch::equal(combined.target_grad(c), torch::ones_like(c)));
+  // CosFace is the same in both modes; plain softmax (0, 0, 0) too.
+  CombinedMargin cos_exact{1.0, 0.0, 0.4}, cos_torch{1.0, 0.0, 0.4}, plain{1.0, 0.0, 0.0};
+  cos_torch.mode = MarginMode::ArcfaceTorch;
+  plain.mode = MarginMode::ArcfaceTorch;
+  EXPECT_TRUE(torch::equal(cos_exact.target(c), cos_torch.target(c)));
+  EXPECT_TRUE(torch::equal(plain.target(c), c));
+  EXPECT_EQ(arc.row_loss_cap(), -std::log(static_cast<double>(1e-30f)));
+  EXPECT_TRUE(std::isinf(exact.row_loss_cap()));
+  // What arcface_torch raises for, and margins out of range, are option errors naming "margin".
+  for (CombinedMargin bad : {CombinedMargin{1.35, 0.0, 0.0}, CombinedMargin{1.0, 0.5, -0.1}}) {
+    EXPECT_NO_THROW(bad.validate());
+    bad.mode = MarginMode::ArcfaceTorch;
+    try {
+      bad.validate();
+      ADD_FAILURE() << "expected an error for m1=" << bad.m1 << " m3=" << bad.m3;
+    } catch (const Error& e) {
+      EXPECT_EQ(e.option(), "margin");
+      EXPECT_NE(std::string(e.what()).find("no arcface_torch equivalent"), std::string::npos) << e.what();
+    }
+  }
+  EXPECT_EQ(parse_margin_mode("arcface_torch"), MarginMode::ArcfaceTorch);
+  EXPECT_THROW(parse_margin_mode("torch"), Error);
+}
+
 // --- reference ----------------------------------------------------------------------
 
 struct Reference {
@@ -256,6 +304,81 @@ TEST(PartialFCSampling, AccumulatedMicroBatchesStepTheUnionOfRows) {
   });
 }
 
+// The classifier in arcface_torch mode against that semantics written with plain ops: the
+// margin applied to a detached target (value cos(theta + m2), gradient straight through),
+// rows whose theta + m2 exceeds pi (embeddings facing away from their class centre: their
+// target turns back up), and a loss of -log(max(p_target, 1e-30)) per row (those rows'
+// target probabilities are far below 1e-30). On 1 and 2 ranks, in float64 for the reference.
+TEST(PartialFCArcfaceTorchMode, MatchesStraightThroughReference) {
+  for (int W : {1, 2}) {
+    testing::run_ranks(W, [](Distributed& d) {
+      const int64_t C = 61, D = 16;
+      PartialFCOptions o;
+      o.num_classes = C;
+      o.embedding_size = D;
+      o.margin = CombinedMargin{1.0, 0.5, 0.0};
+      o.margin.mode = MarginMode::ArcfaceTorch;
+      Data data = make_data(d.world_size(), d.rank(), C, D);
+      const at::Tensor full = PartialFC::initial_rows(0, C, D, o.seed);
+      // Every third row faces away from its centre: cos(theta) near -1, theta + m2 > pi.
+      for (int64_t i = 0; i < data.emb.size(0); i += 3)
+        data.emb[i] = -full[data.labels[i].item<int64_t>()] * 50 + 0.02 * data.emb[i];
+      at::Tensor E = data.emb.to(torch::kDouble).clone().requires_grad_();
+      at::Tensor Wd = full.to(torch::kDouble).clone().requires_grad_();
+      at::Tensor cos = torch::mm(F::normalize(E, F::NormalizeFuncOptions().dim(1)),
+                                 F::normalize(Wd, F::NormalizeFuncOptions().dim(1)).t()).clamp(-1, 1);
+      at::Tensor onehot = F::one_hot(data.labels, C).to(torch::kBool);
+      at::Tensor shifted = torch::where(onehot, (cos.acos() + 0.5).cos(), cos).detach();
+      at::Tensor logits = (cos + (shifted - cos).detach()) * 64.0;  // value shifted, gradient of cos
+      F::cross_entropy(logits, data.labels).backward();
+      at::Tensor p_target = torch::softmax(logits.detach(), 1).gather(1, data.labels.unsqueeze(1));
+      const at::Tensor ref_loss = -p_target.clamp_min(1e-30).log().mean();
+      ASSERT_GT((p_target < 1e-30).sum().item<int64_t>(), 0) << "no row reaches the cap";
+      at::Tensor beyond = (cos.masked_select(onehot).acos() + 0.5) > M_PI;
+      ASSERT_GT(beyond.sum().item<int64_t>(), 0) << "no row beyond theta + m2 = pi";
+
+      PartialFC fc(d, o);
+      at::Tensor emb = data.emb.narrow(0, data.offset, data.rows).clone().requires_grad_();
+      auto out = fc.forward(emb, data.labels.narrow(0, data.offset, data.rows));
+      out.loss.backward();
+      EXPECT_LE(testing::relative_error(out.loss, ref_loss), 1e-5) << out.loss.item<double>() << " vs " << ref_loss.item<double>();
+      EXPECT_LE(testing::relative_error(emb.grad(), E.grad().narrow(0, data.offset, data.rows) * d.world_size()), 1e-5);
+      EXPECT_LE(testing::relative_error(fc.gradient(), Wd.grad().narrow(0, fc.shard().start, fc.shard().count)), 1e-5);
+    });
+  }
+}
+
+// optim.fc_update: all. With sampling, every row takes the SGD step, the unsampled ones
+// with a zero gradient (weight decay and momentum move them), as one optimiser over the
+// whole weight does; the sampled rows as before.
+TEST(PartialFCSampling, StepAllRowsMovesUnsampledRowsLikeADenseOptimiser) {
+  testing::run_ranks(2, [](Distributed& d) {
+    const int64_t C = 201, D = 8;
+    const double lr = 0.1, wd = 5e-4;
+    PartialFCOptions o;
+    o.num_classes = C;
+    o.embedding_size = D;
+    o.sample_rate = 0.2;
+    o.step_all_rows = true;
+    o.optimizer = ShardOptimizerOptions{"sgd", 0.9, wd};
+    PartialFC fc(d, o);
+    Data data = make_data(d.world_size(), d.rank(), C, D);
+    at::Tensor w = PartialFC::initial_rows(0, C, D, o.seed), buf;
+    for (int step = 0; step < 2; ++step) {
+      auto out = fc.forward(data.emb.narrow(0, data.offset, data.rows), data.labels.narrow(0, data.offset, data.rows));
+      out.loss.backward();
+      at::Tensor cols = std::get<0>(torch::sort(d.all_gather(fc.sampled_index() + fc.shard().start)));
+      at::Tensor dense = torch::zeros_like(w).index_copy_(0, cols, reference(data.emb, w, data.labels, o.margin, cols)
+                                                                     .weight_grad.index_select(0, cols).to(torch::kFloat));
+      fc.step(lr);
+      at::Tensor dp = dense + wd * w;
+      buf = buf.defined() ? buf * 0.9 + dp : dp;
+      w = w - lr * buf;
+      EXPECT_LE(testing::relative_error(fc.weight(), w.narrow(0, fc.shard().start, fc.shard().count)), 1e-5) << "step " << step;
+    }
+  });
+}
+
 // The classifier's state is its rows (weight and optimiser state); loading checks names and
 // shapes, and a loaded shard continues exactly where the saved one was.
 TEST(PartialFCState, RoundTripAndBadRowsNamed) {
@@ -377,25 +500,32 @@ TORCH_LIBRARY_IMPL(aten, Meta, m) {
 // Labels stay host data, as the loader hands them over.
 TEST(PartialFCDevice, StepNeedsNoDeviceValueOnTheHost) {
   auto dist = Distributed::init(DistEnv{});
-  for (double rate : {1.0, 0.3}) {
-    for (double filter : {0.0, 0.2}) {
-      PartialFCOptions o;
-      o.num_classes = 40;
-      o.embedding_size = 8;
-      o.sample_rate = rate;
-      o.margin.interclass_filter = filter;
-      PartialFC fc(*dist, o, torch::kMeta);
-      at::Tensor emb = torch::empty({6, 8}, torch::TensorOptions().device(torch::kMeta)).requires_grad_();
-      at::Tensor labels = torch::randint(0, 40, {6}, torch::kLong);
-      PartialFCOutput out;
-      ASSERT_NO_THROW({
-        out = fc.forward(emb, labels);
-        out.loss.backward();
-        fc.step(0.1);
-      }) << "rate " << rate << " filter " << filter;
-      EXPECT_TRUE(out.loss.is_meta() && out.accuracy.is_meta());
-      EXPECT_TRUE(emb.grad().defined() && emb.grad().is_meta());
-      EXPECT_EQ(emb.grad().sizes(), emb.sizes());
+  for (MarginMode mode : {MarginMode::Exact, MarginMode::ArcfaceTorch}) {
+    for (double rate : {1.0, 0.3}) {
+      for (double filter : {0.0, 0.2}) {
+        for (bool all_rows : {false, true}) {
+          if (all_rows && rate == 1.0) continue;
+          PartialFCOptions o;
+          o.num_classes = 40;
+          o.embedding_size = 8;
+          o.sample_rate = rate;
+          o.margin.interclass_filter = filter;
+          o.margin.mode = mode;
+          o.step_all_rows = all_rows;
+          PartialFC fc(*dist, o, torch::kMeta);
+          at::Tensor emb = torch::empty({6, 8}, torch::TensorOptions().device(torch::kMeta)).requires_grad_();
+          at::Tensor labels = torch::randint(0, 40, {6}, torch::kLong);
+          PartialFCOutput out;
+          ASSERT_NO_THROW({
+            out = fc.forward(emb, labels);
+            out.loss.backward();
+            fc.step(0.1);
+          }) << to_string(mode) << " rate " << rate << " filter " << filter << " all rows " << all_rows;
+          EXPECT_TRUE(out.loss.is_meta() && out.accuracy.is_meta());
+          EXPECT_TRUE(emb.grad().defined() && emb.grad().is_meta());
+          EXPECT_EQ(emb.grad().sizes(), emb.sizes());
+        }
+      }
     }
   }
 }

@@ -428,6 +428,7 @@ void Config::visit(FieldVisitor& v) {
   FieldSpec margin;
   margin.list_length = 3;
   v.field("loss.margin", loss.margin, margin);
+  v.field("loss.margin_mode", loss.margin_mode, choices({"exact", "arcface_torch"}));
   v.field("loss.scale", loss.scale, positive());
   v.field("loss.interclass_filtering_threshold", loss.interclass_filtering_threshold, range(0, 1));
   v.field("loss.sample_rate", loss.sample_rate, range(0, 1));
@@ -443,6 +444,7 @@ void Config::visit(FieldVisitor& v) {
   v.field("optim.fc_optimizer", optim.fc_optimizer, choices({"sgd", "adamw"}));
   v.field("optim.fc_lr", optim.fc_lr, positive());
   v.field("optim.fc_weight_decay", optim.fc_weight_decay, at_least(0));
+  v.field("optim.fc_update", optim.fc_update, choices({"sampled", "all"}));
   v.field("optim.epochs", optim.epochs, at_least(1));
   v.field("optim.warmup_epochs", optim.warmup_epochs, at_least(0));
   v.field("optim.total_steps", optim.total_steps, at_least(1));
@@ -475,6 +477,11 @@ void Config::validate_relations() const {
     throw usage_error(origin("optim.warmup_steps"), ": key 'optim.warmup_steps' (", *optim.warmup_steps,
                       ") exceeds 'optim.total_steps' (", *optim.total_steps, ")");
   if (loss.margin[0] <= 0) throw usage_error(origin("loss.margin"), ": key 'loss.margin': m1 must be > 0");
+  // arcface_torch's CombinedMarginLoss has two branches and raises for anything else.
+  if (loss.margin_mode == "arcface_torch" && !(loss.margin[2] > 0) && !(loss.margin[0] == 1.0 && loss.margin[2] == 0.0))
+    throw usage_error(origin("loss.margin"), ": key 'loss.margin': [", loss.margin[0], ", ", loss.margin[1], ", ",
+                      loss.margin[2], "] has no arcface_torch equivalent (loss.margin_mode arcface_torch takes m1 = 1 "
+                      "with m3 = 0, ArcFace, or m3 > 0, CosFace); use loss.margin_mode exact");
 }
 
 std::string Config::origin(const std::string& key) const {

@@ -78,6 +78,8 @@ struct ModelConfig {
 
 struct LossConfig {
   std::vector<double> margin{1.0, 0.5, 0.0};  // (m1, m2, m3): s * (cos(m1*theta + m2) - m3)
+  // exact | arcface_torch: how the margin is computed and differentiated (margin.h).
+  std::string margin_mode = "exact";
   double scale = 64.0;
   double interclass_filtering_threshold = 0.0;
   double sample_rate = 1.0;
@@ -94,6 +96,9 @@ struct OptimConfig {
   std::optional<std::string> fc_optimizer;
   std::optional<double> fc_lr;
   std::optional<double> fc_weight_decay;
+  // With loss.sample_rate < 1: "sampled" moves only the sampled rows; "all" steps every row
+  // of the shard (zero gradient where unsampled), as arcface_torch's PartialFC_V2.
+  std::string fc_update = "sampled";
   int64_t epochs = 20;
   double warmup_epochs = 0;
   std::optional<int64_t> total_steps;   // default: derived from images, global batch and epochs

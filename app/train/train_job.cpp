@@ -91,7 +91,11 @@ void build_model(TrainJob& j) {
   po.embedding_size = cfg.model.embedding_size;
   po.sample_rate = cfg.loss.sample_rate;
   po.margin = CombinedMargin{cfg.loss.margin[0], cfg.loss.margin[1], cfg.loss.margin[2], cfg.loss.scale,
-                             cfg.loss.interclass_filtering_threshold};
+                             cfg.loss.interclass_filtering_threshold, parse_margin_mode(cfg.loss.margin_mode)};
+  if (po.margin.mode == MarginMode::ArcfaceTorch && po.margin.m3 > 0 && (po.margin.m1 != 1.0 || po.margin.m2 != 0.0))
+    log_info("loss.margin_mode arcface_torch: with m3 > 0 arcface_torch applies the cosine margin m3 alone (m1 = ",
+             po.margin.m1, " and m2 = ", po.margin.m2, " are ignored, as there)");
+  po.step_all_rows = cfg.optim.fc_update == "all";
   po.seed = static_cast<uint64_t>(cfg.seed);
   // The big GEMMs in the body's precision, as arcface_torch runs its classifier under autocast.
   po.gemm_dtype = bo.precision == BodyPrecision::BFloat16 ? at::kBFloat16
@@ -105,6 +109,7 @@ void build_model(TrainJob& j) {
   po.optimizer.eps = cfg.optim.eps;
   j.fc = with_config_keys(cfg,
                           {{"num_classes", "data.num_classes"}, {"sample_rate", "loss.sample_rate"},
+                           {"margin", "loss.margin"}, {"margin_mode", "loss.margin_mode"},
                            {"embedding_size", "model.embedding_size"}, {"optimizer", "optim.fc_optimizer"}},
                           [&] { return std::make_unique<PartialFC>(d, po, j.device); });
 
@@ -141,16 +146,21 @@ std::optional<double> device_peak_memory_gb(torch::Device dev) {
 }
 
 TrainJob build_train_job(const Config& cfg) {
-  TrainJob j;
-  j.cfg = cfg;
   DistOptions dopts;
   dopts.timeout = std::chrono::milliseconds(static_cast<int64_t>(cfg.dist.timeout_s * 1000));
   dopts.rendezvous_timeout = std::chrono::milliseconds(static_cast<int64_t>(cfg.dist.rendezvous_timeout_s * 1000));
   DistEnv env = DistEnv::from_environment();
-  j.device = pick_device(cfg, env);
-  dopts.use_cuda = j.device.is_cuda();
-  j.dist = Distributed::init(env, dopts);
-  log_info("job: ", env.describe(), ", device ", j.device.str());
+  dopts.use_cuda = pick_device(cfg, env).is_cuda();
+  std::shared_ptr<Distributed> dist = Distributed::init(env, dopts);
+  log_info("job: ", env.describe(), ", device ", pick_device(cfg, env).str());
+  return build_train_job(cfg, std::move(dist));
+}
+
+TrainJob build_train_job(const Config& cfg, std::shared_ptr<Distributed> dist) {
+  TrainJob j;
+  j.cfg = cfg;
+  j.device = pick_device(cfg, DistEnv::from_environment());
+  j.dist = std::move(dist);
   if (j.device.is_cuda() && cfg.train.cudnn_benchmark) at::globalContext().setBenchmarkCuDNN(true);
   build_data(j);
   build_model(j);

@@ -49,6 +49,9 @@ struct TrainJob {
 // Joins the job's ranks (the environment's), then builds the rest. On rank 0, creates
 // cfg.output. Collective.
 TrainJob build_train_job(const Config& cfg);
+// The same on ranks that have joined already (its device must be what cfg.dist.device
+// picks for them); tests build several jobs over one set of ranks this way.
+TrainJob build_train_job(const Config& cfg, std::shared_ptr<Distributed> dist);
 
 // The GPU allocator's peak in GB for a CUDA device, nothing for the CPU.
 std::optional<double> device_peak_memory_gb(torch::Device device);

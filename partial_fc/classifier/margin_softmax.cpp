@@ -121,7 +121,9 @@ struct MarginSoftmaxFn : public torch::autograd::Function<MarginSoftmaxFn> {
     dist.all_reduce(sums);
     const at::Tensor sum_exp = sums.narrow(0, 0, N);
     buf.div_(sum_exp.unsqueeze(1));  // the global softmax over this rank's columns
-    at::Tensor loss = (sum_exp.log() + row_max - sums.narrow(0, N, N)).mean();
+    at::Tensor row_loss = sum_exp.log() + row_max - sums.narrow(0, N, N);
+    if (std::isfinite(m.row_loss_cap())) row_loss.clamp_max_(m.row_loss_cap());
+    at::Tensor loss = row_loss.mean();
     at::Tensor acc = sums[2 * N] / static_cast<double>(N);
 
     ctx->save_for_backward({buf, e, w, inv_norm, col, valid, tc, mask.defined() ? mask : at::Tensor()});
@@ -141,7 +143,7 @@ struct MarginSoftmaxFn : public torch::autograd::Function<MarginSoftmaxFn> {
     if (g.size(1) == 0) return {torch::zeros_like(e), torch::zeros_like(w), at::Tensor(), at::Tensor(), at::Tensor()};
     // d loss / d logit = (p - onehot) / N; d logit / d cos = s (target: s * dt/dc).
     g.scatter_add_(1, col, -valid.to(at::kFloat).unsqueeze(1));
-    if (!m.is_identity())
+    if (!m.unit_gradient())
       g.scatter_(1, col, g.gather(1, col) * torch::where(valid, m.target_grad(tc), torch::ones_like(tc)).unsqueeze(1));
     if (mask.defined()) g.masked_fill_(mask, 0.0);
     // One pass: times grad * s / N (the scalar) and 1 / ||w_j|| (per column). Then

@@ -10,7 +10,7 @@
 // (the second term removes the radial part: the loss does not depend on ||w_j||).
 // The softmax runs across ranks with two small all-reduces (row max; row sum of exponentials
 // with the target logit), the loss is computed in the log domain, and the margin's gradient
-// is exact (margin.h). Nothing in either pass reads a device value on the host.
+// is the margin mode's (margin.h: exact, or arcface_torch's straight-through). Nothing in either pass reads a device value on the host.
 #pragma once
 #include <torch/torch.h>
 

@@ -37,6 +37,7 @@ const PartialFCOptions& checked(const PartialFCOptions& o) {
   if (!(o.sample_rate >= 0 && o.sample_rate <= 1))
     throw option_error("sample_rate", "must be in [0, 1], got ", o.sample_rate);
   if (o.embedding_size < 1) throw option_error("embedding_size", "must be positive, got ", o.embedding_size);
+  o.margin.validate();
   return o;
 }
 }  // namespace
@@ -159,7 +160,15 @@ at::Tensor PartialFC::unscale_(const at::Tensor& inv_scale) {
 void PartialFC::step(double lr) {
   merge_accumulated();
   at::Tensor g = gradient();
-  if (g.defined()) optimizer_.step(weight_, samples() ? index_ : at::Tensor(), g, lr);
+  if (g.defined() && samples() && opts_.step_all_rows) {
+    // The dense gradient arcface_torch's optimiser sees: zero on the unsampled rows.
+    torch::NoGradGuard ng;
+    at::Tensor dense = torch::zeros_like(weight_, weight_.options().requires_grad(false));
+    dense.index_copy_(0, index_, g);
+    optimizer_.step(weight_, at::Tensor(), dense, lr);
+  } else if (g.defined()) {
+    optimizer_.step(weight_, samples() ? index_ : at::Tensor(), g, lr);
+  }
   zero_grad();
 }
 

@@ -4,7 +4,7 @@
 // this shard's centres (all of them, or with sample_rate < 1 the positive classes of the
 // batch plus random negatives), applies the margin and the distributed softmax
 // cross-entropy, and returns the global-batch loss. After backward, step() moves the rows
-// that took part (and only those) with the shard's optimiser.
+// that took part (and only those, unless step_all_rows) with the shard's optimiser.
 //
 // Gradient convention (DESIGN.md), decided here once: the loss is the mean over the global
 // batch, so the reduce-scatter in the gather's backward gives each rank exactly
@@ -34,6 +34,12 @@ struct PartialFCOptions {
   CombinedMargin margin;
   uint64_t seed = 2048;
   ShardOptimizerOptions optimizer;
+  // With sampling, which rows an optimiser step moves: false = only the rows that took part
+  // (the Partial FC paper; every other row and its state stay bit-identical); true = every
+  // row of the shard, the unsampled ones with a zero gradient, so weight decay and momentum
+  // (or AdamW's moments) keep moving them, as arcface_torch's PartialFC_V2 does with a
+  // dense optimiser over the whole weight. Costs a [shard, d] gradient per step.
+  bool step_all_rows = false;
   // The type the big GEMMs run in (the body's precision: kBFloat16/kHalf under mixed
   // precision); the logits and the softmax stay fp32 (margin_softmax.h).
   at::ScalarType gemm_dtype = at::kFloat;
@@ -70,8 +76,9 @@ class PartialFC {
   // on the shard's device) and returns a 1-element fp32 flag there, 1 when the gradient
   // holds an inf or NaN (torch's AMP unscale kernel; no host sync).
   at::Tensor unscale_(const at::Tensor& inv_scale);
-  // Moves the rows that took part in the step (all of them without sampling) and drops
-  // the gradient. A step without a classifier gradient changes nothing.
+  // Moves the rows that took part in the step (all of them without sampling or with
+  // step_all_rows) and drops the gradient. A step without a classifier gradient changes
+  // nothing.
   void step(double lr);
   // Drops the step's gradient (set-aside micro-batches included) without moving anything.
   void zero_grad();

@@ -2,7 +2,8 @@
 // with a step count per row (so the bias correction of a row counts its own updates). A
 // step updates only the rows it is given; every other row and its state stay
 // bit-identical (the Partial FC paper's behaviour; arcface_torch's V2 lets unsampled rows
-// drift under weight decay and momentum). PartialFC owns one and decides which rows move.
+// drift under weight decay and momentum, which PartialFC's step_all_rows reproduces by
+// stepping every row). PartialFC owns one and decides which rows move.
 #pragma once
 #include <string>
 #include <utility>
