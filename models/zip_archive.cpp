@@ -3,9 +3,9 @@
 #include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
+#include <zlib.h>
 
 #include <algorithm>
-#include <array>
 #include <cerrno>
 #include <cstring>
 
@@ -33,41 +33,19 @@ uint32_t le32(const uint8_t* p) {
 }
 uint64_t le64(const uint8_t* p) { return uint64_t(le32(p)) | (uint64_t(le32(p + 4)) << 32); }
 
-// Slice-by-8 tables: about 1.5 GB/s, so checking a model of a few hundred MB costs a
-// fraction of reading it.
-struct CrcTables {
-  std::array<std::array<uint32_t, 256>, 8> t{};
-  CrcTables() {
-    for (uint32_t i = 0; i < 256; ++i) {
-      uint32_t c = i;
-      for (int k = 0; k < 8; ++k) c = (c & 1) ? 0xedb88320u ^ (c >> 1) : c >> 1;
-      t[0][i] = c;
-    }
-    for (uint32_t i = 0; i < 256; ++i)
-      for (size_t s = 1; s < 8; ++s) t[s][i] = (t[s - 1][i] >> 8) ^ t[0][t[s - 1][i] & 0xff];
-  }
-};
-
-const CrcTables& crc_tables() {
-  static const CrcTables tables;
-  return tables;
-}
-
 }  // namespace
 
 uint32_t crc32_update(uint32_t crc, const uint8_t* p, size_t n) {
-  const auto& t = crc_tables().t;
-  uint32_t c = ~crc;
-  while (n >= 8) {
-    const uint32_t a = c ^ le32(p);
-    const uint32_t b = le32(p + 4);
-    c = t[7][a & 0xff] ^ t[6][(a >> 8) & 0xff] ^ t[5][(a >> 16) & 0xff] ^ t[4][a >> 24] ^ t[3][b & 0xff] ^
-        t[2][(b >> 8) & 0xff] ^ t[1][(b >> 16) & 0xff] ^ t[0][b >> 24];
-    p += 8;
-    n -= 8;
+  // zlib's CRC-32 (about 6 GB/s): checking a model of a few hundred MB costs a fraction
+  // of reading it. zlib takes 32-bit lengths.
+  uLong c = crc;
+  while (n > 0) {
+    const uInt k = static_cast<uInt>(std::min<size_t>(n, size_t(1) << 30));
+    c = ::crc32(c, p, k);
+    p += k;
+    n -= k;
   }
-  while (n--) c = t[0][(c ^ *p++) & 0xff] ^ (c >> 8);
-  return ~c;
+  return static_cast<uint32_t>(c);
 }
 
 ZipArchive::ZipArchive(std::string context, int fd, const uint8_t* mem, uint64_t size)
