@@ -59,6 +59,12 @@ TEST(ConfigYaml, SyntaxErrorsNameTheKeyPathOfTheirLine) {
   msg = config_error("data:\n\tnum_classes: 10\n");
   EXPECT_CONTAINS(msg, "job.yaml:2:");
   EXPECT_CONTAINS(msg, "YAML syntax error");
+  // yaml-cpp quotes the offending character raw; the message escapes it (and stays one line).
+  msg = config_error(kHead + "model: {backbone: \"\\\x01\"}\n");
+  EXPECT_CONTAINS(msg, "key 'model");
+  EXPECT_CONTAINS(msg, "unknown escape character: \\x01");
+  msg = config_error(kHead, "job.yaml", {"model.backbone=\"\\\r\""});
+  EXPECT_CONTAINS(msg, "--set 'model.backbone=\"\\x5c\\x0d\"': the value is not valid YAML: unknown escape character: \\x0d");
 }
 
 TEST(ConfigYaml, ValueErrorsNameTheLine) {

@@ -213,7 +213,7 @@ YAML::Node parse_yaml(const std::string& text, const std::string& name) {
                       "values nested too deeply (more than ", kMaxDepth, " levels)");
   } catch (const YAML::Exception& e) {
     throw usage_error(where(name, e.mark), ": ", key_text(key_path_at_line(text, e.mark.line + 1)),
-                      "YAML syntax error: ", e.msg);
+                      "YAML syntax error: ", detail::printable(e.msg, 200));
   }
   if (n.IsNull()) return YAML::Node(YAML::NodeType::Map);
   if (!n.IsMap()) throw usage_error(where(name, n.Mark()), ": expected a mapping of keys at the top level");
@@ -278,7 +278,7 @@ void apply_override(MergedYaml& m, const std::string& ov) {
   try {
     v = YAML::Load(value);
   } catch (const YAML::Exception& e) {
-    throw usage_error("--set '", detail::printable(ov), "': the value is not valid YAML: ", e.msg);
+    throw usage_error("--set '", detail::printable(ov), "': the value is not valid YAML: ", detail::printable(e.msg, 200));
   }
   check_document(v, "--set '" + detail::printable(ov) + "'");
   if (v.IsNull() && !value.empty() && value != "null" && value != "~") v = YAML::Node(value);
