@@ -1,5 +1,6 @@
 #include "data/insightface_rec.h"
 
+#include <algorithm>
 #include <cmath>
 
 #include "data/image_record.h"
@@ -33,7 +34,10 @@ InsightFaceLayout read_insightface_layout(const IndexedRecordIO& rec) {
       layout.has_header = true;
       const uint64_t end = label_to_key(v.labels[0], where, "image-key end label[0]");
       if (end < 1) throw runtime_error(where, ": image-key end label[0] = 0 (must be >= 1)");
-      layout.image_keys.reserve(end - 1);
+      // A header may claim up to 2^24 keys in a file of a few bytes: reserve no more than
+      // the index holds (the loop below stops at the first key the index lacks, which with
+      // unique keys comes within entries() + 1 steps).
+      layout.image_keys.reserve(std::min<uint64_t>(end - 1, rec.entries().size()));
       for (uint64_t k = 1; k < end; ++k) {
         if (!rec.contains(k)) {
           throw runtime_error(where, ": header says image keys are [1, ", end, ") but key ", k, " is not in ",

@@ -80,7 +80,7 @@ std::vector<IndexEntry> parse_index(const std::string& text, const std::string& 
   auto parse_u64 = [&](const char* b, const char* e, const char* what) -> uint64_t {
     auto bad = [&](const char* why) {
       return runtime_error(name, ":", line_no, ": ", why, " ", what, ", got '",
-                           std::string(b, size_t(std::min<ptrdiff_t>(e - b, 40))), "'");
+                           detail::printable(std::string(b, size_t(std::min<ptrdiff_t>(e - b, 40)))), "'");
     };
     if (b == e || e - b > 20) throw bad("expected an unsigned integer");
     uint64_t v = 0;
@@ -104,7 +104,7 @@ std::vector<IndexEntry> parse_index(const std::string& text, const std::string& 
     const char* tab = static_cast<const char*>(std::memchr(b, '\t', size_t(e - b)));
     if (!tab) {
       throw runtime_error(name, ":", line_no, ": expected '<key>\\t<offset>', got '",
-                          std::string(b, size_t(std::min<ptrdiff_t>(e - b, 60))), "'");
+                          detail::printable(std::string(b, size_t(std::min<ptrdiff_t>(e - b, 60)))), "'");
     }
     IndexEntry entry;
     entry.key = parse_u64(b, tab, "key");

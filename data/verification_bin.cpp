@@ -26,8 +26,8 @@ constexpr int kMaxDepth = 2;
 // Bounds on what the parser keeps (each BINGET pushes another reference for two input
 // bytes): far above a real set's needs (lfw: 12000 images, batched 1000 per APPENDS) while
 // keeping a hostile file from growing memory without limit.
-constexpr size_t kMaxStack = size_t(1) << 22;
-constexpr size_t kMaxMemo = size_t(1) << 22;
+constexpr size_t kMaxStack = size_t(1) << 20;
+constexpr size_t kMaxMemo = size_t(1) << 20;
 
 struct Items;
 
@@ -141,6 +141,8 @@ class PickleParser {
         case 0x93: {  // STACK_GLOBAL
           Value nm = pop(), module = pop();
           if (module.kind != Value::Text || nm.kind != Value::Text) fail("STACK_GLOBAL needs two strings");
+          // Names are short; a cap keeps GETs of one long str from copying it per opcode.
+          if (module.bytes->size() > 256 || nm.bytes->size() > 256) fail("STACK_GLOBAL name longer than 256 bytes");
           push(global(as_string(module) + "." + as_string(nm)));
           break;
         }
@@ -267,9 +269,19 @@ class PickleParser {
 
  public:
   // A str that stands for bytes (py2 str loaded as latin-1, or protocol 2's
-  // _codecs.encode(s, 'latin1')): every code point must fit in one byte.
+  // _codecs.encode(s, 'latin1')): every code point must fit in one byte. Converted once
+  // per str object, however often the pickle refers to it.
   std::shared_ptr<std::vector<uint8_t>> latin1(const Value& v) {
-    const std::vector<uint8_t>& u = *v.bytes;
+    auto cached = latin1_.find(v.bytes.get());
+    if (cached != latin1_.end()) return cached->second;
+    auto out = latin1_uncached(*v.bytes);
+    latin1_.emplace(v.bytes.get(), out);
+    latin1_sources_.push_back(v.bytes);  // keeps the key's buffer alive, so the key stays unique
+    return out;
+  }
+
+ private:
+  std::shared_ptr<std::vector<uint8_t>> latin1_uncached(const std::vector<uint8_t>& u) {
     auto out = std::make_shared<std::vector<uint8_t>>();
     out->reserve(u.size());
     for (size_t i = 0; i < u.size();) {
@@ -298,14 +310,14 @@ class PickleParser {
     const bool is_encode = fn_name == "_codecs.encode";
     const bool is_bytes = fn_name == "__builtin__.bytes" || fn_name == "builtins.bytes" ||
                           fn_name == "__builtin__.bytearray" || fn_name == "builtins.bytearray";
-    if (!is_encode && !is_bytes) fail(detail::concat("pickle calls ", fn_name, ", which a .bin never does"));
+    if (!is_encode && !is_bytes) fail(detail::concat("pickle calls ", detail::printable(fn_name), ", which a .bin never does"));
     if (is_bytes && a.empty()) return bytes(std::make_shared<std::vector<uint8_t>>());
     if (is_bytes && a.size() == 1 && a[0].kind == Value::Bytes) return a[0];
     if (a.size() == 2 && a[0].kind == Value::Text && a[1].kind == Value::Text) {
       const std::string enc = as_string(a[1]);
       if (enc == "latin1" || enc == "latin-1" || enc == "iso-8859-1") return bytes(latin1(a[0]));
     }
-    fail(detail::concat("unsupported arguments to ", fn_name));
+    fail(detail::concat("unsupported arguments to ", detail::printable(fn_name)));
   }
 
   void push(Value v) {
@@ -382,6 +394,9 @@ class PickleParser {
   std::vector<Value> stack_;
   std::vector<size_t> marks_;
   std::unordered_map<uint64_t, Value> memo_;
+  // str buffer -> its latin-1 bytes; the buffers are kept alive in latin1_sources_.
+  std::unordered_map<const void*, std::shared_ptr<std::vector<uint8_t>>> latin1_;
+  std::vector<std::shared_ptr<std::vector<uint8_t>>> latin1_sources_;
 
 };
 
@@ -403,14 +418,24 @@ VerificationSet parse_verification_bin(const uint8_t* data, size_t size, const s
   if (same.kind != Value::List && same.kind != Value::Tuple) throw bad("issame_list is not a list");
   VerificationSet set;
   set.images.reserve(bins.items->size());
+  // References to one image share its buffer; counted with repeats, the images may not
+  // hold much more than the file does, or a small file could make its reader decode (and
+  // a caller copy) the same large image millions of times.
+  uint64_t referenced = 0;
   for (size_t i = 0; i < bins.items->size(); ++i) {
     const Value& v = (*bins.items)[i];
     if (v.kind == Value::Bytes) {
-      set.images.push_back(*v.bytes);
+      set.images.emplace_back(v.bytes);
     } else if (v.kind == Value::Text) {
-      set.images.push_back(*parser.latin1(v));
+      set.images.emplace_back(parser.latin1(v));
     } else {
       throw bad(detail::concat("bins[", i, "] is a ", kind_name(v.kind), ", expected bytes"));
+    }
+    referenced += set.images.back().size();
+    if (referenced > uint64_t(size) + kMaxRepeatedImageBytes) {
+      throw bad(detail::concat("bins[0..", i, "] hold ", referenced, " bytes counted with repeats, more than the ",
+                               size, "-byte file plus ", kMaxRepeatedImageBytes >> 20,
+                               " MiB (the pickle references the same images over and over)"));
     }
   }
   set.issame.reserve(same.items->size());

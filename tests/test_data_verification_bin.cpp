@@ -302,6 +302,47 @@ TEST(VerificationBinCorrupt, StackGrowthIsCapped) {
   EXPECT_NE(msg.find("stack grows past"), std::string::npos) << msg;
 }
 
+// One image referenced through the memo many times (as a hostile .bin does to make its
+// reader copy a large string thousands of times): the references share one buffer, and
+// past the file's size plus 16 MiB of repeats the set is refused before anything decodes it.
+TEST(VerificationBinCorrupt, MemoReferencesShareOneImage) {
+  auto u32 = [](std::vector<uint8_t>& b, uint32_t v) {
+    for (int i = 0; i < 4; ++i) b.push_back(uint8_t(v >> (8 * i)));
+  };
+  auto memo_bin = [&](size_t image_bytes, size_t refs, uint8_t string_op) {
+    std::vector<uint8_t> b = {0x80, 0x04, ']', '(', string_op};
+    u32(b, uint32_t(image_bytes));
+    for (size_t i = 0; i < image_bytes; ++i) b.push_back(uint8_t('a' + i % 26));  // ASCII: valid latin-1 text too
+    b.push_back(0x94);  // MEMOIZE: memo 0
+    for (size_t i = 1; i < refs; ++i) b.insert(b.end(), {'h', 0});
+    b.insert(b.end(), {'e', ']', '('});
+    b.insert(b.end(), refs / 2, 0x88);
+    b.insert(b.end(), {'e', 0x86, '.'});
+    return b;
+  };
+  for (uint8_t op : {uint8_t('B'), uint8_t('X')}) {  // BINBYTES, and a str read as latin-1
+    const auto b = memo_bin(100000, 100, op);
+    const VerificationSet set = parse_verification_bin(b.data(), b.size(), "memo.bin");
+    ASSERT_EQ(set.images.size(), 100u);
+    EXPECT_EQ(set.images[99].size(), 100000u);
+    for (const auto& img : set.images) EXPECT_TRUE(img.shares(set.images[0])) << "a copy, not a reference";
+  }
+  // 1 MB image, 18 references: 18 MB counted with repeats > 1 MB + 16 MiB.
+  const auto big = memo_bin(1000000, 18, 'B');
+  const std::string msg = error_of([&] { parse_verification_bin(big.data(), big.size(), "memo.bin"); });
+  EXPECT_EQ(msg.find("memo.bin"), 0u) << msg;
+  EXPECT_NE(msg.find("counted with repeats"), std::string::npos) << msg;
+  EXPECT_EQ(msg.find('\n'), std::string::npos) << msg;
+  // STACK_GLOBAL of long names (which GETs could otherwise copy per opcode) is refused.
+  std::vector<uint8_t> g = {0x80, 0x04, 0x8d};
+  for (int i = 0; i < 8; ++i) g.push_back(i == 0 ? 0x00 : 0);
+  g[3] = 0x00;
+  g[4] = 0x10;  // BINUNICODE8 of 4096 bytes
+  g.insert(g.end(), 4096, 'm');
+  g.insert(g.end(), {0x94, 'h', 0, 0x93, '.'});
+  EXPECT_NE(error_of([&] { parse_verification_bin(g.data(), g.size(), "g.bin"); }).find("longer than 256"), std::string::npos);
+}
+
 TEST(VerificationBinCorrupt, RandomMutationsNeverCrash) {
   const std::vector<uint8_t> good = encode_verification_bin(random_set(9, 6));
   std::mt19937_64 g(17);

@@ -1,5 +1,6 @@
 #include "app/config/config.h"
 
+#include <yaml-cpp/depthguard.h>
 #include <yaml-cpp/yaml.h>
 
 #include <cmath>
@@ -19,71 +20,216 @@ namespace faceshard {
 struct MergedYaml {
   YAML::Node root = YAML::Node(YAML::NodeType::Map);
   std::map<std::string, std::string> origin;  // key path -> file (or "--set") that set it
+  std::map<std::string, int> line;            // key path -> its line in that file (files only)
   std::string top;                            // the file named on the command line
 };
 
 namespace {
 
-// The file that set `path`, or its nearest ancestor section; `top` when none did.
-std::string nearest_origin(const std::map<std::string, std::string>& origin, const std::string& top,
-                           const std::string& path) {
+// "file:line" (or the file alone when the line is unknown, as for --set).
+std::string at_line(const std::string& file, int line) {
+  return line > 0 ? file + ":" + std::to_string(line) : file;
+}
+
+// The file (and line) that set `path`, or set its nearest ancestor section; `top` when
+// none did.
+std::string nearest_origin(const std::map<std::string, std::string>& origin, const std::map<std::string, int>& lines,
+                           const std::string& top, const std::string& path) {
   for (std::string p = path;;) {
     auto it = origin.find(p);
-    if (it != origin.end()) return it->second;
+    if (it != origin.end()) {
+      auto l = lines.find(p);
+      return at_line(it->second, l == lines.end() ? 0 : l->second);
+    }
     auto dot = p.rfind('.');
     if (dot == std::string::npos) return top;
     p = p.substr(0, dot);
   }
 }
 
-std::string merged_origin(const MergedYaml& m, const std::string& path) { return nearest_origin(m.origin, m.top, path); }
+std::string merged_origin(const MergedYaml& m, const std::string& path) {
+  return nearest_origin(m.origin, m.line, m.top, path);
+}
 
 std::string join(const std::string& a, const std::string& b) { return a.empty() ? b : a + "." + b; }
 
-void record_origins(const YAML::Node& n, const std::string& path, const std::string& file,
-                    std::map<std::string, std::string>& origin) {
-  if (!path.empty()) origin[path] = file;
-  if (n.IsMap())
-    for (auto it = n.begin(); it != n.end(); ++it)
-      record_origins(it->second, join(path, it->first.as<std::string>()), file, origin);
+int line_of(const YAML::Node& n) { return n.Mark().is_null() ? 0 : n.Mark().line + 1; }
+
+// Keys are checked to be scalars when a file is parsed (check_document), so this cannot
+// throw yaml-cpp's "bad conversion".
+std::string key_of(const YAML::Node& k) { return k.IsScalar() ? k.Scalar() : std::string(); }
+
+// Records who set `path` and everything below it. Iterative: check_document has bounded
+// the document's depth and size (aliases expanded), so this walk is bounded too.
+// The line a key's value starts on, for files (--set values have no lines).
+int line_in(const YAML::Node& n, const std::string& file) { return file == "--set" ? 0 : line_of(n); }
+
+void set_origin(MergedYaml& m, const std::string& path, const std::string& file, const YAML::Node& n) {
+  m.origin[path] = file;
+  if (const int l = line_in(n, file); l > 0) m.line[path] = l;
+  else m.line.erase(path);
+}
+
+void record_origins(const YAML::Node& top, const std::string& top_path, const std::string& file, MergedYaml& m) {
+  std::vector<std::pair<YAML::Node, std::string>> todo{{top, top_path}};
+  while (!todo.empty()) {
+    auto [n, path] = std::move(todo.back());
+    todo.pop_back();
+    if (!path.empty()) set_origin(m, path, file, n);
+    if (n.IsMap())
+      for (auto it = n.begin(); it != n.end(); ++it) todo.emplace_back(it->second, join(path, key_of(it->first)));
+  }
 }
 
 // Deep merge: maps merge key by key, anything else replaces.
-void merge_into(YAML::Node dst, const YAML::Node& src, const std::string& path, const std::string& file,
-                std::map<std::string, std::string>& origin) {
+void merge_into(YAML::Node dst, const YAML::Node& src, const std::string& path, const std::string& file, MergedYaml& m) {
   for (auto it = src.begin(); it != src.end(); ++it) {
-    const std::string key = it->first.as<std::string>();
+    const std::string key = key_of(it->first);
     const std::string p = join(path, key);
     if (it->second.IsMap() && dst[key] && dst[key].IsMap()) {
-      merge_into(dst[key], it->second, p, file, origin);
-      origin[p] = file;
+      merge_into(dst[key], it->second, p, file, m);
+      set_origin(m, p, file, it->second);
     } else {
       dst[key] = YAML::Clone(it->second);
       // Forget origins of keys the new value replaced.
-      for (auto o = origin.lower_bound(p + "."); o != origin.end() && o->first.rfind(p + ".", 0) == 0;)
-        o = origin.erase(o);
-      record_origins(it->second, p, file, origin);
+      for (auto o = m.origin.lower_bound(p + "."); o != m.origin.end() && o->first.rfind(p + ".", 0) == 0;) {
+        m.line.erase(o->first);
+        o = m.origin.erase(o);
+      }
+      record_origins(it->second, p, file, m);
     }
   }
 }
 
-YAML::Node parse_yaml(const std::string& text, const std::string& name) {
-  try {
-    YAML::Node n = YAML::Load(text);
-    if (n.IsNull()) return YAML::Node(YAML::NodeType::Map);
-    if (!n.IsMap()) throw usage_error(name, ": expected a mapping of keys at the top level");
-    return n;
-  } catch (const YAML::Exception& e) {
-    throw usage_error(name, ":", e.mark.line + 1, ":", e.mark.column + 1, ": YAML syntax error: ", e.msg);
+// Limits on a config document. A config is a few KB of keys two or three levels deep;
+// the limits keep a hostile file (deep nesting, aliases that expand exponentially, a
+// huge file) from costing more than a few MB or recursing deeply in yaml-cpp or here.
+constexpr size_t kMaxConfigBytes = size_t(256) << 10;
+constexpr int kMaxDepth = 32;
+constexpr size_t kMaxValues = 100000;  // values visited with aliases expanded
+
+// The key path of `line` (1-based) in block-style YAML text, from the keys on that line
+// and the less-indented lines above it: what a syntax error names besides file and line.
+std::string key_path_at_line(const std::string& text, int line) {
+  std::vector<std::pair<size_t, std::string>> stack;  // (indent, key)
+  size_t pos = 0;
+  for (int no = 1; no <= line && pos <= text.size(); ++no) {
+    size_t end = text.find('\n', pos);
+    if (end == std::string::npos) end = text.size();
+    const std::string l = text.substr(pos, end - pos);
+    pos = end + 1;
+    size_t indent = 0;
+    while (indent < l.size() && l[indent] == ' ') ++indent;
+    if (indent == l.size() || l[indent] == '#') continue;
+    size_t b = indent;
+    while (b + 1 < l.size() && l[b] == '-' && l[b + 1] == ' ') b += 2;  // "- key: ..."
+    size_t colon = std::string::npos;
+    const char q = l[b];
+    if (q == '"' || q == '\'') {
+      const size_t close = l.find(q, b + 1);
+      if (close != std::string::npos && close + 1 < l.size() && l[close + 1] == ':') colon = close + 1;
+    } else if (q != '[' && q != '{' && q != '-' && q != '?') {
+      for (size_t i = b; i < l.size() && l[i] != '#'; ++i)
+        if (l[i] == ':' && (i + 1 == l.size() || l[i + 1] == ' ' || l[i + 1] == '\t')) {
+          colon = i;
+          break;
+        }
+    }
+    while (!stack.empty() && stack.back().first >= indent) stack.pop_back();
+    if (colon == std::string::npos) continue;
+    std::string key = l.substr(b, colon - b);
+    while (!key.empty() && key.back() == ' ') key.pop_back();
+    if (key.size() >= 2 && (key[0] == '"' || key[0] == '\'')) key = key.substr(1, key.size() - 2);
+    stack.emplace_back(indent, key);
   }
+  std::string path;
+  for (const auto& [indent, key] : stack) path = join(path, key);
+  return path;
+}
+
+std::string where(const std::string& name, const YAML::Mark& mark) {
+  if (mark.is_null()) return name;
+  return name + ":" + std::to_string(mark.line + 1) + ":" + std::to_string(mark.column + 1);
+}
+
+std::string key_text(const std::string& path) {
+  return path.empty() ? std::string() : "key '" + detail::printable(path) + "': ";
+}
+
+// Walks a parsed document once, iteratively, before anything else reads it: every key of
+// every mapping must be a plain scalar and appear once, nesting stays under kMaxDepth and
+// the values, aliases expanded, number at most kMaxValues. Errors name file, line,
+// column and the key path.
+void check_document(const YAML::Node& root, const std::string& name) {
+  struct Item {
+    YAML::Node node;
+    std::string path;
+    int depth;
+  };
+  std::vector<Item> todo{{root, "", 0}};
+  size_t visited = 0;
+  while (!todo.empty()) {
+    Item item = std::move(todo.back());
+    todo.pop_back();
+    if (++visited > kMaxValues)
+      throw usage_error(where(name, item.node.Mark()), ": ", key_text(item.path), "more than ", kMaxValues,
+                        " values once aliases are expanded (a config holds a few hundred)");
+    if (item.depth > kMaxDepth)
+      throw usage_error(where(name, item.node.Mark()), ": ", key_text(item.path), "values nested more than ",
+                        kMaxDepth, " levels deep");
+    if (item.node.IsMap()) {
+      std::map<std::string, int> seen;
+      for (auto it = item.node.begin(); it != item.node.end(); ++it) {
+        const YAML::Node k = it->first;  // a copy: the iterator hands out temporaries
+        if (!k.IsScalar()) {
+          const std::string got = k.IsNull() ? "an empty key" : k.IsSequence() ? "a list" : "a mapping";
+          throw usage_error(where(name, k.Mark()), ": ", key_text(item.path), "expected a key name, got ", got);
+        }
+        const std::string p = join(item.path, k.Scalar());
+        auto [prev, fresh] = seen.emplace(k.Scalar(), line_of(k));
+        if (!fresh)
+          throw usage_error(where(name, k.Mark()), ": key '", detail::printable(p), "' appears twice in one mapping (first at line ",
+                            prev->second, ")");
+        todo.push_back({it->second, p, item.depth + 1});
+      }
+    } else if (item.node.IsSequence()) {
+      size_t i = 0;
+      for (auto it = item.node.begin(); it != item.node.end(); ++it, ++i)
+        todo.push_back({*it, item.path + "[" + std::to_string(i) + "]", item.depth + 1});
+    }
+  }
+}
+
+// Parses one document and checks it (check_document). A syntax error names the file,
+// line and column, and the key path that line is under.
+YAML::Node parse_yaml(const std::string& text, const std::string& name) {
+  if (text.size() > kMaxConfigBytes)
+    throw usage_error(name, ": ", text.size(), " bytes; a config file is at most ", kMaxConfigBytes >> 10, " KiB");
+  YAML::Node n;
+  try {
+    n = YAML::Load(text);
+  } catch (const YAML::DeepRecursion& e) {
+    throw usage_error(where(name, e.mark), ": ", key_text(key_path_at_line(text, e.mark.line + 1)),
+                      "values nested too deeply (more than ", kMaxDepth, " levels)");
+  } catch (const YAML::Exception& e) {
+    throw usage_error(where(name, e.mark), ": ", key_text(key_path_at_line(text, e.mark.line + 1)),
+                      "YAML syntax error: ", detail::printable(e.msg, 200));
+  }
+  if (n.IsNull()) return YAML::Node(YAML::NodeType::Map);
+  if (!n.IsMap()) throw usage_error(where(name, n.Mark()), ": expected a mapping of keys at the top level");
+  check_document(n, name);
+  return n;
 }
 
 std::string read_text(const std::string& path, const std::string& referrer) {
   std::error_code ec;
   if (!fs::is_regular_file(path, ec)) {
     if (referrer.empty()) throw usage_error("config file '", path, "' not found");
-    throw usage_error(referrer, ": key 'base': base file '", path, "' not found");
+    throw usage_error(referrer, ": key 'base': base file '", detail::printable(path, 400), "' not found");
   }
+  const auto size = fs::file_size(path, ec);
+  if (!ec && size > kMaxConfigBytes)
+    throw usage_error(path, ": ", size, " bytes; a config file is at most ", kMaxConfigBytes >> 10, " KiB");
   std::ifstream f(path);
   std::stringstream ss;
   ss << f.rdbuf();
@@ -96,47 +242,50 @@ void load_layer(MergedYaml& m, const std::string& text, const std::string& name,
   if (root["base"]) {
     YAML::Node base = root["base"];
     std::vector<std::string> bases;
+    const std::string at = at_line(name, line_of(base));
     if (base.IsScalar()) {
-      bases.push_back(base.as<std::string>());
+      bases.push_back(base.Scalar());
     } else if (base.IsSequence()) {
       for (const auto& b : base) {
-        if (!b.IsScalar()) throw usage_error(name, ": key 'base': expected a file name or a list of file names");
-        bases.push_back(b.as<std::string>());
+        if (!b.IsScalar()) throw usage_error(at, ": key 'base': expected a file name or a list of file names");
+        bases.push_back(b.Scalar());
       }
     } else {
-      throw usage_error(name, ": key 'base': expected a file name or a list of file names");
+      throw usage_error(at, ": key 'base': expected a file name or a list of file names");
     }
+    if (stack.size() > 16) throw usage_error(at, ": key 'base': bases nested more than 16 files deep");
     root.remove("base");
     for (const auto& b : bases) {
       fs::path p = fs::path(b).is_absolute() ? fs::path(b) : dir / b;
       std::string ps = p.lexically_normal().string();
       for (const auto& s : stack)
-        if (s == ps) throw usage_error(name, ": key 'base': '", b, "' includes itself (cycle)");
-      std::string sub = read_text(ps, name);
+        if (s == ps) throw usage_error(at, ": key 'base': '", detail::printable(b), "' includes itself (cycle)");
+      std::string sub = read_text(ps, at);
       stack.push_back(ps);
       load_layer(m, sub, ps, p.parent_path(), stack);
       stack.pop_back();
     }
   }
-  merge_into(m.root, root, "", name, m.origin);
+  merge_into(m.root, root, "", name, m);
 }
 
 void apply_override(MergedYaml& m, const std::string& ov) {
   auto eq = ov.find('=');
-  if (eq == std::string::npos || eq == 0) throw usage_error("--set '", ov, "': expected key.path=value");
+  if (eq == std::string::npos || eq == 0) throw usage_error("--set '", detail::printable(ov), "': expected key.path=value");
   std::string path = ov.substr(0, eq);
   std::string value = ov.substr(eq + 1);
   YAML::Node v;
   try {
     v = YAML::Load(value);
   } catch (const YAML::Exception& e) {
-    throw usage_error("--set '", ov, "': the value is not valid YAML: ", e.msg);
+    throw usage_error("--set '", detail::printable(ov), "': the value is not valid YAML: ", detail::printable(e.msg, 200));
   }
+  check_document(v, "--set '" + detail::printable(ov) + "'");
   if (v.IsNull() && !value.empty() && value != "null" && value != "~") v = YAML::Node(value);
   std::vector<std::string> parts;
   std::stringstream ss(path);
   for (std::string part; std::getline(ss, part, '.');) {
-    if (part.empty()) throw usage_error("--set '", ov, "': empty key in '", path, "'");
+    if (part.empty()) throw usage_error("--set '", detail::printable(ov), "': empty key in '", detail::printable(path), "'");
     parts.push_back(part);
   }
   YAML::Node wrapper(YAML::NodeType::Map);
@@ -146,7 +295,7 @@ void apply_override(MergedYaml& m, const std::string& ov) {
     cur.reset(cur[parts[i]]);
   }
   cur[parts.back()] = v;
-  merge_into(m.root, wrapper, "", "--set", m.origin);
+  merge_into(m.root, wrapper, "", "--set", m);
 }
 
 YAML::Node find(const YAML::Node& root, const std::string& path) {
@@ -162,7 +311,7 @@ YAML::Node find(const YAML::Node& root, const std::string& path) {
 }
 
 std::string show(const YAML::Node& n) {
-  if (n.IsScalar()) return "'" + n.Scalar() + "'";
+  if (n.IsScalar()) return "'" + detail::printable(n.Scalar()) + "'";
   if (n.IsSequence()) return "a list";
   if (n.IsMap()) return "a mapping";
   return "nothing";
@@ -180,7 +329,7 @@ class Reader : public FieldVisitor {
     if (!s.choices.empty() && std::find(s.choices.begin(), s.choices.end(), v) == s.choices.end()) {
       std::string c;
       for (auto& x : s.choices) c += (c.empty() ? "" : ", ") + x;
-      fail(p, "expected one of {" + c + "}, got '" + v + "'");
+      fail(p, "expected one of {" + c + "}, got '" + detail::printable(v) + "'");
     }
   }
   void field(const std::string& p, int64_t& v, const FieldSpec& s) override {
@@ -240,14 +389,14 @@ class Reader : public FieldVisitor {
   void check_unknown(const YAML::Node& n, const std::string& path) {
     if (!n.IsMap()) return;
     for (auto it = n.begin(); it != n.end(); ++it) {
-      const std::string p = join(path, it->first.as<std::string>());
+      const std::string p = join(path, key_of(it->first));
       if (known_.count(p)) continue;
       if (sections_.count(p)) {
         if (!it->second.IsMap() && !it->second.IsNull()) fail(p, "expected a mapping (a section), got " + show(it->second));
         check_unknown(it->second, p);
         continue;
       }
-      throw usage_error(merged_origin(m_, p), ": unknown key '", p, "'", suggestion(p));
+      throw usage_error(merged_origin(m_, p), ": unknown key '", detail::printable(p), "'", suggestion(p));
     }
   }
 
@@ -312,7 +461,7 @@ class Reader : public FieldVisitor {
     return "";
   }
   [[noreturn]] void fail(const std::string& p, const std::string& what) {
-    throw usage_error(merged_origin(m_, p), ": key '", p, "': ", what);
+    throw usage_error(merged_origin(m_, p), ": key '", detail::printable(p), "': ", what);
   }
 
   const MergedYaml& m_;
@@ -365,6 +514,7 @@ Config read(const MergedYaml& m) {
   cfg.visit(r);
   r.check_unknown(m.root, "");
   cfg.origins = m.origin;
+  cfg.origin_lines = m.line;
   cfg.top_file = m.top;
   cfg.validate_relations();
   return cfg;
@@ -485,7 +635,7 @@ void Config::validate_relations() const {
 }
 
 std::string Config::origin(const std::string& key) const {
-  return nearest_origin(origins, top_file.empty() ? "config" : top_file, key);
+  return nearest_origin(origins, origin_lines, top_file.empty() ? "config" : top_file, key);
 }
 
 void throw_config_error(const Config& cfg, const std::string& key, const std::string& what) {

@@ -146,14 +146,16 @@ struct Config {
   TrainConfig train;
   DistConfig dist;
 
-  // Which file (or "--set") gave each key, for errors found after loading.
+  // Which file (or "--set") gave each key, and on which line, for errors found after
+  // loading.
   std::map<std::string, std::string> origins;
+  std::map<std::string, int> origin_lines;
   std::string top_file;
 
   void visit(FieldVisitor& v);
   // Checks that involve several fields (the per-field ones come from FieldSpec).
   void validate_relations() const;
-  // The file (or "--set") that set `key`, or set its nearest section; the top file for
+  // "file:line" (or "--set") that set `key`, or set its nearest section; the top file for
   // defaults.
   std::string origin(const std::string& key) const;
 };

@@ -1,4 +1,4 @@
-// IJB-B / IJB-C 1:1 verification (insightface's eval_ijbc.py protocol): the meta files,
+// IJB-B / IJB-C 1:1 verification (insightface's eval_ijbc.py protocol): the meta files (ijb_meta.h),
 // 5-point alignment to the ArcFace template, template features from image features
 // (faceness-weighted, averaged per media, summed per template, L2-normalised), and the
 // cosine score of every template pair.
@@ -10,24 +10,9 @@
 #include <ATen/ATen.h>
 #include <opencv2/core.hpp>
 
+#include "app/eval/ijb_meta.h"
+
 namespace faceshard {
-
-struct IjbMeta {
-  std::string target;                           // "IJBC" or "IJBB"
-  std::vector<std::string> images;              // file names under <root>/loose_crop
-  std::vector<size_t> image_lines;              // line of each image in <t>_name_5pts_score.txt
-  std::vector<std::array<float, 10>> landmarks; // x1 y1 ... x5 y5 per image
-  std::vector<double> faceness;                 // detector score per image
-  std::vector<int64_t> templates, medias;       // per image
-  std::vector<int64_t> pair_t1, pair_t2;        // template pairs
-  std::vector<int> pair_label;                  // 1 genuine, 0 impostor
-};
-
-// Reads <root>/meta/<t>_name_5pts_score.txt, <t>_face_tid_mid.txt and
-// <t>_template_pair_label.txt (t = ijbc | ijbb). The first two files list the same images
-// in the same order; every template of a pair must have images. Usage errors name file,
-// line (as an editor counts it, blank lines included) and what is wrong.
-IjbMeta read_ijb_meta(const std::string& root, const std::string& target);
 
 // The ArcFace 112x112 template (insightface's 112x96 points with x + 8).
 const std::array<cv::Point2f, 5>& arcface_template();

@@ -36,6 +36,24 @@ std::string concat(const Args&... args) {
   (os << ... << args);
   return os.str();
 }
+// Text from an untrusted file (a key, an entry name) made safe for a one-line message:
+// control and non-ASCII bytes as \xNN, and at most `max` characters ("..." after).
+inline std::string printable(const std::string& s, size_t max = 120) {
+  static const char* hex = "0123456789abcdef";
+  std::string out;
+  for (size_t i = 0; i < s.size(); ++i) {
+    if (out.size() >= max) return out + "...";
+    const unsigned char c = static_cast<unsigned char>(s[i]);
+    if (c >= 0x20 && c < 0x7f && c != '\\') {
+      out.push_back(char(c));
+    } else {
+      out += "\\x";
+      out.push_back(hex[c >> 4]);
+      out.push_back(hex[c & 15]);
+    }
+  }
+  return out;
+}
 }  // namespace detail
 
 // usage_error("config.yaml: key 'optim.lr': expected a number")
