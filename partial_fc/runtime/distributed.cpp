@@ -12,6 +12,7 @@
 #include <exception>
 #include <mutex>
 #include <sstream>
+#include <thread>
 
 #include "partial_fc/runtime/error.h"
 #include "partial_fc/runtime/log.h"
@@ -37,6 +38,69 @@ std::string join(const std::vector<std::string>& v) {
   return out;
 }
 std::vector<uint8_t> to_bytes(const std::string& s) { return std::vector<uint8_t>(s.begin(), s.end()); }
+
+// What the failure diagnosis reads of each peer: its heartbeat (time, collective count)
+// at the first and the last look, and the error it published, if any.
+struct PeerBeat {
+  int64_t first_ms = -1, last_ms = -1, seq = -1;
+  std::string err;
+};
+
+// The diagnosis's store reads, shared between the reading thread and the rank that waits
+// for them with a deadline (the thread may outlive the wait: the state is shared).
+class HeartbeatReads {
+ public:
+  explicit HeartbeatReads(int world_size) : peers_(world_size) {}
+
+  void run(c10d::Store& store, int rank, std::chrono::milliseconds pause) {
+    std::string error;
+    try {
+      store.setTimeout(std::chrono::seconds(5));
+      read(store, rank, true);
+      std::this_thread::sleep_for(pause);
+      read(store, rank, false);
+    } catch (const std::exception& e) {
+      error = e.what();
+      if (error.empty()) error = "store error";
+    }
+    std::lock_guard<std::mutex> lock(m_);
+    error_ = error;
+    done_ = true;
+    cv_.notify_all();
+  }
+
+  // False when the reads did not finish within `timeout`.
+  bool wait(std::chrono::milliseconds timeout, std::vector<PeerBeat>& peers, std::string& error) {
+    std::unique_lock<std::mutex> lock(m_);
+    if (!cv_.wait_for(lock, timeout, [&] { return done_; })) return false;
+    peers = peers_;
+    error = error_;
+    return true;
+  }
+
+ private:
+  void read(c10d::Store& store, int rank, bool first) {
+    for (int r = 0; r < static_cast<int>(peers_.size()); ++r) {
+      if (r == rank) continue;
+      std::istringstream is(to_string(store.get(key_hb(r))));
+      int64_t ms = 0, seq = 0;
+      is >> ms >> seq;
+      std::string err = peers_[r].err.empty() && store.check({key_err(r)}) ? to_string(store.get(key_err(r))) : "";
+      std::lock_guard<std::mutex> lock(m_);
+      PeerBeat& p = peers_[r];
+      if (first) p.first_ms = ms;
+      p.last_ms = ms;
+      p.seq = seq;
+      if (p.err.empty()) p.err = err;
+    }
+  }
+
+  std::mutex m_;
+  std::condition_variable cv_;
+  bool done_ = false;
+  std::string error_;
+  std::vector<PeerBeat> peers_;
+};
 
 c10d::ReduceOp to_c10d(ReduceOp op) {
   switch (op) {
@@ -84,7 +148,34 @@ c10::intrusive_ptr<c10d::Store> connect_store(const DistEnv& env, bool server, s
 // left by the exception), so the connection used to publish it outlives the object.
 std::mutex g_fatal_mutex;
 c10::intrusive_ptr<c10d::Store> g_fatal_store;
+// Rank 0's store, kept past its Distributed object when the job failed (see linger_for_peers).
+c10::intrusive_ptr<c10d::Store> g_fatal_server;
 int g_fatal_rank = 0;
+int g_fatal_world = 1;
+bool g_fatal_hosts_store = false;
+std::chrono::milliseconds g_fatal_beat{500};
+
+// Rank 0 hosts the store that the other ranks' failure diagnosis reads. Before it exits on
+// an error it stays, bounded, until every other rank has published its own error or stopped
+// beating, so that they name the rank that failed first rather than the vanished store host.
+// (Ranks blocked in a collective keep beating until their own timeout: the bound applies.)
+void linger_for_peers(c10d::Store& store) {
+  const auto stale_after = g_fatal_beat * 3;
+  const auto deadline = Clock::now() + stale_after + std::chrono::seconds(10);
+  std::vector<std::string> beat(g_fatal_world);
+  std::vector<Clock::time_point> changed(g_fatal_world, Clock::now());
+  while (Clock::now() < deadline) {
+    bool settled = true;
+    for (int r = 0; r < g_fatal_world; ++r) {
+      if (r == g_fatal_rank || store.check({key_err(r)})) continue;
+      std::string b = store.check({key_hb(r)}) ? to_string(store.get(key_hb(r))) : "";
+      if (b != beat[r]) beat[r] = b, changed[r] = Clock::now();
+      if (Clock::now() - changed[r] < stale_after) settled = false;
+    }
+    if (settled) return;
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+}
 
 // Installed as the fatal-error hook (error.h) so that a rank's fatal error reaches the others.
 void publish_fatal_to_peers(const std::string& line) {
@@ -92,6 +183,7 @@ void publish_fatal_to_peers(const std::string& line) {
   if (!g_fatal_store) return;
   try {
     g_fatal_store->set(key_err(g_fatal_rank), to_bytes(line));
+    if (g_fatal_hosts_store) linger_for_peers(*g_fatal_store);
   } catch (...) {
   }
 }
@@ -120,6 +212,9 @@ std::shared_ptr<Distributed> Distributed::init(const DistEnv& env, const DistOpt
       std::lock_guard<std::mutex> lock(g_fatal_mutex);
       g_fatal_store = connect_store(env, false, opts.rendezvous_timeout);
       g_fatal_rank = env.rank;
+      g_fatal_world = env.world_size;
+      g_fatal_hosts_store = host;
+      g_fatal_beat = opts.heartbeat_interval;
     }
     set_fatal_hook(&publish_fatal_to_peers);
     d->hb_store_->set(key_hb(env.rank), to_bytes(std::to_string(now_ms()) + " 0"));
@@ -259,31 +354,26 @@ std::string Distributed::diagnose(const std::string& what, const std::string& er
     os << error;
     return os.str();
   }
-  // Watch the heartbeats for a few intervals: a dead rank's stops moving.
-  struct Peer {
-    int64_t first_ms = -1, last_ms = -1, seq = -1;
-    std::string err;
-  };
-  std::vector<Peer> peers(env_.world_size);
-  auto read = [&](bool first) {
-    for (int r = 0; r < env_.world_size; ++r) {
-      if (r == env_.rank) continue;
-      std::string hb = to_string(hb_store_->get(key_hb(r)));
-      std::istringstream is(hb);
-      int64_t ms = 0, seq = 0;
-      is >> ms >> seq;
-      if (first) peers[r].first_ms = ms;
-      peers[r].last_ms = ms;
-      peers[r].seq = seq;
-      if (peers[r].err.empty() && hb_store_->check({key_err(r)})) peers[r].err = to_string(hb_store_->get(key_err(r)));
-    }
-  };
-  try {
-    hb_store_->setTimeout(std::chrono::seconds(5));
-    read(true);
-    std::this_thread::sleep_for(opts_.heartbeat_interval * 3);
-    read(false);
-  } catch (const std::exception&) {
+  // Watch the heartbeats for a few intervals: a dead rank's stops moving. A store host that
+  // is frozen (rank 0 stopped, or its machine cut off) answers nothing, and a TCPStore
+  // client waits for an answer with no deadline: the reads run on a thread of their own,
+  // which this rank leaves behind when they take too long. They use the rendezvous
+  // connection, idle once the backends are up (a connection serves one request at a time:
+  // the heartbeat's keeps beating meanwhile).
+  auto reads = std::make_shared<HeartbeatReads>(env_.world_size);
+  std::thread([reads, store = store_, rank = env_.rank, pause = opts_.heartbeat_interval * 3] {
+    reads->run(*store, rank, pause);
+  }).detach();
+  const auto answer_within = opts_.heartbeat_interval * 3 + std::chrono::seconds(5);
+  std::vector<PeerBeat> peers;
+  std::string store_error;
+  if (!reads->wait(answer_within, peers, store_error)) {
+    os << "the rendezvous store " << env_.master_addr << ":" << env_.master_port << " did not answer within "
+       << std::chrono::duration_cast<std::chrono::seconds>(answer_within).count() << " s"
+       << (env_.agent_store ? "" : " (rank 0 hosts it: rank 0 is frozen or cut off)") << "; " << error;
+    return os.str();
+  }
+  if (!store_error.empty()) {
     os << "the rendezvous store " << env_.master_addr << ":" << env_.master_port << " is gone"
        << (env_.agent_store ? "" : " (rank 0 hosts it: rank 0 died or exited)") << "; " << error;
     return os.str();
@@ -486,10 +576,9 @@ void Distributed::shutdown() {
   stop_ = true;
   if (heartbeat_.joinable()) heartbeat_.join();
   if (nccl_) nccl_->shutdown();
-  if (!failed_) {
-    std::lock_guard<std::mutex> lock(g_fatal_mutex);
-    g_fatal_store.reset();
-  }
+  std::lock_guard<std::mutex> lock(g_fatal_mutex);
+  if (!failed_) g_fatal_store.reset();
+  else if (g_fatal_hosts_store) g_fatal_server = store_;  // the other ranks still read it
 }
 
 }  // namespace faceshard

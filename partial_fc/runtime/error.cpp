@@ -45,9 +45,9 @@ void exit_fatal(const std::string& line) {
 void set_fatal_hook(void (*hook)(const std::string& line)) { g_fatal_hook = hook; }
 
 void report_fatal(const char* prog, const std::string& line) {
-  if (g_fatal_hook) g_fatal_hook(line);
   std::fprintf(stderr, "%s%s: error: %s\n", log_prefix().c_str(), prog, line.c_str());
   std::fflush(stderr);
+  if (g_fatal_hook) g_fatal_hook(line);
 }
 
 }  // namespace faceshard

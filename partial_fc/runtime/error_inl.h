@@ -6,7 +6,7 @@
 namespace faceshard {
 
 void report_fatal(const char* prog, const std::string& line);
-// Called by report_fatal before printing (the distributed runtime publishes the error to
+// Called by report_fatal after printing (the distributed runtime publishes the error to
 // the other ranks through it).
 void set_fatal_hook(void (*hook)(const std::string& line));
 

@@ -5,9 +5,9 @@
              one rank dies inside a checkpoint write and the others are killed at once),
              then the job is resumed: every resume must start from the latest committed
              checkpoint, lose at most one checkpoint interval, and train on.
-  lose_rank  one random rank of three is killed (SIGKILL) or frozen (SIGSTOP; not rank 0,
-             the store host, unless --freeze-store-host) at a random moment: every other
-             rank must exit non-zero within the collective timeout (plus the failure
+  lose_rank  one rank of three is killed (SIGKILL) or frozen (SIGSTOP) at a random moment,
+             each rank and each signal in turn (rank 0 hosts the rendezvous store): every
+             other rank must exit non-zero within the collective timeout (plus the failure
              diagnosis) with an error line naming the lost rank.
 
 usage: fault_loops.py --source DIR --bin DIR --case kill_all|lose_rank [--trials N] [--seed S] [--keep]
@@ -203,7 +203,6 @@ def kill_all(args, work, rng):
 def lose_rank(args, work, rng):
     failures = []
     times = []
-    indirect = []
     for trial in range(args.trials):
         out = os.path.join(work, "out%d" % trial)
         job = Job(args, work, "lose%d" % trial, 3, ["--set", "output=" + out])
@@ -212,11 +211,9 @@ def lose_rank(args, work, rng):
             failures.append("trial %d: no step 2 within 90 s:\n%s" % (trial, job.log(0)[-2000:]))
             continue
         time.sleep(rng.uniform(0.0, 1.0))
-        sig = rng.choice([signal.SIGKILL, signal.SIGSTOP])
-        # Rank 0 hosts the rendezvous store. Frozen (not dead), it leaves the others
-        # blocked for good in the store reads of the failure diagnosis (a TCPStore client
-        # read has no deadline), so it is frozen only with --freeze-store-host.
-        victim = rng.randrange(3) if sig == signal.SIGKILL or args.freeze_store_host else rng.randrange(1, 3)
+        # Every rank and both signals in turn; the moment is random.
+        sig = [signal.SIGKILL, signal.SIGSTOP][(trial // 3) % 2]
+        victim = trial % 3
         t0 = time.monotonic()
         job.procs[victim].send_signal(sig)
         survivors = [r for r in range(3) if r != victim]
@@ -242,22 +239,12 @@ def lose_rank(args, work, rng):
                 failures.append("trial %d: rank %d took %.1f s to exit (limit %.1f s)" % (trial, r, took, limit))
             if names_victim[r]:
                 continue
-            # Rank 0 hosts the store the diagnosis reads: when rank 0 has already exited
-            # (naming the lost rank), a slower survivor finds the store gone and names rank
-            # 0 instead. Counted apart: the job's errors still name the lost rank.
-            if (victim != 0 and r != 0 and names_victim.get(0) and len(errors[r]) == 1 and
-                    "rendezvous store" in errors[r][0] and re.search(r"\brank 0\b", errors[r][0]) and
-                    job.exit_time[0] is not None and job.exit_time[0] <= job.exit_time[r]):
-                indirect.append((trial, r))
-                report[-1] += " (names rank 0, whose store was gone)"
-                continue
             failures.append("trial %d: rank %d's error does not name rank %d: %s" % (trial, r, victim, errors[r]))
         job.kill_all()  # the victim (SIGKILL also ends a stopped process)
         print("trial %2d: rank %d got %-7s -> %s" % (trial, victim, sig.name, "; ".join(report)), flush=True)
         shutil.rmtree(out, ignore_errors=True)
-    print("lose_rank: %d trials, %d failures, survivors exited after %.1f-%.1f s (collective timeout %.0f s); "
-          "%d survivors named the exited store host instead of the lost rank" %
-          (args.trials, len(failures), min(times or [0]), max(times or [0]), COLLECTIVE_TIMEOUT_S, len(indirect)))
+    print("lose_rank: %d trials, %d failures, survivors exited after %.1f-%.1f s (collective timeout %.0f s)" %
+          (args.trials, len(failures), min(times or [0]), max(times or [0]), COLLECTIVE_TIMEOUT_S))
     return failures
 
 
@@ -269,7 +256,6 @@ def main():
     ap.add_argument("--trials", type=int, default=10)
     ap.add_argument("--seed", type=int, default=None)
     ap.add_argument("--keep", action="store_true", help="keep the work folder (logs of every rank)")
-    ap.add_argument("--freeze-store-host", action="store_true", help="lose_rank: SIGSTOP may hit rank 0 too")
     args = ap.parse_args()
     seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(4), "little")
     print("fault loop %s: seed %d (replay with --seed %d)" % (args.case, seed, seed), flush=True)
