@@ -428,12 +428,6 @@ int run_data(const Args& a) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  // CPU peak memory is read as the process's peak RSS: with a fixed mmap threshold every
-  // block of 4 MB or more (the per-class tensors) is mapped on its own and unmapped when
-  // freed (glibc would otherwise raise the threshold after the first large free and keep
-  // later blocks in its heap), so the RSS follows the live tensors; smaller blocks (chunk
-  // temporaries) stay in the heap and are reused without page faults.
-  mallopt(M_MMAP_THRESHOLD, 4 * 1024 * 1024);
   return run_main("faceshard-bench", [&] {
     Args a;
     for (int i = 1; i < argc; ++i) {
@@ -472,7 +466,14 @@ int main(int argc, char** argv) {
       throw usage_error("--sample-rate must be in (0, 1]");
     if (a.mode != "classifier" && a.mode != "data" && a.mode != "step")
       throw usage_error("--mode '", a.mode, "' is not known (classifier, step, data)");
+    // The step mode allocates as faceshard-train does, so that its rate is the trainer's.
     if (a.mode == "step") return run_step(a);
+    // Classifier mode: CPU peak memory is read as the process's peak RSS. With a fixed mmap
+    // threshold every block of 4 MB or more (the per-class tensors) is mapped on its own and
+    // unmapped when freed (glibc would otherwise raise the threshold after the first large
+    // free and keep later blocks in its heap), so the RSS follows the live tensors; smaller
+    // blocks (chunk temporaries) stay in the heap and are reused without page faults.
+    mallopt(M_MMAP_THRESHOLD, 4 * 1024 * 1024);
     if (a.mode == "data") {
       if (a.batch < 1) throw usage_error("--batch must be >= 1");
       return run_data(a);
