@@ -188,6 +188,52 @@ void publish_fatal_to_peers(const std::string& line) {
   }
 }
 
+// The backstop of rendezvous: whatever still blocks a stage a little past the rendezvous
+// timeout (a TCPStore client waits for a frozen store host's answer with no deadline of its
+// own, already in its constructor) ends this rank with one line naming the stage.
+class RendezvousDeadline {
+ public:
+  RendezvousDeadline(const DistEnv& env, std::chrono::milliseconds limit) {
+    thread_ = std::thread([this, limit, addr = env.master_addr, port = env.master_port, rank = env.rank,
+                           agent = env.agent_store] {
+      std::unique_lock<std::mutex> lock(m_);
+      while (!done_) {
+        const auto until = since_ + limit;
+        if (Clock::now() >= until)
+          exit_fatal(detail::concat("rendezvous at ", addr, ":", port, " failed on rank ", rank, " (", stage_,
+                                    "): still blocked after ",
+                                    std::chrono::duration_cast<std::chrono::seconds>(limit).count(),
+                                    " s: the rendezvous store or a peer does not answer",
+                                    agent ? "" : " (rank 0 hosts the store: a frozen or cut-off rank 0 leaves every rank here)"));
+        cv_.wait_until(lock, until);
+      }
+    });
+  }
+  ~RendezvousDeadline() {
+    {
+      std::lock_guard<std::mutex> lock(m_);
+      done_ = true;
+    }
+    cv_.notify_all();
+    thread_.join();
+  }
+  // Each stage has the whole limit of its own.
+  void stage(const char* what) {
+    std::lock_guard<std::mutex> lock(m_);
+    stage_ = what;
+    since_ = Clock::now();
+    cv_.notify_all();
+  }
+
+ private:
+  std::mutex m_;
+  std::condition_variable cv_;
+  bool done_ = false;
+  const char* stage_ = "store connect";
+  Clock::time_point since_ = Clock::now();
+  std::thread thread_;
+};
+
 }  // namespace
 
 Distributed::Distributed(const DistEnv& env, const DistOptions& opts) : env_(env), opts_(opts) {}
@@ -205,6 +251,7 @@ std::shared_ptr<Distributed> Distributed::init(const DistEnv& env, const DistOpt
       log_notice("network: Gloo on ", net.gloo_interfaces.empty() ? net.gloo_address : "interfaces " + join(net.gloo_interfaces),
                  ": ", net.reason);
     const bool host = !env.agent_store && env.rank == 0;
+    RendezvousDeadline deadline(env, opts.rendezvous_timeout + std::chrono::seconds(5));
     d->store_ = connect_store(env, host, opts.rendezvous_timeout);
     d->hb_store_ = connect_store(env, false, opts.rendezvous_timeout);
     {
@@ -219,6 +266,7 @@ std::shared_ptr<Distributed> Distributed::init(const DistEnv& env, const DistOpt
     set_fatal_hook(&publish_fatal_to_peers);
     d->hb_store_->set(key_hb(env.rank), to_bytes(std::to_string(now_ms()) + " 0"));
     d->heartbeat_ = std::thread([p = d.get()] { p->heartbeat_loop(); });
+    deadline.stage("Gloo full mesh");
     d->rendezvous("Gloo full mesh", [&] {
       d->gloo_ = make_gloo_backend(c10::make_intrusive<c10d::PrefixStore>("gloo", d->store_), env.rank, env.world_size,
                                    net, opts.rendezvous_timeout);
@@ -229,6 +277,7 @@ std::shared_ptr<Distributed> Distributed::init(const DistEnv& env, const DistOpt
         setenv("NCCL_SOCKET_IFNAME", net.nccl_interface.c_str(), 1);
         if (env.local_rank == 0) log_notice("network: NCCL_SOCKET_IFNAME=", net.nccl_interface, " (", net.reason, ")");
       }
+      deadline.stage("NCCL communicator");
       d->rendezvous("NCCL communicator", [&] {
         d->nccl_ = make_nccl_backend(c10::make_intrusive<c10d::PrefixStore>("nccl", d->store_), env.rank,
                                      env.world_size, env.local_rank, opts.timeout);
