@@ -28,6 +28,7 @@
 #include "app/io/tensorboard_writer.h"
 #include "app/eval/verification_metrics.h"
 #include "partial_fc/runtime/error.h"
+#include "tests/test_errors.h"
 #include "tests/harness.h"
 
 namespace faceshard {
@@ -102,14 +103,7 @@ std::string fmt(double v) {
   return buf;
 }
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "<no error>";
-}
+using testing::error_of;
 
 // ---------------------------------------------------------------------------------------
 // Verification: independent Python reference

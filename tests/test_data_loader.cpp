@@ -40,6 +40,7 @@
 #include "data/synthetic_faces.h"
 #include "data/verification_bin.h"
 #include "partial_fc/runtime/error.h"
+#include "tests/test_errors.h"
 #include "tests/test_files.h"
 
 namespace faceshard {
@@ -52,14 +53,7 @@ using testing::slurp;
 using testing::spit;
 
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "<no error>";
-}
+using testing::error_of;
 
 // ---------------------------------------------------------------------------------------
 // Sampler

@@ -22,6 +22,7 @@
 #include "data/insightface_rec.h"
 #include "data/recordio.h"
 #include "partial_fc/runtime/error.h"
+#include "tests/test_errors.h"
 #include "tests/test_files.h"
 
 namespace faceshard {
@@ -325,14 +326,7 @@ TEST(RecordIOPython, ReadsStructWrittenFixtureAndWritesIdenticalBytes) {
 // ---------------------------------------------------------------------------------------
 // Corrupt inputs: each must be a faceshard::Error whose message names the thing.
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "<no error>";
-}
+using testing::error_of;
 
 struct SmallRec {
   TempDir d;

@@ -17,6 +17,7 @@
 
 #include "data/verification_bin.h"
 #include "partial_fc/runtime/error.h"
+#include "tests/test_errors.h"
 #include "tests/test_files.h"
 
 namespace faceshard {
@@ -140,14 +141,7 @@ int run_python(const std::string& script, const std::string& arg) {
   return std::system(cmd.c_str());
 }
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "<no error>";
-}
+using testing::error_of;
 
 void expect_same(const VerificationSet& got, const VerificationSet& want, const std::string& what) {
   ASSERT_EQ(got.images.size(), want.images.size()) << what;

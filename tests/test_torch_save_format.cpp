@@ -19,6 +19,7 @@
 #include "models/torch_save_format.h"
 #include "models/zip_archive.h"
 #include "partial_fc/runtime/error.h"
+#include "tests/test_errors.h"
 #include "tests/test_files.h"
 #include "tests/zip_writer.h"
 
@@ -28,14 +29,7 @@ namespace {
 using namespace std::string_literals;
 using testing::TempDir;
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "<no error>";
-}
+using testing::error_of;
 
 void expect_one_line_error(const std::function<void()>& f, const std::string& starts_with,
                            const std::vector<std::string>& fragments) {

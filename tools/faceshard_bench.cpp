@@ -42,6 +42,7 @@
 #include "partial_fc/runtime/dist_env.h"
 #include "partial_fc/runtime/distributed.h"
 #include "partial_fc/runtime/error.h"
+#include "partial_fc/runtime/network.h"
 #include "partial_fc/runtime/log.h"
 #include "partial_fc/classifier/partial_fc.h"
 
@@ -130,14 +131,6 @@ void write_json(const std::string& path, const std::string& text) {
   std::string tmp = path + ".tmp";
   std::ofstream(tmp) << text << "\n";
   std::rename(tmp.c_str(), path.c_str());
-}
-
-std::vector<std::string> split_list(const std::string& list) {
-  std::vector<std::string> out;
-  std::stringstream ss(list);
-  for (std::string item; std::getline(ss, item, ',');)
-    if (!item.empty()) out.push_back(item);
-  return out;
 }
 
 // The classifier step alone, at every shard size x sample rate x precision asked for: median

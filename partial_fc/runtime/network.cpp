@@ -23,6 +23,10 @@ std::string ntop(const in_addr& a) {
   return buf;
 }
 
+bool set(const char* v) { return v && *v; }
+
+}  // namespace
+
 std::vector<std::string> split_list(const std::string& list) {
   std::vector<std::string> out;
   std::stringstream ss(list);
@@ -30,10 +34,6 @@ std::vector<std::string> split_list(const std::string& list) {
     if (!item.empty()) out.push_back(item);
   return out;
 }
-
-bool set(const char* v) { return v && *v; }
-
-}  // namespace
 
 std::string resolve_ipv4(const std::string& host) {
   addrinfo hints{};

@@ -39,4 +39,7 @@ struct NetworkPlan {
 // when the job spans hosts and no address the other hosts could reach can be found.
 NetworkPlan plan_network(const DistEnv& env, const char* gloo_socket_ifname, const char* nccl_socket_ifname);
 
+// The non-empty items of a comma-separated list ("eth0,,ib0" -> eth0, ib0).
+std::vector<std::string> split_list(const std::string& list);
+
 }  // namespace faceshard
