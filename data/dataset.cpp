@@ -16,9 +16,10 @@ namespace fs = std::filesystem;
 // ---------------------------------------------------------------------------------------
 // RecordIODataset
 
-RecordIODataset::RecordIODataset(const std::string& rec_path, const std::string& idx_path)
-    : rec_(rec_path, idx_path), layout_(read_insightface_layout(rec_)) {
-  if (layout_.image_keys.empty()) throw usage_error(rec_path, ": no image records");
+RecordIODataset::RecordIODataset(const std::string& rec_path, const std::string& idx_path,
+                                 const RecordIndexOptions& index_options, int label_bits)
+    : rec_(rec_path, idx_path, index_options), layout_(read_insightface_layout(rec_, label_bits)) {
+  if (layout_.num_images() == 0) throw usage_error(rec_path, ": no image records");
 }
 
 int64_t RecordIODataset::num_classes() const {
@@ -119,7 +120,8 @@ void SyntheticDataset::read(uint64_t index, RawSample& out) const {
 
 std::string SyntheticDataset::describe(uint64_t index) const { return detail::concat("synthetic sample ", index); }
 
-std::shared_ptr<Dataset> open_dataset(const std::string& path, int64_t synthetic_classes, uint64_t synthetic_size) {
+std::shared_ptr<Dataset> open_dataset(const std::string& path, int64_t synthetic_classes, uint64_t synthetic_size,
+                                      const RecordIndexOptions& index_options) {
   if (path == "synthetic") return std::make_shared<SyntheticDataset>(synthetic_size, synthetic_classes);
   const fs::path root(path);
   const fs::path rec = root / "train.rec", idx = root / "train.idx";
@@ -129,7 +131,7 @@ std::shared_ptr<Dataset> open_dataset(const std::string& path, int64_t synthetic
       throw usage_error(idx.string(), ": missing index for ", rec.string(),
                         " (rebuild it with: faceshard-pack index ", rec.string(), ")");
     }
-    return std::make_shared<RecordIODataset>(rec.string(), idx.string());
+    return std::make_shared<RecordIODataset>(rec.string(), idx.string(), index_options);
   }
   return std::make_shared<ImageFolderDataset>(path);
 }

@@ -45,13 +45,20 @@ class Dataset {
 // insightface .rec/.idx. Image keys follow MXFaceDataset (header record 0 when present).
 class RecordIODataset : public Dataset {
  public:
-  RecordIODataset(const std::string& rec_path, const std::string& idx_path);
-  uint64_t size() const override { return layout_.image_keys.size(); }
+  // label_bits: see InsightFaceLayout (24, float32's, except to simulate large files).
+  RecordIODataset(const std::string& rec_path, const std::string& idx_path,
+                  const RecordIndexOptions& index_options = default_record_index_options(),
+                  int label_bits = kLabelBits);
+  uint64_t size() const override { return layout_.num_images(); }
   int64_t num_classes() const override;
   void read(uint64_t index, RawSample& out) const override;
   std::string describe(uint64_t index) const override;
-  uint64_t key(uint64_t index) const { return layout_.image_keys.at(index); }
+  uint64_t key(uint64_t index) const {
+    if (index >= size()) throw runtime_error(rec_.file().path(), ": image ", index, " is past the ", size(), " images");
+    return layout_.image_key(rec_, index);
+  }
   const InsightFaceLayout& layout() const { return layout_; }
+  const IndexedRecordIO& records() const { return rec_; }
 
  private:
   IndexedRecordIO rec_;
@@ -101,6 +108,7 @@ class SyntheticDataset : public Dataset {
 // a folder with train.rec -> RecordIODataset (a missing train.idx is an error);
 // any other folder -> ImageFolderDataset.
 std::shared_ptr<Dataset> open_dataset(const std::string& path, int64_t synthetic_classes = 1000,
-                                      uint64_t synthetic_size = 1000000);
+                                      uint64_t synthetic_size = 1000000,
+                                      const RecordIndexOptions& index_options = default_record_index_options());
 
 }  // namespace faceshard

@@ -7,8 +7,6 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
-#include <fstream>
-#include <sstream>
 
 #include "partial_fc/runtime/error.h"
 
@@ -67,65 +65,6 @@ std::vector<uint8_t> encode_record(const uint8_t* data, size_t size) {
 }
 
 }  // namespace recordio
-
-// ---------------------------------------------------------------------------------------
-// .idx
-
-std::vector<IndexEntry> parse_index(const std::string& text, const std::string& name, uint64_t rec_size) {
-  std::vector<IndexEntry> entries;
-  const char* p = text.data();
-  const char* const end = p + text.size();
-  uint64_t line_no = 0;
-  // Parses [b, e) as an unsigned decimal; no temporary strings (idx files have millions of lines).
-  auto parse_u64 = [&](const char* b, const char* e, const char* what) -> uint64_t {
-    auto bad = [&](const char* why) {
-      return runtime_error(name, ":", line_no, ": ", why, " ", what, ", got '",
-                           detail::printable(std::string(b, size_t(std::min<ptrdiff_t>(e - b, 40)))), "'");
-    };
-    if (b == e || e - b > 20) throw bad("expected an unsigned integer");
-    uint64_t v = 0;
-    for (const char* c = b; c < e; ++c) {
-      if (*c < '0' || *c > '9') throw bad("expected an unsigned integer");
-      const uint64_t d = uint64_t(*c - '0');
-      if (v > (UINT64_MAX - d) / 10) throw bad("overflow in");
-      v = v * 10 + d;
-    }
-    return v;
-  };
-  while (p < end) {
-    const char* nl = static_cast<const char*>(std::memchr(p, '\n', size_t(end - p)));
-    const char* line_end = nl ? nl : end;
-    const char* b = p;
-    p = nl ? nl + 1 : end;
-    ++line_no;
-    const char* e = line_end;
-    while (e > b && (e[-1] == '\r' || e[-1] == ' ')) --e;
-    if (e == b) continue;
-    const char* tab = static_cast<const char*>(std::memchr(b, '\t', size_t(e - b)));
-    if (!tab) {
-      throw runtime_error(name, ":", line_no, ": expected '<key>\\t<offset>', got '",
-                          detail::printable(std::string(b, size_t(std::min<ptrdiff_t>(e - b, 60)))), "'");
-    }
-    IndexEntry entry;
-    entry.key = parse_u64(b, tab, "key");
-    entry.offset = parse_u64(tab + 1, e, "offset");
-    if (rec_size != UINT64_MAX && (entry.offset % 4 != 0 || entry.offset > rec_size || rec_size - entry.offset < 8)) {
-      throw runtime_error(name, ":", line_no, ": key ", entry.key, ": offset ", entry.offset,
-                          " cannot start a record in a .rec of ", rec_size, " bytes");
-    }
-    entries.push_back(entry);
-  }
-  return entries;
-}
-
-std::vector<IndexEntry> read_index(const std::string& idx_path, uint64_t rec_size) {
-  std::ifstream in(idx_path, std::ios::binary);
-  if (!in) throw usage_error(idx_path, ": cannot open index file (.idx)");
-  std::ostringstream ss;
-  ss << in.rdbuf();
-  if (in.bad()) throw runtime_error(idx_path, ": read error");
-  return parse_index(ss.str(), idx_path, rec_size);
-}
 
 // ---------------------------------------------------------------------------------------
 // RecordIOFile
@@ -226,37 +165,13 @@ bool RecordIOReader::next(std::vector<uint8_t>& out) {
 // ---------------------------------------------------------------------------------------
 // IndexedRecordIO
 
-IndexedRecordIO::IndexedRecordIO(const std::string& rec_path, const std::string& idx_path)
-    : file_(rec_path), idx_path_(idx_path) {
-  entries_ = read_index(idx_path, file_.size());
-  uint64_t max_key = 0;
-  for (const auto& e : entries_) max_key = std::max(max_key, e.key);
-  auto duplicate = [&](uint64_t key) { return runtime_error(idx_path_, ": duplicate key ", key); };
-  if (!entries_.empty() && max_key < 2 * uint64_t(entries_.size()) + 1024) {
-    dense_.assign(size_t(max_key) + 1, kNone);
-    for (const auto& e : entries_) {
-      if (dense_[e.key] != kNone) throw duplicate(e.key);
-      dense_[e.key] = e.offset;
-    }
-  } else {
-    by_key_ = entries_;
-    std::sort(by_key_.begin(), by_key_.end(), [](const IndexEntry& a, const IndexEntry& b) { return a.key < b.key; });
-    for (size_t i = 1; i < by_key_.size(); ++i) {
-      if (by_key_[i].key == by_key_[i - 1].key) throw duplicate(by_key_[i].key);
-    }
-  }
-}
-
-uint64_t IndexedRecordIO::find(uint64_t key) const {
-  if (!dense_.empty()) return key < dense_.size() ? dense_[key] : kNone;
-  auto it = std::lower_bound(by_key_.begin(), by_key_.end(), key,
-                             [](const IndexEntry& e, uint64_t k) { return e.key < k; });
-  return (it != by_key_.end() && it->key == key) ? it->offset : kNone;
-}
+IndexedRecordIO::IndexedRecordIO(const std::string& rec_path, const std::string& idx_path,
+                                 const RecordIndexOptions& options)
+    : file_(rec_path), idx_path_(idx_path), index_(idx_path, file_.size(), options) {}
 
 uint64_t IndexedRecordIO::offset_of(uint64_t key) const {
-  const uint64_t off = find(key);
-  if (off == kNone) throw runtime_error(file_.path(), ": key ", key, " is not in the index ", idx_path_);
+  const uint64_t off = index_.find(key);
+  if (off == RecordIndex::kNone) throw runtime_error(file_.path(), ": key ", key, " is not in the index ", idx_path_);
   return off;
 }
 

@@ -8,6 +8,8 @@
 #include <string>
 #include <vector>
 
+#include "data/record_index.h"
+
 namespace faceshard {
 
 namespace recordio {
@@ -27,19 +29,10 @@ inline uint32_t lrec_length(uint32_t lrec) { return lrec & kMaxPartLength; }
 std::vector<uint8_t> encode_record(const uint8_t* data, size_t size);
 }  // namespace recordio
 
-// One line of the .idx file: "<key>\t<byte offset of the record's magic word>\n".
-struct IndexEntry {
-  uint64_t key = 0;
-  uint64_t offset = 0;
-};
-
-// Parses a .idx file. Throws faceshard::Error naming file and line for anything that is
-// not "<unsigned key>\t<unsigned offset>" or an offset that cannot start a record in a file
-// of rec_size bytes (pass UINT64_MAX to skip the size check). Duplicate keys are found by
-// IndexedRecordIO.
-std::vector<IndexEntry> read_index(const std::string& idx_path, uint64_t rec_size = UINT64_MAX);
-// Parses index text already in memory (same rules; `name` is used in messages).
-std::vector<IndexEntry> parse_index(const std::string& text, const std::string& name, uint64_t rec_size);
+// read_index / parse_index (record_index.h) parse a .idx file line by line. They throw
+// faceshard::Error naming file and line for anything that is not "<unsigned key>\t<unsigned
+// offset>" or an offset that cannot start a record in a file of rec_size bytes (pass
+// UINT64_MAX to skip the size check). Duplicate keys and offsets are found by RecordIndex.
 
 // Read-only view of a .rec file. read_at() is thread-safe (pread on one descriptor), so
 // loader workers share one instance.
@@ -86,27 +79,25 @@ class RecordIOReader {
 // .rec + .idx opened together for random access by key (MXIndexedRecordIO 'r').
 class IndexedRecordIO {
  public:
-  // Throws a usage error when either file is missing.
-  IndexedRecordIO(const std::string& rec_path, const std::string& idx_path);
+  // Throws a usage error when either file is missing. A large .idx is read through its
+  // compact form in options.cache_dir (see RecordIndex).
+  IndexedRecordIO(const std::string& rec_path, const std::string& idx_path,
+                  const RecordIndexOptions& options = default_record_index_options());
 
-  bool contains(uint64_t key) const { return find(key) != kNone; }
+  bool contains(uint64_t key) const { return index_.find(key) != RecordIndex::kNone; }
   // Throws when the key is not in the index or the record is corrupt.
   void read(uint64_t key, std::vector<uint8_t>& out) const;
   uint64_t offset_of(uint64_t key) const;
-  const std::vector<IndexEntry>& entries() const { return entries_; }  // file order
+  uint64_t num_entries() const { return index_.size(); }
+  IndexEntry entry(uint64_t i) const { return index_.entry(i); }  // file order
+  const RecordIndex& index() const { return index_; }
   const RecordIOFile& file() const { return file_; }
   const std::string& idx_path() const { return idx_path_; }
 
  private:
   RecordIOFile file_;
   std::string idx_path_;
-  std::vector<IndexEntry> entries_;
-  // Lookup by key without a hash map (Glint360K has 17M keys): a table indexed by key when
-  // the keys are dense (the usual 0..N), else the entries sorted by key.
-  static constexpr uint64_t kNone = UINT64_MAX;
-  uint64_t find(uint64_t key) const;
-  std::vector<uint64_t> dense_;       // offset per key, kNone where absent
-  std::vector<IndexEntry> by_key_;    // sorted by key (sparse keys only)
+  RecordIndex index_;
 };
 
 // Writes a .rec (and optionally its .idx) under temporary names; commit() renames them

@@ -91,7 +91,7 @@ TEST(FuzzSeeds, WrittenByTheProjectAndPython) {
       for (int i = 0; i < 2; ++i) w.add(c, random_bytes(g, 8 + g() % 40));
     w.commit(4);
     const IndexedRecordIO r(dir + "/if.rec", dir + "/if.idx");
-    EXPECT_EQ(read_insightface_layout(r).image_keys.size(), 6u);
+    EXPECT_EQ(read_insightface_layout(r).num_images(), 6u);
     put_seed("recordio", "insightface", rec_seed(dir + "/if.rec", dir + "/if.idx"));
   }
   {

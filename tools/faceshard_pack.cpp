@@ -1,6 +1,7 @@
 // faceshard-pack: packs an image folder (one sub-folder per identity) into an insightface
 // .rec/.idx, lists or verifies a .rec, and rebuilds a lost .idx. Image bytes are stored
 // as they are (no re-encoding), so unpacking gives back identical files.
+#include <algorithm>
 #include <cerrno>
 #include <cstdint>
 #include <cstdio>
@@ -127,8 +128,9 @@ int cmd_list(const Args& a) {
   std::vector<uint8_t> buf;
   uint64_t n = 0;
   std::printf("key\toffset\tflag\tlabel\tlabels\timage_bytes\n");
-  for (const auto& e : r.entries()) {
+  for (uint64_t i = 0; i < r.num_entries(); ++i) {
     if (n++ >= limit) break;
+    const faceshard::IndexEntry e = r.entry(i);
     r.read(e.key, buf);
     const auto v = faceshard::unpack_image_record(buf, faceshard::detail::concat(rec, ": key ", e.key));
     std::string labels;
@@ -146,22 +148,22 @@ int cmd_verify(const Args& a) {
   const bool decode = a.opt.count("--decode");
   const int size = a.opt.count("--size") ? int(parse_u64("--size", a.opt.at("--size"))) : 112;
   // 1. The container: every record from the first byte to the last.
-  std::map<uint64_t, bool> starts;
-  uint64_t records = 0;
+  std::vector<uint64_t> starts;  // increasing: the scan goes front to back
   {
     faceshard::RecordIOReader reader(rec);
     std::vector<uint8_t> buf;
     while (true) {
       const uint64_t off = reader.tell();
       if (!reader.next(buf)) break;
-      starts[off] = true;
-      ++records;
+      starts.push_back(off);
     }
   }
+  const uint64_t records = starts.size();
   // 2. The index points at record starts only.
   const faceshard::IndexedRecordIO r(rec, idx);
-  for (const auto& e : r.entries()) {
-    if (!starts.count(e.offset)) {
+  for (uint64_t i = 0; i < r.num_entries(); ++i) {
+    const faceshard::IndexEntry e = r.entry(i);
+    if (!std::binary_search(starts.begin(), starts.end(), e.offset)) {
       throw faceshard::runtime_error(idx, ": key ", e.key, ": offset ", e.offset, " is not the start of a record");
     }
   }
@@ -173,7 +175,7 @@ int cmd_verify(const Args& a) {
   // two identities. Empty ranges are allowed (classes without images).
   uint64_t prev_end = 1, prev_key = 0;
   for (uint64_t k = layout.identity_begin; k < layout.identity_end; ++k) {
-    const auto range = faceshard::read_identity_range(r, k);
+    const auto range = faceshard::read_identity_range(r, layout, k);
     if (range.first < 1 || (layout.has_header && range.second > layout.identity_begin)) {
       throw faceshard::runtime_error(rec, ": key ", k, ": identity range [", range.first, ", ", range.second,
                                      ") is outside the image keys");
@@ -189,7 +191,8 @@ int cmd_verify(const Args& a) {
     }
   }
   std::vector<uint8_t> buf;
-  for (uint64_t k : layout.image_keys) {
+  for (uint64_t i = 0; i < layout.num_images(); ++i) {
+    const uint64_t k = layout.image_key(r, i);
     r.read(k, buf);
     const std::string where = faceshard::detail::concat(rec, ": key ", k, " at offset ", r.offset_of(k));
     const auto v = faceshard::unpack_image_record(buf, where);
@@ -204,8 +207,9 @@ int cmd_verify(const Args& a) {
       }
     }
   }
-  std::printf("faceshard-pack: %s: OK: %llu records, %zu indexed, %zu images, %lld identities%s\n", rec.c_str(),
-              (unsigned long long)records, r.entries().size(), layout.image_keys.size(), (long long)classes,
+  std::printf("faceshard-pack: %s: OK: %llu records, %llu indexed, %llu images, %lld identities%s\n", rec.c_str(),
+              (unsigned long long)records, (unsigned long long)r.num_entries(),
+              (unsigned long long)layout.num_images(), (long long)classes,
               layout.has_header ? " (insightface header)" : " (no header record)");
   return 0;
 }

@@ -560,6 +560,7 @@ void Config::visit(FieldVisitor& v) {
   v.field("data.num_workers", data.num_workers, range(1, 256));  // the loader needs a worker thread
   v.field("data.val_targets", data.val_targets, none);
   v.field("data.val_dir", data.val_dir, none);
+  v.field("data.index_cache", data.index_cache, none);
   v.field("data.flip", data.flip, none);
   v.field("data.max_bad_fraction", data.max_bad_fraction, range(0, 1));
   v.field("data.prefetch", data.prefetch, range(1, 64));

@@ -52,6 +52,9 @@ struct DataConfig {
   int64_t num_workers = 2;
   std::vector<std::string> val_targets;
   std::optional<std::string> val_dir;  // where <target>.bin live; default: the rec folder
+  // Folder of the compact .rec indexes shared by a host's ranks; "off": each rank builds
+  // its own in memory; unset: $FACESHARD_INDEX_CACHE or ~/.cache/faceshard/rec-index.
+  std::optional<std::string> index_cache;
   bool flip = true;
   double max_bad_fraction = 0.001;
   int64_t prefetch = 4;

@@ -27,7 +27,13 @@ torch::Device pick_device(const Config& cfg, const DistEnv& env) {
 void build_data(TrainJob& j) {
   const Config& cfg = j.cfg;
   Distributed& d = *j.dist;
-  j.dataset = open_dataset(cfg.data.rec, cfg.data.num_classes);
+  RecordIndexOptions index = default_record_index_options();
+  if (cfg.data.index_cache) index.cache_dir = *cfg.data.index_cache == "off" ? "" : *cfg.data.index_cache;
+  j.dataset = open_dataset(cfg.data.rec, cfg.data.num_classes, 1000000, index);
+  if (const auto* rec = dynamic_cast<const RecordIODataset*>(j.dataset.get()); rec && d.rank() == 0) {
+    log_info("data: ", rec->size(), " images, index of ", rec->records().num_entries(), " records from ",
+             rec->records().index().source());
+  }
   if (j.dataset->num_classes() > cfg.data.num_classes)
     throw_config_error(cfg, "data.num_classes",
                        detail::concat(cfg.data.num_classes, " but '", cfg.data.rec, "' has ", j.dataset->num_classes(),

@@ -89,8 +89,9 @@ void recordio(const uint8_t* data, size_t size) {
     const IndexedRecordIO r(rec.path(), idx.path());
     const InsightFaceLayout layout = read_insightface_layout(r);
     size_t n = 0;
-    for (uint64_t key : layout.image_keys) {
+    for (uint64_t i = 0; i < layout.num_images(); ++i) {
       if (++n > 64) break;
+      const uint64_t key = layout.image_key(r, i);
       try {
         r.read(key, buf);
         const ImageRecordView v = unpack_image_record(buf, rec.path());
@@ -103,7 +104,7 @@ void recordio(const uint8_t* data, size_t size) {
     }
     for (uint64_t key = layout.identity_begin; key < layout.identity_end && key < layout.identity_begin + 64; ++key) {
       try {
-        const auto range = read_identity_range(r, key);
+        const auto range = read_identity_range(r, layout, key);
         if (range.second < range.first) violated("inverted identity range");
       } catch (const Error& e) {
         check_error(e, names);
