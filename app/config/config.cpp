@@ -583,6 +583,22 @@ void Config::visit(FieldVisitor& v) {
   v.field("loss.scale", loss.scale, positive());
   v.field("loss.interclass_filtering_threshold", loss.interclass_filtering_threshold, range(0, 1));
   v.field("loss.sample_rate", loss.sample_rate, range(0, 1));
+  v.field("loss.head", loss.head,
+          choices({"combined", "arcface", "cosface", "adaface", "curricularface", "magface", "elasticface_arc",
+                   "elasticface_cos"}));
+  for (const char* k : {"arcface.m", "arcface.s", "cosface.m", "cosface.s", "adaface.m", "adaface.h", "adaface.s",
+                        "adaface.t_alpha", "curricularface.m", "curricularface.s", "magface.l_a", "magface.u_a",
+                        "magface.l_m", "magface.u_m", "magface.lambda_g", "magface.s", "elasticface_arc.m",
+                        "elasticface_arc.sigma", "elasticface_arc.s", "elasticface_cos.m", "elasticface_cos.sigma",
+                        "elasticface_cos.s"}) {
+    const std::string key(k), param = key.substr(key.find('.') + 1);
+    v.field("loss." + key, loss.head_params[key],
+            param == "s" || param == "l_a" || param == "u_a" ? positive()
+            : param == "t_alpha"                             ? range(0, 1)
+                                                             : at_least(0));
+  }
+  for (const char* k : {"elasticface_arc.plus", "elasticface_cos.plus", "magface.easy_margin"})
+    v.field("loss." + std::string(k), loss.head_flags[k], none);
 
   v.field("optim.optimizer", optim.optimizer, choices({"sgd", "adamw"}));
   v.field("optim.lr", optim.lr, positive());
@@ -633,6 +649,16 @@ void Config::validate_relations() const {
     throw usage_error(origin("loss.margin"), ": key 'loss.margin': [", loss.margin[0], ", ", loss.margin[1], ", ",
                       loss.margin[2], "] has no arcface_torch equivalent (loss.margin_mode arcface_torch takes m1 = 1 "
                       "with m3 = 0, ArcFace, or m3 > 0, CosFace); use loss.margin_mode exact");
+}
+
+std::map<std::string, double> LossConfig::chosen_head_params() const {
+  std::map<std::string, double> out;
+  const std::string prefix = head + ".";
+  for (const auto& kv : head_params)
+    if (kv.second && kv.first.rfind(prefix, 0) == 0) out[kv.first.substr(prefix.size())] = *kv.second;
+  for (const auto& kv : head_flags)
+    if (kv.second && kv.first.rfind(prefix, 0) == 0) out[kv.first.substr(prefix.size())] = *kv.second ? 1.0 : 0.0;
+  return out;
 }
 
 std::string Config::origin(const std::string& key) const {

@@ -86,6 +86,15 @@ struct LossConfig {
   double scale = 64.0;
   double interclass_filtering_threshold = 0.0;
   double sample_rate = 1.0;
+  // The margin head: combined (loss.margin and loss.scale) | arcface | cosface | adaface |
+  // curricularface | magface | elasticface_arc | elasticface_cos.
+  std::string head = "combined";
+  // loss.<head>.<parameter> as the heads' authors name them ("adaface.m" -> value); unset:
+  // the authors' defaults (partial_fc/classifier/margin_head.cpp).
+  std::map<std::string, std::optional<double>> head_params;
+  std::map<std::string, std::optional<bool>> head_flags;  // elasticface_*.plus, magface.easy_margin
+  // The parameters of `head` that the config sets, flags as 1/0.
+  std::map<std::string, double> chosen_head_params() const;
 };
 
 struct OptimConfig {
@@ -189,6 +198,19 @@ auto with_config_keys(const Config& cfg, std::initializer_list<OptionKey> keys, 
   } catch (const Error& e) {
     for (const auto& k : keys)
       if (!e.option().empty() && e.option() == k.option) throw_config_error(cfg, k.key, e.detail());
+    throw;
+  }
+}
+
+// The same with keys known only at run time (a head's parameters).
+template <typename F>
+auto with_config_keys(const Config& cfg, const std::vector<std::pair<std::string, std::string>>& keys, F&& build)
+    -> decltype(build()) {
+  try {
+    return build();
+  } catch (const Error& e) {
+    for (const auto& k : keys)
+      if (!e.option().empty() && e.option() == k.first) throw_config_error(cfg, k.second, e.detail());
     throw;
   }
 }

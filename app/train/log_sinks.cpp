@@ -61,6 +61,7 @@ void MetricsSink::train(const TrainRecord& r) {
                                                 {"lr", r.lr},
                                                 {"samples_per_sec", r.samples_per_sec}};
   if (r.loss_scale) f.emplace_back("loss_scale", *r.loss_scale);
+  for (const auto& kv : r.head_state) f.push_back(kv);
   log_->write(f);
 }
 
@@ -80,6 +81,7 @@ void TensorBoardSink::train(const TrainRecord& r) {
   tb_->add_scalar("learning_rate", r.lr, r.step);
   tb_->add_scalar("samples_per_sec", r.samples_per_sec, r.step);
   if (r.loss_scale) tb_->add_scalar("loss_scale", *r.loss_scale, r.step);
+  for (const auto& kv : r.head_state) tb_->add_scalar(kv.first, kv.second, r.step);
   tb_->flush();
 }
 

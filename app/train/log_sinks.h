@@ -19,6 +19,8 @@ struct TrainRecord {
   double eta_s = 0;
   std::optional<double> loss_scale;  // fp16 runs
   std::optional<double> memory_gb;   // GPU runs: the allocator's peak
+  // The margin head's state ("head/adaface/batch_mean", "head/curricularface/t"...).
+  std::vector<std::pair<std::string, double>> head_state;
 };
 
 // One verification set evaluated at a step.

@@ -101,6 +101,8 @@ void build_model(TrainJob& j) {
   if (po.margin.mode == MarginMode::ArcfaceTorch && po.margin.m3 > 0 && (po.margin.m1 != 1.0 || po.margin.m2 != 0.0))
     log_info("loss.margin_mode arcface_torch: with m3 > 0 arcface_torch applies the cosine margin m3 alone (m1 = ",
              po.margin.m1, " and m2 = ", po.margin.m2, " are ignored, as there)");
+  po.head.name = cfg.loss.head;
+  po.head.params = cfg.loss.chosen_head_params();
   po.step_all_rows = cfg.optim.fc_update == "all";
   po.seed = static_cast<uint64_t>(cfg.seed);
   // The big GEMMs in the body's precision, as arcface_torch runs its classifier under autocast.
@@ -113,11 +115,14 @@ void build_model(TrainJob& j) {
   po.optimizer.beta1 = cfg.optim.betas[0];
   po.optimizer.beta2 = cfg.optim.betas[1];
   po.optimizer.eps = cfg.optim.eps;
-  j.fc = with_config_keys(cfg,
-                          {{"num_classes", "data.num_classes"}, {"sample_rate", "loss.sample_rate"},
-                           {"margin", "loss.margin"}, {"margin_mode", "loss.margin_mode"},
-                           {"embedding_size", "model.embedding_size"}, {"optimizer", "optim.fc_optimizer"}},
-                          [&] { return std::make_unique<PartialFC>(d, po, j.device); });
+  std::vector<std::pair<std::string, std::string>> keys = {
+      {"num_classes", "data.num_classes"}, {"sample_rate", "loss.sample_rate"}, {"margin", "loss.margin"},
+      {"margin_mode", "loss.margin_mode"}, {"embedding_size", "model.embedding_size"},
+      {"optimizer", "optim.fc_optimizer"}, {"head", "loss.head"}};
+  for (const auto& [head, params] : margin_head_defaults())
+    if (head == cfg.loss.head)
+      for (const auto& kv : params) keys.emplace_back(kv.first, "loss." + head + "." + kv.first);
+  j.fc = with_config_keys(cfg, keys, [&] { return std::make_unique<PartialFC>(d, po, j.device); });
 
   BackboneOptimizerOptions boo;
   boo.kind = cfg.optim.optimizer;

@@ -34,6 +34,8 @@ void TrainState::save(CheckpointManager& checkpoints) const {
   for (auto& kv : j.opt->state()) ts.emplace_back("opt/" + kv.first, kv.second.cpu());
   for (auto& kv : j.scaler->state()) ts.emplace_back("scaler/" + kv.first, kv.second.cpu());
   for (auto& kv : p.best_accuracy) ts.emplace_back("best/" + kv.first, torch::tensor({kv.second}, torch::kDouble));
+  // The head's state is the same on every rank: rank 0's file holds it.
+  for (auto& kv : j.fc->head().state()) ts.emplace_back("head/" + kv.first, kv.second.cpu());
 
   StateDict shard;
   shard.emplace_back("rows.start", scalar_long(j.fc->shard().start));
@@ -61,6 +63,7 @@ void TrainState::load(const std::string& dir) {
   j.opt->load_state(with_prefix(ts, "opt/", j.device), tsrc);
   j.scaler->load_state(with_prefix(ts, "scaler/", j.device), tsrc);
   for (auto& kv : with_prefix(ts, "best/", torch::kCPU)) p.best_accuracy[kv.first] = kv.second.item<double>();
+  for (auto& kv : with_prefix(ts, "head/", j.device)) j.fc->head().load_state(kv.first, kv.second, tsrc);
 
   StateDict shard = read_resharded_rows(info, j.fc->shard().start, j.fc->shard().count, j.dist->rank());
   const std::string ssrc = "checkpoint '" + dir + "'";

@@ -55,8 +55,8 @@ int run_training(const TrainRequest& req) {
            j.global_batch(), "; schedule: ", j.total_steps, " steps, warm-up ", j.warmup_steps);
   log_info("model: ", cfg.model.backbone, " (", j.backbone_params.size(), " tensors in ", j.ddp->num_buckets(),
            " gradient buckets), classifier ", cfg.data.num_classes, " classes, ", j.fc->shard().count, " on this rank, ",
-           j.fc->num_sample(), " per step; margin (", cfg.loss.margin[0], ", ", cfg.loss.margin[1], ", ",
-           cfg.loss.margin[2], "), ", cfg.loss.margin_mode, " mode; precision ", cfg.train.precision);
+           j.fc->num_sample(), " per step; head ", j.fc->head().name(), ", margin (", cfg.loss.margin[0], ", ",
+           cfg.loss.margin[1], ", ", cfg.loss.margin[2], "), ", cfg.loss.margin_mode, " mode; precision ", cfg.train.precision);
   std::signal(SIGTERM, on_stop_signal);
   std::signal(SIGINT, on_stop_signal);
 
@@ -120,6 +120,8 @@ int run_training(const TrainRequest& req) {
       rec.eta_s = seconds_since(t_start) / std::max<int64_t>(1, p.step - start_step) * (j.last_step - p.step);
       if (j.loss_scaling) rec.loss_scale = j.scaler->current_scale();
       rec.memory_gb = device_peak_memory_gb(j.device);
+      for (const auto& kv : j.fc->head().state())  // a host read at log steps only
+        rec.head_state.emplace_back("head/" + j.fc->head().name() + "/" + kv.first, kv.second.item<double>());
       sinks.train(rec);
       loss_sum.zero_();
       acc_sum.zero_();

@@ -73,11 +73,31 @@ void row_max_into(const at::Tensor& buf, at::Tensor dst) {
   at::max_out(dst, indices, buf, 1);
 }
 
+// 2-bit codes of a [N, n] chunk (values 0..3, n a multiple of 4 except in the last chunk)
+// packed four to a byte into dst [N, ceil(n / 4)], and back.
+void pack_codes(const at::Tensor& codes, at::Tensor dst) {
+  const int64_t N = codes.size(0), n = codes.size(1), n4 = dst.size(1);
+  at::Tensor padded = codes;
+  if (n4 * 4 != n) {
+    padded = at::zeros({N, n4 * 4}, codes.options());
+    padded.narrow(1, 0, n).copy_(codes);
+  }
+  const at::Tensor v = padded.view({N, n4, 4});
+  dst.copy_(v.select(2, 0) + v.select(2, 1) * 4 + v.select(2, 2) * 16 + v.select(2, 3) * 64);
+}
+at::Tensor unpack_codes(const at::Tensor& packed, int64_t n) {
+  const at::Tensor shifts = torch::tensor({0, 2, 4, 6}, packed.options());
+  return at::bitwise_and(at::bitwise_right_shift(packed.unsqueeze(2), shifts), 3)
+      .reshape({packed.size(0), packed.size(1) * 4})
+      .narrow(1, 0, n);
+}
+
 struct MarginSoftmaxFn : public torch::autograd::Function<MarginSoftmaxFn> {
   static variable_list forward(AutogradContext* ctx, const at::Tensor& emb, const at::Tensor& weight,
-                               const at::Tensor& target, const MarginSoftmaxOptions& o, Distributed& dist) {
-    const CombinedMargin& m = o.margin;
-    const double s = m.scale;
+                               const at::Tensor& target, const at::Tensor& norms, const MarginSoftmaxOptions& o,
+                               Distributed& dist) {
+    MarginHead& head = *o.head;
+    const double s = head.scale();
     const int64_t N = emb.size(0), S = weight.size(0);
     const at::Tensor e = emb.detach(), w = weight.detach();
     // 1/max(||w_j||, eps), as torch's normalize divides.
@@ -95,13 +115,42 @@ struct MarginSoftmaxFn : public torch::autograd::Function<MarginSoftmaxFn> {
     const at::Tensor tc = S > 0 ? buf.gather(1, col).squeeze(1).div(s).clamp(-1, 1) : torch::zeros({N}, buf.options());
     at::Tensor maxes = at::empty({2 * N}, buf.options());
     row_max_into(buf, maxes.narrow(0, N, N));  // s * the best plain cosine: the accuracy
+
+    // The head's view of the whole batch: the same on every rank.
+    HeadInputs in;
+    in.rows = N;
+    in.options = buf.options();
+    in.seed = o.seed;
+    in.forward = o.forward;
+    if (head.needs_norms()) in.norms = norms.detach();
+    if (head.needs_target_cosines()) {
+      // Each row's target cosine from the rank that owns its column (one [N] all-reduce).
+      in.target_cos = torch::where(valid, tc, torch::full_like(tc, -INFINITY));
+      dist.all_reduce(in.target_cos, ReduceOp::Max);
+    }
+    const HeadRows rows = head.begin_forward(in);
+
     at::Tensor mask;
-    if (m.interclass_filter > 0 && S > 0) {
-      mask = buf > m.interclass_filter * s;
+    if (head.interclass_filter() > 0 && S > 0) {
+      mask = buf > head.interclass_filter() * s;
       mask.scatter_(1, col, mask.gather(1, col) & ~valid.unsqueeze(1));  // never the target
       buf.masked_fill_(mask, 0.0);
     }
-    const at::Tensor t = m.target(tc) * s;
+    at::Tensor codes;  // 2 bits per entry, for the head's backward of non-target entries
+    if (head.modifies_negatives() && S > 0) {
+      codes = at::empty({N, (S + 3) / 4}, buf.options().dtype(at::kByte));
+      for (int64_t j = 0; j < S; j += o.chunk_classes) {
+        const int64_t n = std::min(o.chunk_classes, S - j);
+        at::Tensor c8 = at::zeros({N, n}, codes.options());
+        head.negatives_forward(buf.narrow(1, j, n), c8, rows);
+        // The target entries are the target's business (set below): no code.
+        const at::Tensor here = valid & (target >= j) & (target < j + n);
+        const at::Tensor local = (target - j).clamp(0, n - 1).unsqueeze(1);
+        c8.scatter_(1, local, torch::where(here.unsqueeze(1), torch::zeros_like(local, c8.options()), c8.gather(1, local)));
+        pack_codes(c8, codes.narrow(1, j / 4, (n + 3) / 4));
+      }
+    }
+    const at::Tensor t = head.target(tc, rows) * s;
     if (S > 0) buf.scatter_(1, col, torch::where(valid, t, buf.gather(1, col).squeeze(1)).unsqueeze(1));
     row_max_into(buf, maxes.narrow(0, 0, N));
     dist.all_reduce(maxes, ReduceOp::Max);
@@ -121,13 +170,16 @@ struct MarginSoftmaxFn : public torch::autograd::Function<MarginSoftmaxFn> {
     dist.all_reduce(sums);
     const at::Tensor sum_exp = sums.narrow(0, 0, N);
     buf.div_(sum_exp.unsqueeze(1));  // the global softmax over this rank's columns
-    at::Tensor row_loss = sum_exp.log() + row_max - sums.narrow(0, N, N);
-    if (std::isfinite(m.row_loss_cap())) row_loss.clamp_max_(m.row_loss_cap());
+    const at::Tensor lse = sum_exp.log() + row_max;  // logit = log(p) + lse
+    at::Tensor row_loss = lse - sums.narrow(0, N, N);
+    if (std::isfinite(head.row_loss_cap())) row_loss.clamp_max_(head.row_loss_cap());
     at::Tensor loss = row_loss.mean();
     at::Tensor acc = sums[2 * N] / static_cast<double>(N);
 
-    ctx->save_for_backward({buf, e, w, inv_norm, col, valid, tc, mask.defined() ? mask : at::Tensor()});
+    ctx->save_for_backward({buf, e, w, inv_norm, col, valid, tc, mask.defined() ? mask : at::Tensor(),
+                            codes.defined() ? codes : at::Tensor(), codes.defined() ? lse : at::Tensor()});
     save_value(ctx, "options", o);
+    save_value(ctx, "rows", rows);
     ctx->mark_non_differentiable({acc});
     return {loss, acc};
   }
@@ -136,34 +188,59 @@ struct MarginSoftmaxFn : public torch::autograd::Function<MarginSoftmaxFn> {
     auto saved = ctx->get_saved_variables();
     at::Tensor g = saved[0];  // the probabilities, turned into the gradient in place
     const at::Tensor &e = saved[1], &w = saved[2], &inv_norm = saved[3], &col = saved[4], &valid = saved[5],
-                     &tc = saved[6], &mask = saved[7];
+                     &tc = saved[6], &mask = saved[7], &codes = saved[8], &lse = saved[9];
     const MarginSoftmaxOptions& o = saved_value<MarginSoftmaxOptions>(ctx, "options");
-    const CombinedMargin& m = o.margin;
-    const int64_t N = g.size(0);
-    if (g.size(1) == 0) return {torch::zeros_like(e), torch::zeros_like(w), at::Tensor(), at::Tensor(), at::Tensor()};
+    const HeadRows& rows = saved_value<HeadRows>(ctx, "rows");
+    const MarginHead& head = *o.head;
+    const double s = head.scale();
+    const int64_t N = g.size(0), S = g.size(1);
+    if (S == 0) return {torch::zeros_like(e), torch::zeros_like(w), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+    // Non-target entries the head changed: d(new)/d(old) from the final logits, which the
+    // probabilities give back (log p + the row's log-sum-exp).
+    if (codes.defined()) {
+      for (int64_t j = 0; j < S; j += o.chunk_classes) {
+        const int64_t n = std::min(o.chunk_classes, S - j);
+        at::Tensor gc = g.narrow(1, j, n);
+        head.negatives_backward(gc, gc.log() + lse.unsqueeze(1), unpack_codes(codes.narrow(1, j / 4, (n + 3) / 4), n),
+                                rows);
+      }
+    }
     // d loss / d logit = (p - onehot) / N; d logit / d cos = s (target: s * dt/dc).
     g.scatter_add_(1, col, -valid.to(at::kFloat).unsqueeze(1));
-    if (!m.unit_gradient())
-      g.scatter_(1, col, g.gather(1, col) * torch::where(valid, m.target_grad(tc), torch::ones_like(tc)).unsqueeze(1));
+    const at::Tensor coef = (grads[0].defined() ? grads[0] : torch::zeros({}, g.options())) * (s / static_cast<double>(N));
+    at::Tensor grad_norms;
+    if (head.norm_gradient()) {
+      const at::Tensor gt = g.gather(1, col).squeeze(1);  // dL/dlogit at the target, times N
+      grad_norms = torch::where(valid, gt * head.target_grad_norm(tc, rows), torch::zeros_like(gt)) * coef;
+    }
+    if (!head.unit_gradient())
+      g.scatter_(1, col, g.gather(1, col) * torch::where(valid, head.target_grad(tc, rows), torch::ones_like(tc)).unsqueeze(1));
     if (mask.defined()) g.masked_fill_(mask, 0.0);
     // One pass: times grad * s / N (the scalar) and 1 / ||w_j|| (per column). Then
     // g' = dL/dcos_ij / ||w_j||, and through cos_ij = (e_i . w_j) / ||w_j||:
     //   dL/de = g' W,   dL/dw_j = M_j - (w_j . M_j) w_j / ||w_j||^2  with M = g'^T E.
-    g.mul_((inv_norm * (grads[0] * (m.scale / static_cast<double>(N)))).unsqueeze(0));
+    g.mul_((inv_norm * coef).unsqueeze(0));
     auto [gw, ge] = gemm_backward(g, e, w, o);
     gw.addcmul_(w, (row_dot(w, gw) * inv_norm.pow(2)).unsqueeze(1), -1.0);
-    return {ge, gw, at::Tensor(), at::Tensor(), at::Tensor()};
+    return {ge, gw, at::Tensor(), grad_norms, at::Tensor(), at::Tensor()};
   }
 };
 
 }  // namespace
 
 at::Tensor margin_softmax_loss(const at::Tensor& emb, const at::Tensor& weight, const at::Tensor& target,
-                               const MarginSoftmaxOptions& options, Distributed& dist, at::Tensor* accuracy) {
+                               const at::Tensor& norms, const MarginSoftmaxOptions& options, Distributed& dist,
+                               at::Tensor* accuracy) {
   TORCH_CHECK(emb.dim() == 2 && weight.dim() == 2 && emb.size(1) == weight.size(1),
               "margin_softmax_loss: embeddings ", emb.sizes(), " and centres ", weight.sizes(), " do not match");
-  TORCH_CHECK(options.chunk_classes > 0, "margin_softmax_loss: chunk_classes must be positive");
-  auto out = MarginSoftmaxFn::apply(emb, weight, target, options, dist);
+  TORCH_CHECK(options.chunk_classes > 0 && options.chunk_classes % 4 == 0,
+              "margin_softmax_loss: chunk_classes must be a positive multiple of 4");
+  TORCH_CHECK(options.head != nullptr, "margin_softmax_loss: no head");
+  TORCH_CHECK(!options.head->needs_norms() || (norms.defined() && norms.size(0) == emb.size(0)),
+              "margin_softmax_loss: the ", options.head->name(), " head needs the rows' feature norms");
+  // An autograd input must be a tensor: heads without norms get an empty one.
+  auto out = MarginSoftmaxFn::apply(emb, weight, target, norms.defined() ? norms : at::empty({0}, emb.options()),
+                                    options, dist);
   if (accuracy) *accuracy = out[1];
   return out[0];
 }

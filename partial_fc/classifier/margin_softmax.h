@@ -10,17 +10,24 @@
 // (the second term removes the radial part: the loss does not depend on ||w_j||).
 // The softmax runs across ranks with two small all-reduces (row max; row sum of exponentials
 // with the target logit), the loss is computed in the log domain, and the margin's gradient
-// is the margin mode's (margin.h: exact, or arcface_torch's straight-through). Nothing in either pass reads a device value on the host.
+// is the head's (margin_head.h). Heads that change non-target logits keep a 2-bit code per
+// entry (1/16 of the buffer) so that backward can correct those entries from the
+// probabilities alone. Nothing in either pass reads a device value on the host.
 #pragma once
 #include <torch/torch.h>
 
-#include "partial_fc/classifier/margin.h"
+#include "partial_fc/classifier/margin_head.h"
 #include "partial_fc/runtime/distributed.h"
 
 namespace faceshard {
 
 struct MarginSoftmaxOptions {
-  CombinedMargin margin;
+  // The head (margin_head.h), owned by the caller and alive until backward has run; its
+  // state advances once per forward.
+  MarginHead* head = nullptr;
+  // Seed and forward count for heads that draw per step (ElasticFace).
+  uint64_t seed = 0;
+  int64_t forward = 0;
   // The type E and W enter the GEMMs in: kFloat, or kBFloat16 / kHalf to run them in the
   // body's precision (the backend accumulates in fp32); the [N, S] buffer and everything
   // after the GEMM stay fp32.
@@ -37,6 +44,7 @@ struct MarginSoftmaxOptions {
 // receives the global top-1 accuracy over the classes taking part (0-dim, no host sync).
 // Backward may run once (the saved probabilities become the gradient in place).
 at::Tensor margin_softmax_loss(const at::Tensor& emb, const at::Tensor& weight, const at::Tensor& target,
-                               const MarginSoftmaxOptions& options, Distributed& dist, at::Tensor* accuracy = nullptr);
+                               const at::Tensor& norms, const MarginSoftmaxOptions& options, Distributed& dist,
+                               at::Tensor* accuracy = nullptr);
 
 }  // namespace faceshard

@@ -37,7 +37,7 @@ const PartialFCOptions& checked(const PartialFCOptions& o) {
   if (!(o.sample_rate >= 0 && o.sample_rate <= 1))
     throw option_error("sample_rate", "must be in [0, 1], got ", o.sample_rate);
   if (o.embedding_size < 1) throw option_error("embedding_size", "must be positive, got ", o.embedding_size);
-  o.margin.validate();
+  if (o.head.name == "combined") o.margin.validate();
   return o;
 }
 }  // namespace
@@ -60,7 +60,8 @@ PartialFC::PartialFC(Distributed& dist, const PartialFCOptions& opts, torch::Dev
       shard_(ClassShard::of(opts.num_classes, dist.world_size(), dist.rank())),
       num_sample_(std::min<int64_t>(shard_.count, static_cast<int64_t>(opts.sample_rate * shard_.count))),
       weight_(initial_rows(shard_.start, shard_.count, opts.embedding_size, opts.seed).to(device)),
-      optimizer_(weight_, opts.optimizer) {
+      optimizer_(weight_, opts.optimizer),
+      head_(make_margin_head(opts.head, opts.margin)) {
   if (!samples()) {
     weight_.requires_grad_(true);
     sub_weight_ = weight_;
@@ -111,14 +112,26 @@ PartialFCOutput PartialFC::forward(const at::Tensor& local_emb, const at::Tensor
   } else {
     target = to_device(torch::where(mine, local, -1), dev);
   }
-  forwards_++;
   namespace F = torch::nn::functional;
-  const at::Tensor e = F::normalize(emb.to(torch::kFloat), F::NormalizeFuncOptions().dim(1));
+  const at::Tensor ef = emb.to(torch::kFloat);
+  const at::Tensor e = F::normalize(ef, F::NormalizeFuncOptions().dim(1));
+  at::Tensor norms;
+  if (head_->needs_norms()) norms = head_->norm_gradient() ? ef.norm(2, {1}) : ef.detach().norm(2, {1});
   MarginSoftmaxOptions mo;
-  mo.margin = opts_.margin;
+  mo.head = head_.get();
+  mo.seed = opts_.seed;
+  mo.forward = forwards_;
   mo.gemm_dtype = opts_.gemm_dtype;
+  forwards_++;
   PartialFCOutput out;
-  out.loss = margin_softmax_loss(e, samples() ? sub_weight_ : weight_, target, mo, dist_, &out.accuracy);
+  out.loss = margin_softmax_loss(e, samples() ? sub_weight_ : weight_, target, norms, mo, dist_, &out.accuracy);
+  if (at::Tensor extra = head_->extra_loss(norms); extra.defined()) {
+    // Every rank computes this term of the global loss from the whole gathered batch, and
+    // the gather's backward sums the ranks' embedding gradients: each rank passes 1/W of
+    // the term's gradient, so that the sum is the term's gradient once.
+    const at::Tensor fixed = extra.detach();
+    out.loss = out.loss + fixed + (extra - fixed) / static_cast<double>(W);
+  }
   return out;
 }
 

@@ -14,6 +14,7 @@
 // averaging the backbone receives dL/dtheta of the global-mean loss. Tested against one
 // process holding the whole batch and the whole weight matrix.
 #pragma once
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
@@ -22,6 +23,7 @@
 
 #include "partial_fc/classifier/class_shard.h"
 #include "partial_fc/classifier/margin.h"
+#include "partial_fc/classifier/margin_head.h"
 #include "partial_fc/classifier/shard_optimizer.h"
 #include "partial_fc/runtime/distributed.h"
 
@@ -32,6 +34,8 @@ struct PartialFCOptions {
   int64_t embedding_size = 512;
   double sample_rate = 1.0;
   CombinedMargin margin;
+  // The margin head (margin_head.h); "combined" uses `margin`.
+  HeadSpec head;
   uint64_t seed = 2048;
   ShardOptimizerOptions optimizer;
   // With sampling, which rows an optimiser step moves: false = only the rows that took part
@@ -96,6 +100,8 @@ class PartialFC {
   // --- inspection -------------------------------------------------------------------------
   const ClassShard& shard() const { return shard_; }
   const PartialFCOptions& options() const { return opts_; }
+  // The margin head and its state (the same on every rank).
+  MarginHead& head() const { return *head_; }
   int64_t num_sample() const { return num_sample_; }
   bool samples() const { return num_sample_ < shard_.count; }
   // The whole shard [count, d], fp32.
@@ -122,6 +128,7 @@ class PartialFC {
   at::Tensor index_;       // sampled rows of the step
   at::Tensor sub_weight_;  // the autograd leaf of the sampled rows (weight_ itself without sampling)
   ShardOptimizer optimizer_;
+  std::unique_ptr<MarginHead> head_;
   std::vector<at::Tensor> pending_index_, pending_grad_;  // accumulate()
   int64_t forwards_ = 0;
 };

@@ -1,0 +1,54 @@
+#include "partial_fc/classifier/curricularface_head.h"
+
+#include <cmath>
+
+namespace faceshard {
+
+CurricularFaceHead::CurricularFaceHead(const std::map<std::string, double>& p)
+    : m_(p.at("m")),
+      s_(p.at("s")),
+      cos_m_(std::cos(m_)),
+      sin_m_(std::sin(m_)),
+      threshold_(std::cos(M_PI - m_)),
+      mm_(std::sin(M_PI - m_) * m_) {
+  t_ = torch::zeros({1});
+}
+
+HeadRows CurricularFaceHead::begin_forward(const HeadInputs& in) {
+  const at::Tensor c = in.target_cos.to(torch::kFloat).clamp(-1, 1);
+  if (t_.device() != c.device()) t_ = t_.to(c.device());
+  HeadRows r;
+  // The hard-negative threshold of each row uses cos(theta_y + m) before the target's
+  // own fallback; t moves before it is used, as in the authors' forward.
+  r.a = c * cos_m_ - (1 - c * c).sqrt() * sin_m_;
+  t_.copy_(c.mean().reshape({1}) * 0.01 + t_ * 0.99);
+  r.b = t_.clone();
+  return r;
+}
+
+at::Tensor CurricularFaceHead::target(const at::Tensor& c, const HeadRows&) const {
+  const at::Tensor cc = c.clamp(-1, 1);
+  return torch::where(cc > threshold_, cc * cos_m_ - (1 - cc * cc).sqrt() * sin_m_, cc - mm_);
+}
+
+at::Tensor CurricularFaceHead::target_grad(const at::Tensor& c, const HeadRows&) const {
+  const at::Tensor cc = c.clamp(-1, 1);
+  return torch::where(cc > threshold_, cos_m_ + cc * sin_m_ / (1 - cc * cc).sqrt(), torch::ones_like(cc));
+}
+
+// Codes: 0 = unchanged, 1 = hard with c >= -t/2, 2 = hard with c < -t/2. The gradient of
+// c * (t + c) is t + 2c = +-sqrt(t^2 + 4v) for the new value v: the sign is all backward needs.
+void CurricularFaceHead::negatives_forward(at::Tensor logits, at::Tensor codes, const HeadRows& r) const {
+  const at::Tensor c = (logits / s_).clamp(-1, 1);
+  const at::Tensor hard = c > r.a.unsqueeze(1);
+  codes.copy_(hard.to(torch::kUInt8) + (hard & (c < r.b * -0.5)).to(torch::kUInt8));
+  logits.copy_(torch::where(hard, c * (r.b + c) * s_, logits));
+}
+
+void CurricularFaceHead::negatives_backward(at::Tensor grad, const at::Tensor& logits, const at::Tensor& codes,
+                                            const HeadRows& r) const {
+  const at::Tensor root = (r.b * r.b + logits * (4.0 / s_)).clamp_min(0).sqrt();
+  grad.mul_(torch::where(codes == 0, torch::ones_like(root), torch::where(codes == 1, root, -root)));
+}
+
+}  // namespace faceshard

@@ -1,0 +1,135 @@
+// faceshard-head: one margin head, one process, on a batch given as .npy files: K forward/
+// backward passes with the head's state moving as in training and the weights untouched,
+// the loss of each, and the last pass's gradients with respect to the raw embeddings and
+// the raw centres. What a user porting a head checks faceshard's against.
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "app/config/config.h"
+#include "app/io/checkpoint.h"
+#include "app/io/npy.h"
+#include "partial_fc/classifier/partial_fc.h"
+#include "partial_fc/runtime/dist_env.h"
+#include "partial_fc/runtime/distributed.h"
+#include "partial_fc/runtime/error.h"
+
+namespace {
+
+const char* kUsage =
+    "usage: faceshard-head --head NAME [--set loss.<head>.<param>=V ...] --embeddings E.npy --labels L.npy\n"
+    "                      --centres C.npy [--steps K] --out DIR\n"
+    "  --head NAME        arcface | cosface | combined | adaface | curricularface | magface |\n"
+    "                     elasticface_arc | elasticface_cos\n"
+    "  --set KEY=VALUE    a head parameter (loss.adaface.m=0.5) or loss.margin / loss.scale /\n"
+    "                     loss.margin_mode for the combined head; the config's rules apply\n"
+    "  --embeddings E.npy raw (unnormalised) embeddings [N, D], float32\n"
+    "  --labels L.npy     class ids [N], int64\n"
+    "  --centres C.npy    raw centres [C, D], float32\n"
+    "  --steps K          forward/backward passes on the same batch (default 1); the head's\n"
+    "                     state (AdaFace's norm statistics, CurricularFace's t) moves each time\n"
+    "  --out DIR          writes grad_embeddings.npy, grad_centres.npy (the last pass's) and state.json\n"
+    "Prints 'step k loss X' per pass; the loss holds every term the head trains with.\n";
+
+std::string json_number(double v) {
+  std::ostringstream os;
+  os.precision(17);
+  os << v;
+  return os.str();
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  return faceshard::run_main("faceshard-head", [&]() -> int {
+    using namespace faceshard;
+    std::string head, emb_path, label_path, centre_path, out;
+    int64_t steps = 1;
+    std::vector<std::string> sets;
+    for (int i = 1; i < argc; ++i) {
+      const std::string a = argv[i];
+      if (a == "--help" || a == "-h") {
+        std::fputs(kUsage, stdout);
+        return 0;
+      }
+      if (i + 1 >= argc) throw usage_error(a, ": missing value (see --help)");
+      const std::string v = argv[++i];
+      if (a == "--head") head = v;
+      else if (a == "--set") sets.push_back(v);
+      else if (a == "--embeddings") emb_path = v;
+      else if (a == "--labels") label_path = v;
+      else if (a == "--centres") centre_path = v;
+      else if (a == "--out") out = v;
+      else if (a == "--steps") {
+        char* end = nullptr;
+        steps = std::strtoll(v.c_str(), &end, 10);
+        if (v.empty() || *end || steps < 1 || steps > 1000000) throw usage_error("--steps: expected 1..1000000, got '", v, "'");
+      } else {
+        throw usage_error("unknown option '", a, "' (see --help)");
+      }
+    }
+    if (head.empty() || emb_path.empty() || label_path.empty() || centre_path.empty() || out.empty())
+      throw usage_error("--head, --embeddings, --labels, --centres and --out are required (see --help)");
+    for (const auto& s : sets)
+      if (s.rfind("loss.", 0) != 0) throw usage_error("--set ", s, ": only loss.* keys apply to a head");
+    // The head's keys go through the config's validation (names, types, ranges).
+    const Config cfg = load_config_text("data: {num_classes: 1}\nloss: {head: " + head + "}\n", "--head", sets);
+
+    const at::Tensor E = read_npy(emb_path), L = read_npy(label_path), Cn = read_npy(centre_path);
+    if (E.dim() != 2 || E.scalar_type() != at::kFloat)
+      throw usage_error(emb_path, ": expected float32 embeddings [N, D], got ", E.scalar_type(), " ", E.sizes());
+    if (L.dim() != 1 || (L.scalar_type() != at::kLong && L.scalar_type() != at::kInt) || L.size(0) != E.size(0))
+      throw usage_error(label_path, ": expected int64 labels [", E.size(0), "], got ", L.scalar_type(), " ", L.sizes());
+    if (Cn.dim() != 2 || Cn.scalar_type() != at::kFloat || Cn.size(1) != E.size(1) || Cn.size(0) < 1)
+      throw usage_error(centre_path, ": expected float32 centres [C, ", E.size(1), "], got ", Cn.scalar_type(), " ",
+                        Cn.sizes());
+
+    auto dist = Distributed::init(DistEnv::from_environment(), DistOptions{});
+    if (dist->world_size() != 1) throw usage_error("faceshard-head runs as one process");
+    PartialFCOptions po;
+    po.num_classes = Cn.size(0);
+    po.embedding_size = E.size(1);
+    po.margin = CombinedMargin{cfg.loss.margin[0], cfg.loss.margin[1], cfg.loss.margin[2], cfg.loss.scale,
+                               cfg.loss.interclass_filtering_threshold, parse_margin_mode(cfg.loss.margin_mode)};
+    po.head.name = cfg.loss.head;
+    po.head.params = cfg.loss.chosen_head_params();
+    po.seed = static_cast<uint64_t>(cfg.seed);
+    std::vector<std::pair<std::string, std::string>> keys{{"head", "loss.head"}, {"margin", "loss.margin"}};
+    for (const auto& [name, params] : margin_head_defaults())
+      if (name == cfg.loss.head)
+        for (const auto& kv : params) keys.emplace_back(kv.first, "loss." + name + "." + kv.first);
+    auto fc = with_config_keys(cfg, keys, [&] { return std::make_unique<PartialFC>(*dist, po); });
+    fc->load_state({{"weight", Cn}}, centre_path);
+
+    at::Tensor grad_e, grad_c;
+    double loss = 0;
+    for (int64_t k = 1; k <= steps; ++k) {
+      at::Tensor e = E.clone().requires_grad_(true);
+      auto o = fc->forward(e, L.to(at::kLong));
+      o.loss.backward();
+      loss = o.loss.item<double>();
+      std::printf("step %lld loss %.9g\n", static_cast<long long>(k), loss);
+      grad_e = e.grad();
+      grad_c = fc->gradient().clone();
+      fc->zero_grad();
+    }
+    std::filesystem::create_directories(out);
+    write_npy_float32(grad_e, out + "/grad_embeddings.npy");
+    write_npy_float32(grad_c, out + "/grad_centres.npy");
+    std::ostringstream js;
+    js << "{\"head\": \"" << fc->head().name() << "\", \"steps\": " << steps << ", \"loss\": " << json_number(loss)
+       << ", \"scale\": " << json_number(fc->head().scale()) << ", \"state\": {";
+    bool first = true;
+    for (const auto& kv : fc->head().state()) {
+      js << (first ? "" : ", ") << "\"" << kv.first << "\": " << json_number(kv.second.item<double>());
+      first = false;
+    }
+    js << "}}\n";
+    write_text_durably(js.str(), out + "/state.json");
+    dist->shutdown();
+    return 0;
+  });
+}
