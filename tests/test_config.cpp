@@ -367,3 +367,53 @@ TEST(Config, CheckpointingIsOptional) {
 }
 }  // namespace
 }  // namespace faceshard
+
+namespace faceshard {
+namespace {
+
+// The head presets: the head the file names, with its authors' published parameters and
+// their batch of 512 and epochs.
+TEST(Config, HeadPresetsCarryTheAuthorsSettings) {
+  struct Preset {
+    std::string file, head;
+    std::map<std::string, double> params;
+    int64_t classes;
+    std::string backbone;
+    double epochs;
+  };
+  const std::vector<Preset> presets = {
+      {"ms1mv3_r100_adaface", "adaface", {{"m", 0.4}, {"h", 0.333}, {"s", 64}, {"t_alpha", 0.01}}, 93431, "r100", 24},
+      {"webface4m_r50_adaface", "adaface", {{"m", 0.4}, {"h", 0.333}, {"s", 64}, {"t_alpha", 0.01}}, 205990, "r50", 26},
+      {"ms1mv3_r50_curricularface", "curricularface", {{"m", 0.5}, {"s", 64}}, 93431, "r50", 24},
+      {"ms1mv3_r100_magface",
+       "magface",
+       {{"l_a", 10}, {"u_a", 110}, {"l_m", 0.45}, {"u_m", 0.8}, {"lambda_g", 35}, {"s", 64}, {"easy_margin", 1}},
+       93431,
+       "r100",
+       25},
+      {"ms1mv3_r50_elasticface_cos", "elasticface_cos", {{"m", 0.35}, {"sigma", 0.05}, {"s", 64}, {"plus", 1}}, 93431,
+       "r50", 26},
+  };
+  for (const auto& p : presets) {
+    SCOPED_TRACE(p.file);
+    const Config c = load_config(std::string(FACESHARD_SOURCE_DIR) + "/configs/" + p.file + ".yaml");
+    EXPECT_EQ(c.loss.head, p.head);
+    EXPECT_EQ(c.loss.chosen_head_params(), p.params);
+    EXPECT_EQ(c.data.num_classes, p.classes);
+    EXPECT_EQ(c.model.backbone, p.backbone);
+    EXPECT_EQ(c.optim.epochs, p.epochs);
+    EXPECT_EQ(c.data.batch_size * 4, 512);
+    EXPECT_EQ(c.optim.lr, 0.1);
+    EXPECT_EQ(c.optim.momentum, 0.9);
+    EXPECT_EQ(c.optim.weight_decay, 5e-4);
+    EXPECT_EQ(c.output, "work_dirs/" + p.file);
+  }
+  // A head's keys are validated like the rest, with the key in the error.
+  EXPECT_THROW(load_config_text("data: {num_classes: 2}\nloss: {head: adaface, adaface: {t_alpha: 3}}\n", "t.yaml"),
+               Error);
+  EXPECT_THROW(load_config_text("data: {num_classes: 2}\nloss: {head: adaface, adaface: {q: 3}}\n", "t.yaml"), Error);
+  EXPECT_THROW(load_config_text("data: {num_classes: 2}\nloss: {head: sphereface}\n", "t.yaml"), Error);
+}
+
+}  // namespace
+}  // namespace faceshard

@@ -53,7 +53,7 @@ namespace {
 const char* kUsage =
     "usage: faceshard-bench --mode classifier [--classes-per-shard LIST] [--sample-rate LIST] [--precision LIST]\n"
     "                       [--batch B] [--dim D] [--steps K] [--windows N] [--warmup K]\n"
-    "                       [--device cpu|cuda] [--json FILE]\n"
+    "                       [--heads LIST] [--device cpu|cuda] [--json FILE]\n"
     "       faceshard-bench --mode step [--network NAME] [--batch B] [--classes C] [--sample-rate R]\n"
     "                       [--precision fp32|bf16|fp16] [--device cpu|cuda] [--config FILE] [--set key=value ...]\n"
     "                       [--steps K] [--windows N] [--warmup K] [--json FILE]\n"
@@ -69,7 +69,7 @@ struct Args {
   int64_t batch = 128, dim = 512, steps = 5, windows = 3, warmup = 2;
   double sample_rate = 1.0;
   // --mode classifier: comma-separated lists, every combination is measured
-  std::string classes_list = "100000", rates = "1.0", precisions = "fp32";
+  std::string classes_list = "100000", rates = "1.0", precisions = "fp32", heads = "combined";
   std::string device = "cpu", json;
   // --mode data
   std::string data, workers = "1,2,all";
@@ -145,7 +145,7 @@ int run_classifier(const Args& a, Distributed& dist) {
   const torch::Device dev = cuda ? torch::Device(torch::kCUDA, dist.local_rank()) : torch::Device(torch::kCPU);
   const auto opts = torch::TensorOptions().device(dev);
   struct Row {
-    std::string precision;
+    std::string head, precision;
     int64_t classes;
     double rate, step_ms, gemm_ms, peak_mb;
   };
@@ -164,6 +164,7 @@ int run_classifier(const Args& a, Distributed& dist) {
     std::sort(per_step.begin(), per_step.end());
     return per_step[per_step.size() / 2] * 1e3;
   };
+  for (const std::string& head : split_list(a.heads))
   for (const std::string& cps : split_list(a.classes_list)) {
     const int64_t classes = parse_int("--classes-per-shard", cps) * dist.world_size();
     for (const std::string& rs : split_list(a.rates)) {
@@ -183,6 +184,7 @@ int run_classifier(const Args& a, Distributed& dist) {
         o.embedding_size = a.dim;
         o.sample_rate = rate;
         o.margin = CombinedMargin{1.0, 0.5, 0.0};
+        o.head.name = head;
         o.gemm_dtype = dt;
         PartialFC fc(dist, o, dev);
         const int64_t sampled = fc.num_sample();
@@ -202,8 +204,8 @@ int run_classifier(const Args& a, Distributed& dist) {
           at::mm(g.t(), e);
           at::mm(g, w);
         });
-        rows.push_back({prec, classes / dist.world_size(), rate, step_ms, gemm_ms, peak});
-        log_info("classifier: ", classes / dist.world_size(), " classes/shard, rate ", rate, " (", S,
+        rows.push_back({head, prec, classes / dist.world_size(), rate, step_ms, gemm_ms, peak});
+        log_info("classifier: ", head, ", ", classes / dist.world_size(), " classes/shard, rate ", rate, " (", S,
                  " per step), ", prec, ", batch ", a.batch, "x", dist.world_size(), ", dim ", a.dim, ": ", step_ms,
                  " ms/step, GEMMs alone ", gemm_ms, " ms (x", step_ms / gemm_ms, "), peak ", peak, " MB (",
                  cuda ? "GPU allocated" : "process RSS", ")");
@@ -216,7 +218,7 @@ int run_classifier(const Args& a, Distributed& dist) {
   js << "{\"mode\":\"classifier\",\"device\":\"" << a.device << "\",\"world_size\":" << dist.world_size()
      << ",\"batch_per_rank\":" << a.batch << ",\"dim\":" << a.dim << ",\"runs\":[";
   for (size_t i = 0; i < rows.size(); ++i)
-    js << (i ? "," : "") << "{\"precision\":\"" << rows[i].precision
+    js << (i ? "," : "") << "{\"head\":\"" << rows[i].head << "\",\"precision\":\"" << rows[i].precision
        << "\",\"classes_per_shard\":" << rows[i].classes << ",\"sample_rate\":" << rows[i].rate
        << ",\"step_ms\":" << rows[i].step_ms << ",\"gemm_ms\":" << rows[i].gemm_ms
        << ",\"peak_memory_mb\":" << rows[i].peak_mb << "}";
@@ -225,11 +227,11 @@ int run_classifier(const Args& a, Distributed& dist) {
   for (size_t i = 0; i < rows.size(); ++i)
     for (size_t k = i + 1; k < rows.size(); ++k) {
       const Row &lo = rows[i], &hi = rows[k];
-      if (lo.precision != hi.precision || lo.rate != hi.rate || hi.classes == lo.classes) continue;
+      if (lo.head != hi.head || lo.precision != hi.precision || lo.rate != hi.rate || hi.classes == lo.classes) continue;
       const double slope = (hi.peak_mb - lo.peak_mb) * 1048576.0 / static_cast<double>(hi.classes - lo.classes);
-      log_info("bytes per class, ", lo.precision, " rate ", lo.rate, ": ", slope, " (peak ", lo.peak_mb,
+      log_info("bytes per class, ", lo.head, ", ", lo.precision, " rate ", lo.rate, ": ", slope, " (peak ", lo.peak_mb,
                " MB at ", lo.classes, ", ", hi.peak_mb, " MB at ", hi.classes, " classes/shard)");
-      js << (first ? "" : ",") << "{\"precision\":\"" << lo.precision
+      js << (first ? "" : ",") << "{\"head\":\"" << lo.head << "\",\"precision\":\"" << lo.precision
          << "\",\"sample_rate\":" << lo.rate << ",\"from\":" << lo.classes << ",\"to\":" << hi.classes
          << ",\"bytes_per_class\":" << slope << "}";
       first = false;
@@ -504,6 +506,7 @@ int main(int argc, char** argv) {
       else if (s == "--network") a.network = value();
       else if (s == "--classes") a.classes = parse_int(s, value());
       else if (s == "--precision") a.precision = value(), a.precisions = *a.precision;
+      else if (s == "--heads") a.heads = value();
       else if (s == "--config") a.config = value();
       else if (s == "--set") a.overrides.push_back(value());
       else if (s == "--json") a.json = value();
