@@ -2,7 +2,8 @@
 // by row range, converted, into strided destinations, through a small staging buffer)
 // against what Python's torch.load gives for the same file (written out as raw float64 by
 // Python, so no faceshard reader takes part in the reference); the CRC of a whole storage
-// and the bounds of a ranged read.
+// and the bounds of a ranged read; a classifier allocated for a resume refusing to run until
+// filled.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -15,6 +16,8 @@
 
 #include "models/state_dict_io.h"
 #include "models/state_dict_reader.h"
+#include "partial_fc/classifier/partial_fc.h"
+#include "partial_fc/runtime/dist_env.h"
 #include "partial_fc/runtime/error.h"
 #include "tests/harness.h"
 #include "tests/test_errors.h"
@@ -207,6 +210,34 @@ TEST(StateDictReader, WholeStorageChecksItsCrcRangedReadsTheirBounds) {
   r.read_rows_into(0, 990, tail);
   EXPECT_TRUE(torch::equal(tail.narrow(0, 0, 9), w.narrow(0, 990, 9)));
   EXPECT_FALSE(torch::equal(tail[9], w[999]));
+}
+
+TEST(PartialFCState, RowsAllocatedForACheckpointAreFilledBeforeUse) {
+  auto dist = Distributed::init(DistEnv{});
+  PartialFCOptions o;
+  o.num_classes = 20;
+  o.embedding_size = 4;
+  PartialFC fresh(*dist, o);
+  o.initialise_rows = false;
+  PartialFC resumed(*dist, o);
+  const at::Tensor emb = torch::randn({6, 4}), labels = torch::randint(0, 20, {6}, torch::kLong);
+  std::string msg = error_of([&] { resumed.forward(emb, labels); });
+  EXPECT_TRUE(contains(msg, "allocated for a checkpoint that has not been loaded")) << msg;
+  // load_state on such a shard needs every entry.
+  msg = error_of([&] { resumed.load_state({{"weight", fresh.weight()}}, "ckpt"); });
+  EXPECT_TRUE(contains(msg, "ckpt: classifier state 'opt.momentum' is missing")) << msg;
+  std::vector<std::string> filled;
+  resumed.fill_state([&](const std::string& name, const at::Tensor& rows) {
+    filled.push_back(name);
+    for (const auto& kv : fresh.state())
+      if (kv.first == name) rows.copy_(kv.second);
+  });
+  EXPECT_EQ(filled, (std::vector<std::string>{"weight", "opt.momentum"}));
+  for (PartialFC* fc : {&fresh, &resumed}) {
+    fc->forward(emb, labels).loss.backward();
+    fc->step(0.1);
+  }
+  EXPECT_TRUE(torch::equal(fresh.weight(), resumed.weight()));
 }
 
 }  // namespace
