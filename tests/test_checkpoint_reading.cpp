@@ -2,8 +2,9 @@
 // by row range, converted, into strided destinations, through a small staging buffer)
 // against what Python's torch.load gives for the same file (written out as raw float64 by
 // Python, so no faceshard reader takes part in the reference); the CRC of a whole storage
-// and the bounds of a ranged read; a classifier allocated for a resume refusing to run until
-// filled.
+// and the bounds of a ranged read; ReshardedRows against the tensors that were saved, on
+// another number of ranks, opening only the files it needs; a classifier allocated for a
+// resume refusing to run until filled.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -14,8 +15,11 @@
 #include <sstream>
 #include <vector>
 
+#include "app/io/checkpoint.h"
+#include "app/io/resharded_rows.h"
 #include "models/state_dict_io.h"
 #include "models/state_dict_reader.h"
+#include "partial_fc/classifier/class_shard.h"
 #include "partial_fc/classifier/partial_fc.h"
 #include "partial_fc/runtime/dist_env.h"
 #include "partial_fc/runtime/error.h"
@@ -210,6 +214,93 @@ TEST(StateDictReader, WholeStorageChecksItsCrcRangedReadsTheirBounds) {
   r.read_rows_into(0, 990, tail);
   EXPECT_TRUE(torch::equal(tail.narrow(0, 0, 9), w.narrow(0, 990, 9)));
   EXPECT_FALSE(torch::equal(tail[9], w[999]));
+}
+
+// ---- resharding ---------------------------------------------------------------------------
+
+// A checkpoint folder of `W` shards over `C` classes, each with rows/weight and
+// rows/opt.momentum from the given full tensors.
+void write_checkpoint(const std::string& dir, int64_t C, int W, const at::Tensor& weight, const at::Tensor& momentum) {
+  std::filesystem::create_directories(dir);
+  for (const ClassShard& s : ClassShard::all(C, W)) {
+    write_state_dict({{"rows.start", torch::tensor({s.start})},
+                      {"rows.count", torch::tensor({s.count})},
+                      {"rows/weight", weight.narrow(0, s.start, s.count)},
+                      {"rows/opt.momentum", momentum.narrow(0, s.start, s.count)},
+                      {"rng.cpu", at::detail::getDefaultCPUGenerator().get_state()}},
+                     dir + "/fc_shard_" + std::to_string(s.rank) + ".pt");
+  }
+  testing::write_text(dir + "/COMMITTED", "step 3\nworld_size " + std::to_string(W) + "\nnum_classes " +
+                                              std::to_string(C) + "\n");
+}
+
+TEST(ReshardedRows, EveryRankGetsItsClassesFromTheSavedShards) {
+  const std::string dir = testing::temp_dir("resharded_rows");
+  const int64_t C = 23;
+  const at::Tensor weight = torch::randn({C, 5}), momentum = torch::randn({C, 5});
+  write_checkpoint(dir + "/two", C, 2, weight, momentum);
+  const CheckpointInfo info = read_checkpoint_info(dir + "/two");
+  for (int W : {1, 2, 3, 5}) {
+    for (const ClassShard& s : ClassShard::all(C, W)) {
+      SCOPED_TRACE("rank " + std::to_string(s.rank) + " of " + std::to_string(W));
+      const ReshardedRows rows(info, s.start, s.count);
+      EXPECT_EQ(rows.names(), (std::vector<std::string>{"weight", "opt.momentum"}));
+      at::Tensor w = at::empty({s.count, 5}), m = at::empty({s.count, 5}, at::kDouble);
+      rows.read_into("weight", w);
+      rows.read_into("opt.momentum", m);
+      EXPECT_TRUE(torch::equal(w, weight.narrow(0, s.start, s.count)));
+      EXPECT_TRUE(torch::equal(m, momentum.narrow(0, s.start, s.count).to(at::kDouble)));
+    }
+  }
+  // Only the files whose classes overlap are opened: ranks within shard 0's classes need
+  // no fc_shard_1.pt.
+  std::filesystem::copy(dir + "/two", dir + "/half");
+  std::filesystem::remove(dir + "/half/fc_shard_1.pt");
+  const CheckpointInfo half = read_checkpoint_info(dir + "/half");
+  at::Tensor w = at::empty({12, 5});
+  ReshardedRows(half, 0, 12).read_into("weight", w);
+  EXPECT_TRUE(torch::equal(w, weight.narrow(0, 0, 12)));
+  std::string msg = error_of([&] { ReshardedRows(half, 0, 13); });
+  EXPECT_TRUE(contains(msg, "has no fc_shard_1.pt (saved on 2 ranks)")) << msg;
+
+  // A missing entry, another row shape, a shard with other classes or other entries.
+  const ReshardedRows rows(info, 0, C);
+  msg = error_of([&] { rows.read_into("opt.exp_avg", at::empty({C, 5})); });
+  EXPECT_TRUE(contains(msg, "has no classifier state 'rows/opt.exp_avg'")) << msg;
+  msg = error_of([&] { rows.read_into("weight", at::empty({C, 4})); });
+  EXPECT_TRUE(contains(msg, "fc_shard_0.pt: 'rows/weight' has rows of shape [5], this run's classifier has [4]")) << msg;
+  write_state_dict({{"rows.start", torch::tensor({11})},
+                    {"rows.count", torch::tensor({12})},
+                    {"rows/weight", weight.narrow(0, 11, 12)},
+                    {"rows/opt.momentum", momentum.narrow(0, 11, 12)}},
+                   dir + "/half/fc_shard_1.pt");
+  msg = error_of([&] { ReshardedRows(half, 0, C); });
+  EXPECT_TRUE(contains(msg, "fc_shard_1.pt: holds classes [11, 23), expected [12, 23) (rank 1 of 2 with 23 classes)"))
+      << msg;
+  write_state_dict({{"rows.start", torch::tensor({12})},
+                    {"rows.count", torch::tensor({11})},
+                    {"rows/weight", weight.narrow(0, 12, 10)},
+                    {"rows/opt.momentum", momentum.narrow(0, 12, 11)}},
+                   dir + "/half/fc_shard_1.pt");
+  msg = error_of([&] { ReshardedRows(half, 0, C); });
+  EXPECT_TRUE(contains(msg, "fc_shard_1.pt: 'rows/weight' has 10 rows, expected 11")) << msg;
+  write_state_dict({{"rows.start", torch::tensor({12})},
+                    {"rows.count", torch::tensor({11})},
+                    {"rows/weight", weight.narrow(0, 12, 11)}},
+                   dir + "/half/fc_shard_1.pt");
+  msg = error_of([&] { ReshardedRows(half, 0, C); });
+  EXPECT_TRUE(contains(msg, "classifier entries differ")) << msg;
+  write_state_dict({{"rows.start", torch::tensor({12.0})}, {"rows.count", torch::tensor({11})}},
+                   dir + "/half/fc_shard_1.pt");
+  msg = error_of([&] { ReshardedRows(half, 0, C); });
+  EXPECT_TRUE(contains(msg, "fc_shard_1.pt: key 'rows.start' is ") && contains(msg, "expected an integer")) << msg;
+  write_state_dict({{"rows.count", torch::tensor({11})}}, dir + "/half/fc_shard_1.pt");
+  msg = error_of([&] { ReshardedRows(half, 0, C); });
+  EXPECT_TRUE(contains(msg, "fc_shard_1.pt: key 'rows.start' is missing")) << msg;
+  // A marker whose numbers cannot describe a layout.
+  testing::write_text(dir + "/half/COMMITTED", "step 3\nworld_size 0\nnum_classes 23\n");
+  msg = error_of([&] { read_checkpoint_info(dir + "/half"); });
+  EXPECT_TRUE(contains(msg, "malformed COMMITTED marker")) << msg;
 }
 
 TEST(PartialFCState, RowsAllocatedForACheckpointAreFilledBeforeUse) {
