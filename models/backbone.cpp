@@ -5,6 +5,7 @@
 #include <map>
 #include <sstream>
 
+#include "models/state_dict_reader.h"
 #include "partial_fc/runtime/error.h"
 #include "partial_fc/runtime/log.h"
 
@@ -74,34 +75,39 @@ StateDict Backbone::state_dict() const {
 }
 
 void Backbone::load_state_dict(const StateDict& weights, const std::string& source) {
+  load_state_dict(TensorListSource(weights), source);
+}
+
+void Backbone::load_state_dict(const TensorSource& weights, const std::string& source) {
   const StateDict mine = state_dict();
   // DDP-wrapped models save every key under "module.".
   std::string strip;
-  if (!weights.empty()) {
+  if (weights.size() > 0) {
     bool all = true;
-    for (const auto& kv : weights) all = all && starts_with(kv.first, "module.");
+    for (size_t i = 0; i < weights.size(); ++i) all = all && starts_with(weights.name(i), "module.");
     if (all && !starts_with(mine.front().first, "module.")) strip = "module.";
   }
-  std::map<std::string, torch::Tensor> given;
-  for (const auto& [k, v] : weights) given[k.substr(strip.size())] = v;
+  std::map<std::string, size_t> given;  // a repeated key: its last value
+  for (size_t i = 0; i < weights.size(); ++i) given[weights.name(i).substr(strip.size())] = i;
 
-  // Check everything before copying anything: a failed load leaves the model untouched.
+  // Check everything (names, shapes: what the file says, before any value is read) before
+  // copying anything: a load that fails here leaves the model untouched.
   std::vector<std::string> missing;
-  std::vector<std::pair<std::string, torch::Tensor>> copies;
+  std::vector<std::pair<torch::Tensor, size_t>> copies;
   for (const auto& [name, dst] : mine) {
     auto it = given.find(name);
     if (it == given.end()) {
       if (!ends_with(name, "num_batches_tracked")) missing.push_back(name);
       continue;
     }
-    const torch::Tensor& src = it->second;
-    if (!src.defined() || src.sizes() != dst.sizes())
-      throw usage_error(source, ": key '", name, "' has shape ",
-                        src.defined() ? shape_str(src.sizes()) : std::string("<undefined>"),
-                        ", backbone '", options_.name, "' expects ", shape_str(dst.sizes()));
-    if (!src.is_floating_point() && dst.is_floating_point() && src.scalar_type() != torch::kBool)
-      log_debug(source, ": key '", name, "' is ", src.scalar_type(), ", converted to ", dst.scalar_type());
-    copies.emplace_back(name, src);
+    const std::vector<int64_t> sizes = weights.sizes(it->second);
+    if (c10::IntArrayRef(sizes) != dst.sizes())
+      throw usage_error(source, ": key '", name, "' has shape ", shape_str(sizes), ", backbone '", options_.name,
+                        "' expects ", shape_str(dst.sizes()));
+    const at::ScalarType type = weights.dtype(it->second);
+    if (!at::isFloatingType(type) && dst.is_floating_point() && type != torch::kBool)
+      log_debug(source, ": key '", name, "' is ", type, ", converted to ", dst.scalar_type());
+    copies.emplace_back(dst, it->second);
     given.erase(it);
   }
   if (!missing.empty() || !given.empty()) {
@@ -116,10 +122,10 @@ void Backbone::load_state_dict(const StateDict& weights, const std::string& sour
     os << " (embedding size " << options_.embedding_size << ")";
     throw usage_error(os.str());
   }
-  torch::NoGradGuard no_grad;
-  std::map<std::string, torch::Tensor> dst_by_name(mine.begin(), mine.end());
-  // copy_ converts dtype/device and keeps the destination's memory format (channels-last).
-  for (const auto& [name, src] : copies) dst_by_name.at(name).copy_(src);
+  // Each value straight into its parameter or buffer (converted to its dtype and device,
+  // keeping its memory format). From a file, only a read error or a failed CRC can stop
+  // this part, and the caller then discards the model.
+  for (const auto& [dst, i] : copies) weights.read_into(i, dst);
 }
 
 void Backbone::to_channels_last() {
@@ -153,7 +159,8 @@ void save_backbone_weights(const Backbone& model, const std::string& path) {
 }
 
 void load_backbone_weights(Backbone& model, const std::string& path) {
-  model.load_state_dict(read_state_dict(path), path);
+  // Streamed from the file into the parameters: bounded extra memory, whatever the model.
+  model.load_state_dict(StateDictReader(path), path);
 }
 
 }  // namespace faceshard

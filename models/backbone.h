@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "models/state_dict_io.h"
+#include "models/tensor_source.h"
 
 namespace faceshard {
 
@@ -54,6 +55,9 @@ class Backbone : public torch::nn::Module {
   // "module." prefix (DDP) is stripped. Values are converted to the parameter's dtype.
   // `source` names the origin (a file) in error messages.
   void load_state_dict(const StateDict& weights, const std::string& source);
+  // The same from any source of named tensors (a StateDictReader streams a file's values
+  // straight into the parameters).
+  void load_state_dict(const TensorSource& weights, const std::string& source);
 
   // Converts the 4-D weights to channels-last (done by make_backbone when asked).
   void to_channels_last();

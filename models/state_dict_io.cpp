@@ -2,29 +2,16 @@
 
 #include <caffe2/serialize/inline_container.h>
 
+#include <c10/util/strides.h>
+
 #include <cstring>
 
+#include "models/state_dict_reader.h"
 #include "models/torch_save_format.h"
 #include "partial_fc/runtime/error.h"
 
 namespace faceshard {
 namespace {
-
-torch::ScalarType scalar_type(StorageType t) {
-  switch (t) {
-    case StorageType::Float: return torch::kFloat;
-    case StorageType::Double: return torch::kDouble;
-    case StorageType::Half: return torch::kHalf;
-    case StorageType::BFloat16: return torch::kBFloat16;
-    case StorageType::Long: return torch::kLong;
-    case StorageType::Int: return torch::kInt;
-    case StorageType::Short: return torch::kShort;
-    case StorageType::Char: return torch::kChar;
-    case StorageType::Byte: return torch::kByte;
-    case StorageType::Bool: return torch::kBool;
-  }
-  return torch::kFloat;
-}
 
 // ---------------------------------------------------------------------------------------
 // Writing: the same pickle torch.save produces for an OrderedDict of plain tensors
@@ -100,7 +87,7 @@ StateDict read_state_dict(const std::string& path) {
     storages.reserve(f.dict.storages.size());
     for (size_t i = 0; i < f.dict.storages.size(); ++i) {
       const SavedStorage& s = f.dict.storages[i];
-      torch::Tensor t = torch::empty({static_cast<int64_t>(s.numel)}, torch::TensorOptions().dtype(scalar_type(s.type)));
+      torch::Tensor t = torch::empty({static_cast<int64_t>(s.numel)}, torch::TensorOptions().dtype(to_scalar_type(s.type)));
       if (s.numel > 0) f.read_storage(i, t.data_ptr());
       storages.push_back(std::move(t));
     }
@@ -117,39 +104,38 @@ StateDict read_state_dict(const std::string& path) {
 }
 
 void write_state_dict(const StateDict& weights, const std::string& path) {
-  std::vector<torch::Tensor> storages;
-  storages.reserve(weights.size());
+  // The pickle needs only each tensor's shape; the values are converted (to a contiguous CPU
+  // tensor) one at a time as they are written, so a device tensor costs one host copy of
+  // itself at a time and a contiguous CPU tensor none.
   PickleWriter p;
   p.op(0x80);
   p.op(2);
   p.empty_ordered_dict();
   p.op('(');
+  int64_t k = 0;
   for (const auto& [name, value] : weights) {
     if (!value.defined()) throw usage_error(path, ": cannot save '", name, "': undefined tensor");
     const char* type = storage_type_name(value.scalar_type());
     if (!type)
       throw usage_error(path, ": cannot save '", name, "': unsupported dtype ", value.scalar_type());
-    torch::Tensor t = value.detach().to(torch::kCPU).contiguous();
-    const std::string key = std::to_string(storages.size());
     p.str(name);
     p.global("torch._utils", "_rebuild_tensor_v2");
     p.op('(');
     p.op('(');  // persistent id ('storage', torch.XStorage, key, 'cpu', numel)
     p.str("storage");
     p.global("torch", type);
-    p.str(key);
+    p.str(std::to_string(k++));
     p.str("cpu");
-    p.integer(t.numel());
+    p.integer(value.numel());
     p.op('t');
     p.op('Q');
     p.integer(0);
-    p.int_tuple(t.sizes());
-    p.int_tuple(t.strides());
+    p.int_tuple(value.sizes());
+    p.int_tuple(c10::contiguous_strides(value.sizes()));
     p.op(0x89);  // requires_grad False: a state_dict holds detached tensors
     p.empty_ordered_dict();
     p.op('t');
     p.op('R');
-    storages.push_back(t);
   }
   p.op('u');
   p.op('.');
@@ -157,9 +143,9 @@ void write_state_dict(const StateDict& weights, const std::string& path) {
     caffe2::serialize::PyTorchStreamWriter writer(path);
     writer.writeRecord("data.pkl", p.bytes().data(), p.bytes().size());
     writer.writeRecord("byteorder", "little", 6);
-    for (size_t k = 0; k < storages.size(); ++k) {
-      const auto& t = storages[k];
-      writer.writeRecord("data/" + std::to_string(k), t.data_ptr(), t.numel() * t.element_size());
+    for (size_t i = 0; i < weights.size(); ++i) {
+      const torch::Tensor t = weights[i].second.detach().to(torch::kCPU).contiguous();
+      writer.writeRecord("data/" + std::to_string(i), t.data_ptr(), t.numel() * t.element_size());
     }
     writer.writeEndOfFile();
   } catch (const std::exception& e) {

@@ -218,6 +218,25 @@ SavedStateDict parse_state_dict_pickle(const uint8_t* data, size_t size, const s
 
 void TorchSaveFile::read_storage(size_t i, void* dst) const { zip.read(zip.entries()[storage_entries[i]], dst); }
 
+ZipEntryStream TorchSaveFile::open_storage(size_t i, uint64_t begin, uint64_t end) const {
+  const SavedStorage& s = dict.storages.at(i);
+  const uint64_t bytes = s.numel * storage_element_size(s.type);  // equals its entry's size (checked at open)
+  if (begin > end || end > bytes)
+    throw runtime_error(path, ": byte range [", begin, ", ", end, ") lies outside storage '", detail::printable(s.key),
+                        "' of ", bytes, " bytes");
+  return ZipEntryStream(zip, zip.entries()[storage_entries[i]], begin, end);
+}
+
+bool is_contiguous(const SavedTensor& t) {
+  int64_t expected = 1;
+  for (size_t d = t.sizes.size(); d-- > 0;) {
+    if (t.sizes[d] == 1) continue;
+    if (t.strides[d] != expected) return false;
+    expected *= t.sizes[d];
+  }
+  return true;
+}
+
 TorchSaveFile open_torch_save(ZipArchive zip, const std::string& path) {
   TorchSaveFile f{std::move(zip), {}, {}, path};
   const auto& entries = f.zip.entries();

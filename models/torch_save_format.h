@@ -53,7 +53,16 @@ struct TorchSaveFile {
 
   // Copies storage i's bytes (storages[i].numel * element size) to dst.
   void read_storage(size_t i, void* dst) const;
+  // Bytes [begin, end) of storage i, streamed (see ZipEntryStream: the whole storage has its
+  // CRC-32 checked as it streams, a part only its bounds). Throws (runtime, naming the file)
+  // when the range is not inside the storage.
+  ZipEntryStream open_storage(size_t i, uint64_t begin, uint64_t end) const;
 };
+
+// True when the tensor's elements are its storage's elements [offset, offset + numel) in
+// row-major order (dimensions of size 1 may have any stride): then every run of rows of
+// its first dimension is one byte range of the storage.
+bool is_contiguous(const SavedTensor& t);
 
 // Opens `path` (pread; storages are not read) or a zip image in memory. Errors name the
 // file: not a zip (or a legacy pre-1.6 torch.save file), a corrupt container, a missing

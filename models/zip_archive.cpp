@@ -242,7 +242,7 @@ void ZipArchive::check_stored(const Entry& en) const {
   if (en.compressed_size != en.size) fail(at, "stored entry '" + detail::printable(en.name) + "' has two different sizes");
 }
 
-void ZipArchive::read(const Entry& en, void* dst) const {
+uint64_t ZipArchive::data_offset(const Entry& en) const {
   const uint64_t at = en.local_offset;
   check_stored(en);
   uint8_t h[kLocalSize];
@@ -256,11 +256,12 @@ void ZipArchive::read(const Entry& en, void* dst) const {
   const uint64_t data_at = at + kLocalSize + name_len + extra_len;
   if (data_at > directory_offset_ || en.size > directory_offset_ - data_at)
     fail(at, "entry '" + detail::printable(en.name) + "' (" + std::to_string(en.size) + " bytes) runs past the data area");
-  pread_exact(data_at, dst, size_t(en.size));
-  if (verify_crc_) {
-    const uint32_t crc = crc32_update(0, static_cast<const uint8_t*>(dst), size_t(en.size));
-    if (crc != en.crc32) fail(data_at, "entry '" + detail::printable(en.name) + "' fails its CRC-32 check (corrupt file)");
-  }
+  return data_at;
+}
+
+void ZipArchive::read(const Entry& en, void* dst) const {
+  ZipEntryStream s(*this, en, 0, en.size);
+  s.read(dst, size_t(en.size));
 }
 
 std::vector<uint8_t> ZipArchive::read(const Entry& en) const {
@@ -268,6 +269,46 @@ std::vector<uint8_t> ZipArchive::read(const Entry& en) const {
   std::vector<uint8_t> out(static_cast<size_t>(en.size));
   read(en, out.data());
   return out;
+}
+
+ZipEntryStream::ZipEntryStream(const ZipArchive& zip, const ZipArchive::Entry& en, uint64_t begin, uint64_t end)
+    : zip_(zip), entry_(en), pos_(begin), end_(end) {
+  if (begin > end || end > en.size)
+    zip.fail(en.local_offset, "byte range [" + std::to_string(begin) + ", " + std::to_string(end) + ") lies outside entry '" +
+                                  detail::printable(en.name) + "' of " + std::to_string(en.size) + " bytes");
+  data_at_ = zip.data_offset(en);
+  check_crc_ = zip.verify_crc_ && begin == 0 && end == en.size;
+  advised_ = begin;
+}
+
+void ZipEntryStream::read(void* dst, size_t n) {
+  if (n > remaining())
+    zip_.fail(data_at_ + pos_, "read of " + std::to_string(n) + " bytes past the end of the range of entry '" +
+                                   detail::printable(entry_.name) + "'");
+  // 4 MB steps: each step's CRC reads bytes the read has just left in cache. The kernel is
+  // asked for the next 128 MB ahead of the reads, so the disk keeps reading while this
+  // thread copies (and faults in the destination's fresh pages): about a third faster on a
+  // cold file of GBs than the default read-ahead.
+  constexpr size_t kStep = size_t(4) << 20;
+  constexpr uint64_t kAhead = uint64_t(128) << 20;
+  auto* p = static_cast<uint8_t*>(dst);
+  while (n > 0) {
+    const size_t k = std::min(n, kStep);
+    if (zip_.fd_ >= 0 && advised_ < end_ && advised_ < pos_ + kAhead / 2) {
+      const uint64_t to = std::min(end_, pos_ + kAhead);
+      ::posix_fadvise(zip_.fd_, off_t(data_at_ + advised_), off_t(to - advised_), POSIX_FADV_WILLNEED);
+      advised_ = to;
+    }
+    zip_.pread_exact(data_at_ + pos_, p, k);
+    if (check_crc_) crc_ = crc32_update(crc_, p, k);
+    p += k;
+    n -= k;
+    pos_ += k;
+  }
+  if (check_crc_ && pos_ == end_ && crc_ != entry_.crc32) {
+    check_crc_ = false;  // reported once
+    zip_.fail(data_at_, "entry '" + detail::printable(entry_.name) + "' fails its CRC-32 check (corrupt file)");
+  }
 }
 
 }  // namespace faceshard

@@ -6,6 +6,7 @@
 // this file is also built into the AddressSanitizer target.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
@@ -237,6 +238,71 @@ TEST(TorchSaveFormat, ZipContainerLiesAreNamed) {
   const std::string z = testing::make_zip(good);
   for (size_t cut = 0; cut < z.size(); ++cut)
     expect_one_line_error([&] { open(z.substr(0, cut)); }, "z.pt", {});
+}
+
+// Storages stream whole (CRC-32 checked as the last byte arrives) or by byte range (bounds
+// checked; a part of an entry cannot be checked against the entry's CRC).
+TEST(TorchSaveFormat, StoragesStreamWholeOrByRange) {
+  std::string data;
+  for (int i = 0; i < 64; ++i) data.push_back(char(i * 3 + 1));
+  const std::string pkl = Pk()
+                              .op('}')
+                              .op('(')
+                              .str("m")
+                              .tensor("FloatStorage", "0", 16, 0, {4, 4}, {4, 1})
+                              .str("view")
+                              .tensor("FloatStorage", "0", 16, 1, {2}, {3})
+                              .str("col")
+                              .tensor("FloatStorage", "0", 16, 2, {4, 1}, {1, 7})
+                              .op('u')
+                              .done();
+  testing::ZipSpec spec;
+  spec.entries = {{"a/data/0", data}, {"a/data.pkl", pkl}, {"a/byteorder", "little"}};
+  const std::string good = testing::make_zip(spec);
+  spec.bad_crc = true;  // the first entry: the storage
+  const std::string bad = testing::make_zip(spec);
+  auto open = [](const std::string& z) {
+    return open_torch_save(
+        ZipArchive::from_memory(reinterpret_cast<const uint8_t*>(z.data()), z.size(), "s.pt: cannot read torch.save file"),
+        "s.pt");
+  };
+  const TorchSaveFile f = open(good);
+  ASSERT_EQ(f.dict.tensors.size(), 3u);
+  EXPECT_TRUE(is_contiguous(f.dict.tensors[0]));
+  EXPECT_FALSE(is_contiguous(f.dict.tensors[1]));
+  EXPECT_TRUE(is_contiguous(f.dict.tensors[2]));  // a stride of a size-1 dimension does not matter
+
+  // Whole, in uneven pieces.
+  ZipEntryStream whole = f.open_storage(0, 0, 64);
+  EXPECT_TRUE(whole.checks_crc());
+  std::string got(64, '\0');
+  for (size_t at = 0, k = 5; at < 64; at += k, k += 2) {
+    k = std::min<size_t>(k, 64 - at);
+    whole.read(&got[at], k);
+  }
+  EXPECT_EQ(got, data);
+  EXPECT_EQ(whole.remaining(), 0u);
+  // A range: its bytes, and not one more.
+  ZipEntryStream part = f.open_storage(0, 16, 40);
+  EXPECT_FALSE(part.checks_crc());
+  std::string slice(24, '\0');
+  part.read(&slice[0], 24);
+  EXPECT_EQ(slice, data.substr(16, 24));
+  char extra = 0;
+  expect_one_line_error([&] { part.read(&extra, 1); }, "s.pt", {"past the end of the range of entry 'a/data/0'"});
+  expect_one_line_error([&] { f.open_storage(0, 10, 65); }, "s.pt", {"byte range [10, 65) lies outside storage '0' of 64 bytes"});
+  expect_one_line_error([&] { f.open_storage(0, 40, 16); }, "s.pt", {"byte range [40, 16)"});
+
+  // A corrupt storage: the whole read fails on its last piece; a range reads what is there.
+  const TorchSaveFile b = open(bad);
+  ZipEntryStream corrupt = b.open_storage(0, 0, 64);
+  corrupt.read(&got[0], 63);
+  expect_one_line_error([&] { corrupt.read(&got[63], 1); }, "s.pt", {"entry 'a/data/0' fails its CRC-32 check"});
+  std::vector<uint8_t> buf(64);
+  expect_one_line_error([&] { b.read_storage(0, buf.data()); }, "s.pt", {"CRC-32"});
+  ZipEntryStream ranged = b.open_storage(0, 0, 63);
+  ranged.read(&got[0], 63);
+  EXPECT_EQ(got.substr(0, 63), data.substr(0, 63));
 }
 
 // A torch.save-format pickle that nests 100-200k one-element tuples (as a hostile state_dict

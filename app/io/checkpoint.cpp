@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
@@ -58,10 +59,30 @@ void write_text_durably(const std::string& text, const std::string& path) {
   durable_rename(tmp, path);
 }
 
-const at::Tensor& state_get(const StateDict& sd, const std::string& key, const std::string& source) {
-  for (const auto& kv : sd)
-    if (kv.first == key) return kv.second;
-  throw usage_error(source, ": key '", key, "' is missing (not a faceshard checkpoint, or a different version)");
+namespace {
+
+// The entry `key` of a checkpoint file when it holds one value (read: a few bytes).
+at::Tensor one_value(const TensorSource& file, const std::string& key, const std::string& source) {
+  const size_t i = file.find(key);
+  if (i == TensorSource::npos)
+    throw usage_error(source, ": key '", key, "' is missing (not a faceshard checkpoint, or a different version)");
+  if (file.numel(i) != 1) throw usage_error(source, ": key '", key, "' holds ", file.numel(i), " values, expected one");
+  return file.read(i).reshape({});
+}
+
+}  // namespace
+
+int64_t read_checkpoint_int(const TensorSource& file, const std::string& key, const std::string& source) {
+  const at::Tensor v = one_value(file, key, source);
+  if (at::isFloatingType(v.scalar_type()) || at::isComplexType(v.scalar_type()))
+    throw usage_error(source, ": key '", key, "' is ", v.scalar_type(), ", expected an integer");
+  return v.item<int64_t>();
+}
+
+double read_checkpoint_double(const TensorSource& file, const std::string& key, const std::string& source) {
+  const at::Tensor v = one_value(file, key, source);
+  if (at::isComplexType(v.scalar_type())) throw usage_error(source, ": key '", key, "' is complex, expected a number");
+  return v.item<double>();
 }
 
 CheckpointManager::CheckpointManager(std::string root, Distributed& dist, int64_t keep)
@@ -77,15 +98,27 @@ void CheckpointManager::save(int64_t step, int64_t num_classes, const StateDict&
     if (ec) throw runtime_error("cannot create checkpoint folder '", dir, "': ", ec.message());
   }
   dist_.barrier();
+  const auto t0 = std::chrono::steady_clock::now();
+  std::vector<std::string> written;
   if (dist_.rank() == 0) {
     write_state_dict_durably(backbone, dir + "/backbone.pt");
     write_state_dict_durably(train_state, dir + "/train_state.pt");
+    written = {dir + "/backbone.pt", dir + "/train_state.pt"};
   }
   const std::string shard_path = dir + "/fc_shard_" + std::to_string(dist_.rank()) + ".pt";
   const std::string tmp = shard_path + ".tmp." + std::to_string(::getpid());
   write_state_dict(shard, tmp);
   if (mid_save_hook_) mid_save_hook_(step);
   durable_rename(tmp, shard_path);
+  written.push_back(shard_path);
+  {
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    std::error_code ec;
+    double gb = 0;
+    for (const auto& f : written) gb += static_cast<double>(fs::file_size(f, ec)) / 1e9;
+    log_info("checkpoint step ", step, ": this rank wrote ", gb, " GB in ", s, " s (", gb / std::max(s, 1e-9),
+             " GB/s, fsync included)");
+  }
   // Only when every rank has its files in place does the checkpoint exist.
   dist_.barrier();
   if (dist_.rank() == 0) {
@@ -146,53 +179,17 @@ CheckpointInfo read_checkpoint_info(const std::string& dir) {
     if (key == "world_size") info.world_size = value, seen |= 2;
     if (key == "num_classes") info.num_classes = value, seen |= 4;
   }
-  if (seen != 7) throw usage_error("checkpoint '", dir, "': malformed ", kMarker, " marker");
+  // Bounds on what the marker says: the classifier's layout is computed from them.
+  if (seen != 7 || info.step < 0 || info.world_size < 1 || info.world_size > (int64_t(1) << 20) ||
+      info.num_classes < info.world_size)
+    throw usage_error("checkpoint '", dir, "': malformed ", kMarker, " marker");
   return info;
 }
 
-StateDict read_checkpoint_file(const CheckpointInfo& ckpt, const std::string& name) {
+StateDictReader open_checkpoint_file(const CheckpointInfo& ckpt, const std::string& name) {
   const std::string path = ckpt.path + "/" + name;
   if (!fs::exists(path)) throw usage_error("checkpoint '", ckpt.path, "' has no ", name);
-  return read_state_dict(path);
-}
-
-StateDict read_resharded_rows(const CheckpointInfo& ckpt, int64_t start, int64_t count, int rank) {
-  const int own = rank < ckpt.world_size ? rank : 0;
-  StateDict out;
-  std::vector<std::string> row_keys;
-  std::vector<std::vector<at::Tensor>> parts;
-  for (int64_t r = 0; r < ckpt.world_size; ++r) {
-    const std::string name = "fc_shard_" + std::to_string(r) + ".pt";
-    StateDict sd = read_checkpoint_file(ckpt, name);
-    const std::string src = ckpt.path + "/" + name;
-    const int64_t s = state_get(sd, "rows.start", src).item<int64_t>();
-    const int64_t c = state_get(sd, "rows.count", src).item<int64_t>();
-    if (r == own)
-      for (const auto& kv : sd)
-        if (kv.first.rfind("rows/", 0) != 0) out.push_back(kv);
-    const int64_t lo = std::max(start, s), hi = std::min(start + count, s + c);
-    bool first_file = row_keys.empty();
-    for (const auto& kv : sd) {
-      if (kv.first.rfind("rows/", 0) != 0) continue;
-      if (kv.second.dim() == 0 || kv.second.size(0) != c)
-        throw usage_error(src, ": '", kv.first, "' has ", kv.second.dim() ? kv.second.size(0) : 0, " rows, expected ", c);
-      size_t k = std::find(row_keys.begin(), row_keys.end(), kv.first) - row_keys.begin();
-      if (k == row_keys.size()) {
-        if (!first_file) throw usage_error(src, ": unexpected key '", kv.first, "'");
-        row_keys.push_back(kv.first);
-        parts.emplace_back();
-      }
-      if (hi > lo) parts[k].push_back(kv.second.narrow(0, lo - s, hi - lo));
-    }
-  }
-  for (size_t k = 0; k < row_keys.size(); ++k) {
-    at::Tensor rows = parts[k].empty() ? at::Tensor() : torch::cat(parts[k]);
-    if (!rows.defined() || rows.size(0) != count)
-      throw usage_error("checkpoint '", ckpt.path, "': rows of classes [", start, ", ", start + count,
-                        ") are incomplete for '", row_keys[k], "'");
-    out.emplace_back(row_keys[k], rows);
-  }
-  return out;
+  return StateDictReader(path);
 }
 
 }  // namespace faceshard

@@ -2,14 +2,16 @@
 // train_state.pt (rank 0) and fc_shard_<r>.pt (every rank: its classifier rows with their
 // optimiser state). Each file is written to a temporary name, flushed and renamed; the
 // checkpoint counts only once rank 0 writes COMMITTED after every rank has finished, so a
-// crash during a save leaves the previous checkpoint usable. Loading with a different
-// number of ranks reshards the classifier rows by class range.
+// crash during a save leaves the previous checkpoint usable. Loading reads each value
+// straight into its destination (models/state_dict_reader.h); with a different number of
+// ranks the classifier rows are resharded by class range (resharded_rows.h).
 #pragma once
 #include <functional>
 #include <string>
 #include <vector>
 
 #include "models/state_dict_io.h"
+#include "models/state_dict_reader.h"
 #include "partial_fc/runtime/distributed.h"
 
 namespace faceshard {
@@ -55,19 +57,17 @@ std::string latest_checkpoint(const std::string& root);
 // faceshard checkpoint).
 CheckpointInfo read_checkpoint_info(const std::string& dir);
 
-// One file of a checkpoint ("backbone.pt", "train_state.pt").
-StateDict read_checkpoint_file(const CheckpointInfo& ckpt, const std::string& name);
+// One file of a checkpoint ("backbone.pt", "train_state.pt", "fc_shard_<r>.pt"), opened
+// for reading (its directory and pickle; no value is read yet). Usage error when missing.
+StateDictReader open_checkpoint_file(const CheckpointInfo& ckpt, const std::string& name);
 
-// This rank's shard for classes [start, start + count) assembled from the saved shards:
-// per-class tensors ("rows/...") are cut and concatenated by class range, other entries
-// come from the saved shard of the same rank (rank 0's when that rank did not exist).
-StateDict read_resharded_rows(const CheckpointInfo& ckpt, int64_t start, int64_t count, int rank);
+// A one-value entry of a checkpoint file: usage error naming the file and key when it is
+// missing or is not one value (of an integer type for read_checkpoint_int).
+int64_t read_checkpoint_int(const TensorSource& file, const std::string& key, const std::string& source);
+double read_checkpoint_double(const TensorSource& file, const std::string& key, const std::string& source);
 
 // Writes `weights` to path atomically: temporary file, fsync, rename, fsync of the folder.
 void write_state_dict_durably(const StateDict& weights, const std::string& path);
 void write_text_durably(const std::string& text, const std::string& path);
-
-// Looks up a tensor by name (usage error naming file and key when absent).
-const at::Tensor& state_get(const StateDict& sd, const std::string& key, const std::string& source);
 
 }  // namespace faceshard

@@ -11,6 +11,7 @@
 #include <ATen/ops/_fused_adamw.h>
 #include <c10/core/GradMode.h>
 
+#include "models/tensor_source.h"
 #include "partial_fc/runtime/error.h"
 
 namespace faceshard {
@@ -153,19 +154,28 @@ std::vector<std::pair<std::string, at::Tensor>> BackboneOptimizer::state() const
 
 void BackboneOptimizer::load_state(const std::vector<std::pair<std::string, at::Tensor>>& state,
                                    const std::string& source) {
+  load_state(TensorListSource(state), source);
+}
+
+void BackboneOptimizer::load_state(const TensorSource& state, const std::string& source) {
+  // Everything is checked from the names and shapes first (what a file says before any
+  // value is read); then each value is read straight into new state laid out like its
+  // param, on its device.
+  constexpr size_t kNone = SIZE_MAX;
   const size_t n = params_.size();
-  std::vector<at::Tensor> mom(n), ea(n), eas(n), st(n);
+  std::vector<size_t> mom(n, kNone), ea(n, kNone), eas(n, kNone), st(n, kNone);
   bool have_count = false;
   std::set<std::string> seen;
-  for (const auto& kv : state) {
-    const std::string& key = kv.first;
-    const at::Tensor& t = kv.second;
+  for (size_t e = 0; e < state.size(); ++e) {
+    const std::string& key = state.name(e);
     auto bad = [&](const auto&... why) { return usage_error(source, ": optimiser state '", key, "': ", why...); };
     if (!seen.insert(key).second) throw bad("appears twice");
-    if (!t.defined()) throw bad("is an undefined tensor");
+    const std::vector<int64_t> sizes = state.sizes(e);
+    const int64_t numel = state.numel(e);
     if (key == "num_params") {
-      if (t.numel() != 1 || t.is_floating_point() || t.is_complex()) throw bad("expected one integer");
-      const int64_t count = t.reshape({}).item<int64_t>();
+      const at::ScalarType type = state.dtype(e);
+      if (numel != 1 || at::isFloatingType(type) || at::isComplexType(type)) throw bad("expected one integer");
+      const int64_t count = state.read(e).reshape({}).item<int64_t>();
       if (count != static_cast<int64_t>(n))
         throw bad("the checkpoint has ", count, " params, this backbone has ", n, " (a different model?)");
       have_count = true;
@@ -178,41 +188,49 @@ void BackboneOptimizer::load_state(const std::vector<std::pair<std::string, at::
       throw bad("unknown key (expected <name>.<param index>)");
     const size_t i = std::stoul(digits);
     if (i >= n) throw bad("param index ", i, " is out of range (", n, " params)");
-    std::vector<at::Tensor>* slot = nullptr;
+    std::vector<size_t>* slot = nullptr;
     if (!adamw_ && prefix == "momentum" && opts_.momentum != 0) slot = &mom;
     if (adamw_ && prefix == "exp_avg") slot = &ea;
     if (adamw_ && prefix == "exp_avg_sq") slot = &eas;
     if (adamw_ && prefix == "step") slot = &st;
     if (!slot) throw bad("not a state of this optimiser (", opts_.kind, opts_.kind == "sgd" && opts_.momentum == 0 ? " without momentum" : "", ")");
     if (slot == &st) {
-      if (t.numel() != 1) throw bad("expected one number, got shape ", t.sizes());
-    } else if (t.sizes() != params_[i].sizes()) {
-      throw bad("shape ", t.sizes(), " does not match param ", i, " of shape ", params_[i].sizes());
+      if (numel != 1) throw bad("expected one number, got shape ", c10::IntArrayRef(sizes));
+    } else if (c10::IntArrayRef(sizes) != params_[i].sizes()) {
+      throw bad("shape ", c10::IntArrayRef(sizes), " does not match param ", i, " of shape ", params_[i].sizes());
     }
-    (*slot)[i] = t;
+    (*slot)[i] = e;
   }
   if (!have_count) throw usage_error(source, ": optimiser state 'num_params' is missing");
   if (adamw_) {
     for (size_t i = 0; i < n; ++i) {
-      const int present = ea[i].defined() + eas[i].defined() + st[i].defined();
+      const int present = (ea[i] != kNone) + (eas[i] != kNone) + (st[i] != kNone);
       if (present != 0 && present != 3) {
-        const char* missing = !ea[i].defined() ? "exp_avg." : !eas[i].defined() ? "exp_avg_sq." : "step.";
+        const char* missing = ea[i] == kNone ? "exp_avg." : eas[i] == kNone ? "exp_avg_sq." : "step.";
         throw usage_error(source, ": optimiser state '", missing, i, "' is missing (its other AdamW state is present)");
       }
     }
   }
-  // Everything checked: now replace the state (copies, laid out like the params).
+  // Everything checked: read the new state (laid out like the params), then replace the
+  // old one, so a read error leaves the optimiser as it was.
   at::NoGradGuard no_grad;
-  auto like_param = [&](const at::Tensor& t, size_t i) {
-    if (!t.defined()) return at::Tensor();
-    return at::empty_like(params_[i], at::MemoryFormat::Preserve).copy_(t);
+  auto like_param = [&](size_t e, size_t i) {
+    if (e == kNone) return at::Tensor();
+    at::Tensor t = at::empty_like(params_[i], at::MemoryFormat::Preserve);
+    state.read_into(e, t);
+    return t;
   };
+  std::vector<at::Tensor> new_mom(n), new_ea(n), new_eas(n), new_st(n);
   for (size_t i = 0; i < n; ++i) {
-    momentum_[i] = like_param(mom[i], i);
-    exp_avg_[i] = like_param(ea[i], i);
-    exp_avg_sq_[i] = like_param(eas[i], i);
-    steps_[i] = st[i].defined() ? st[i].reshape({}).to(params_[i].device(), at::kFloat).clone() : at::Tensor();
+    new_mom[i] = like_param(mom[i], i);
+    new_ea[i] = like_param(ea[i], i);
+    new_eas[i] = like_param(eas[i], i);
+    if (st[i] != kNone) new_st[i] = state.read(st[i]).reshape({}).to(params_[i].device(), at::kFloat);
   }
+  momentum_ = std::move(new_mom);
+  exp_avg_ = std::move(new_ea);
+  exp_avg_sq_ = std::move(new_eas);
+  steps_ = std::move(new_st);
 }
 
 }  // namespace faceshard

@@ -8,6 +8,8 @@
 
 #include <ATen/ATen.h>
 
+#include "models/tensor_source.h"
+
 namespace faceshard {
 
 struct BackboneOptimizerOptions {
@@ -44,6 +46,9 @@ class BackboneOptimizer {
   // anything; throws faceshard::Error (usage) naming source and key. Tensors are copied onto
   // the params' device and dtype.
   void load_state(const std::vector<std::pair<std::string, at::Tensor>>& state, const std::string& source);
+  // The same from any source of named tensors: a checkpoint file's values are read
+  // straight into the new state (no copy of the file, no second copy of the state).
+  void load_state(const TensorSource& state, const std::string& source);
 
   const BackboneOptimizerOptions& options() const { return opts_; }
   const std::vector<at::Tensor>& params() const { return params_; }

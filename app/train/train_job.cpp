@@ -65,7 +65,7 @@ void build_data(TrainJob& j) {
   j.last_step = std::min(j.total_steps, cfg.train.max_steps.value_or(j.total_steps));
 }
 
-void build_model(TrainJob& j) {
+void build_model(TrainJob& j, ClassifierStart start) {
   const Config& cfg = j.cfg;
   Distributed& d = *j.dist;
   BackboneOptions bo;
@@ -104,6 +104,7 @@ void build_model(TrainJob& j) {
   po.head.name = cfg.loss.head;
   po.head.params = cfg.loss.chosen_head_params();
   po.step_all_rows = cfg.optim.fc_update == "all";
+  po.initialise_rows = start == ClassifierStart::Fresh;
   po.seed = static_cast<uint64_t>(cfg.seed);
   // The big GEMMs in the body's precision, as arcface_torch runs its classifier under autocast.
   po.gemm_dtype = bo.precision == BodyPrecision::BFloat16 ? at::kBFloat16
@@ -156,7 +157,7 @@ std::optional<double> device_peak_memory_gb(torch::Device dev) {
   return std::nullopt;
 }
 
-TrainJob build_train_job(const Config& cfg) {
+TrainJob build_train_job(const Config& cfg, ClassifierStart start) {
   DistOptions dopts;
   dopts.timeout = std::chrono::milliseconds(static_cast<int64_t>(cfg.dist.timeout_s * 1000));
   dopts.rendezvous_timeout = std::chrono::milliseconds(static_cast<int64_t>(cfg.dist.rendezvous_timeout_s * 1000));
@@ -164,17 +165,17 @@ TrainJob build_train_job(const Config& cfg) {
   dopts.use_cuda = pick_device(cfg, env).is_cuda();
   std::shared_ptr<Distributed> dist = Distributed::init(env, dopts);
   log_info("job: ", env.describe(), ", device ", pick_device(cfg, env).str());
-  return build_train_job(cfg, std::move(dist));
+  return build_train_job(cfg, std::move(dist), start);
 }
 
-TrainJob build_train_job(const Config& cfg, std::shared_ptr<Distributed> dist) {
+TrainJob build_train_job(const Config& cfg, std::shared_ptr<Distributed> dist, ClassifierStart start) {
   TrainJob j;
   j.cfg = cfg;
   j.device = pick_device(cfg, DistEnv::from_environment());
   j.dist = std::move(dist);
   if (j.device.is_cuda() && cfg.train.cudnn_benchmark) at::globalContext().setBenchmarkCuDNN(true);
   build_data(j);
-  build_model(j);
+  build_model(j, start);
   return j;
 }
 

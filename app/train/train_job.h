@@ -46,12 +46,18 @@ struct TrainJob {
   int64_t global_batch() const { return cfg.data.batch_size * dist->world_size() * micro; }
 };
 
+// How the classifier starts: its initial centres drawn, or (a resume) its rows only
+// allocated, because the caller reads a checkpoint into them next (TrainState::load):
+// nothing is drawn or zeroed only to be overwritten.
+enum class ClassifierStart { Fresh, FromCheckpoint };
+
 // Joins the job's ranks (the environment's), then builds the rest. On rank 0, creates
 // cfg.output. Collective.
-TrainJob build_train_job(const Config& cfg);
+TrainJob build_train_job(const Config& cfg, ClassifierStart start = ClassifierStart::Fresh);
 // The same on ranks that have joined already (its device must be what cfg.dist.device
 // picks for them); tests build several jobs over one set of ranks this way.
-TrainJob build_train_job(const Config& cfg, std::shared_ptr<Distributed> dist);
+TrainJob build_train_job(const Config& cfg, std::shared_ptr<Distributed> dist,
+                         ClassifierStart start = ClassifierStart::Fresh);
 
 // The GPU allocator's peak in GB for a CUDA device, nothing for the CPU.
 std::optional<double> device_peak_memory_gb(torch::Device device);

@@ -1,8 +1,11 @@
 #include "app/train/train_state.h"
 
+#include <algorithm>
+#include <chrono>
 #include <mutex>
 #include <sstream>
 
+#include "app/io/resharded_rows.h"
 #include "partial_fc/runtime/error.h"
 #include "partial_fc/runtime/log.h"
 
@@ -10,14 +13,6 @@ namespace faceshard {
 namespace {
 
 at::Tensor scalar_long(int64_t v) { return torch::tensor({v}, torch::kLong); }
-
-// Entries of `sd` whose names start with `prefix`, with the prefix removed.
-StateDict with_prefix(const StateDict& sd, const std::string& prefix, torch::Device device) {
-  StateDict out;
-  for (const auto& kv : sd)
-    if (kv.first.rfind(prefix, 0) == 0) out.emplace_back(kv.first.substr(prefix.size()), kv.second.to(device));
-  return out;
-}
 
 }  // namespace
 
@@ -31,8 +26,10 @@ void TrainState::save(CheckpointManager& checkpoints) const {
   // size continues the same epoch at the same point.
   ts.emplace_back("data.epoch", scalar_long(p.epoch));
   ts.emplace_back("data.epoch_samples", scalar_long(p.batch_in_epoch * j.cfg.data.batch_size * j.dist->world_size()));
-  for (auto& kv : j.opt->state()) ts.emplace_back("opt/" + kv.first, kv.second.cpu());
-  for (auto& kv : j.scaler->state()) ts.emplace_back("scaler/" + kv.first, kv.second.cpu());
+  // The live tensors, wherever they are: write_state_dict brings each to the host only as
+  // it writes it (on a GPU, one tensor's host copy at a time; on the CPU, no copy).
+  for (auto& kv : j.opt->state()) ts.emplace_back("opt/" + kv.first, kv.second);
+  for (auto& kv : j.scaler->state()) ts.emplace_back("scaler/" + kv.first, kv.second);
   for (auto& kv : p.best_accuracy) ts.emplace_back("best/" + kv.first, torch::tensor({kv.second}, torch::kDouble));
   // The head's state is the same on every rank: rank 0's file holds it.
   for (auto& kv : j.fc->head().state()) ts.emplace_back("head/" + kv.first, kv.second.cpu());
@@ -40,7 +37,7 @@ void TrainState::save(CheckpointManager& checkpoints) const {
   StateDict shard;
   shard.emplace_back("rows.start", scalar_long(j.fc->shard().start));
   shard.emplace_back("rows.count", scalar_long(j.fc->shard().count));
-  for (auto& kv : j.fc->state()) shard.emplace_back("rows/" + kv.first, kv.second.cpu());
+  for (auto& kv : j.fc->state()) shard.emplace_back("rows/" + kv.first, kv.second);
   shard.emplace_back("rng.cpu", at::detail::getDefaultCPUGenerator().get_state());
   if (j.device.is_cuda()) shard.emplace_back("rng.cuda", at::globalContext().defaultGenerator(j.device).get_state());
 
@@ -51,31 +48,63 @@ void TrainState::save(CheckpointManager& checkpoints) const {
 void TrainState::load(const std::string& dir) {
   TrainJob& j = job_;
   TrainProgress& p = progress_;
+  const auto t0 = std::chrono::steady_clock::now();
+  auto seconds = [](std::chrono::steady_clock::time_point a) {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - a).count();
+  };
   CheckpointInfo info = read_checkpoint_info(dir);
   if (info.num_classes != j.cfg.data.num_classes)
     throw usage_error("checkpoint '", dir, "' has ", info.num_classes, " classes but data.num_classes is ",
                       j.cfg.data.num_classes);
-  j.backbone->load_state_dict(read_checkpoint_file(info, "backbone.pt"), dir + "/backbone.pt");
+  // Every value is read straight from its file into where it lives (parameters, optimiser
+  // state, the classifier's rows, on the job's device): a resume needs no memory beyond the
+  // training's own and a staging buffer.
+  j.backbone->load_state_dict(open_checkpoint_file(info, "backbone.pt"), dir + "/backbone.pt");
 
   const std::string tsrc = dir + "/train_state.pt";
-  StateDict ts = read_checkpoint_file(info, "train_state.pt");
-  p.step = state_get(ts, "step", tsrc).item<int64_t>();
-  j.opt->load_state(with_prefix(ts, "opt/", j.device), tsrc);
-  j.scaler->load_state(with_prefix(ts, "scaler/", j.device), tsrc);
-  for (auto& kv : with_prefix(ts, "best/", torch::kCPU)) p.best_accuracy[kv.first] = kv.second.item<double>();
-  for (auto& kv : with_prefix(ts, "head/", j.device)) j.fc->head().load_state(kv.first, kv.second, tsrc);
+  const StateDictReader ts = open_checkpoint_file(info, "train_state.pt");
+  p.step = read_checkpoint_int(ts, "step", tsrc);
+  j.opt->load_state(PrefixedSource(ts, "opt/"), tsrc);
+  {
+    const PrefixedSource scaler(ts, "scaler/");
+    StateDict values;
+    for (size_t i = 0; i < scaler.size(); ++i) values.emplace_back(scaler.name(i), scaler.read(i));
+    j.scaler->load_state(values, tsrc);
+  }
+  const PrefixedSource best(ts, "best/");
+  for (size_t i = 0; i < best.size(); ++i)
+    p.best_accuracy[best.name(i)] = read_checkpoint_double(ts, "best/" + best.name(i), tsrc);
+  const PrefixedSource head_state(ts, "head/");
+  for (size_t i = 0; i < head_state.size(); ++i)
+    j.fc->head().load_state(head_state.name(i), head_state.read(i).to(j.device), tsrc);
 
-  StateDict shard = read_resharded_rows(info, j.fc->shard().start, j.fc->shard().count, j.dist->rank());
+  // The classifier: this rank's class range from the saved shards, resharded when the
+  // number of ranks differs, each entry streamed into the shard's own tensor.
+  const ReshardedRows rows(info, j.fc->shard().start, j.fc->shard().count);
   const std::string ssrc = "checkpoint '" + dir + "'";
-  j.fc->load_state(with_prefix(shard, "rows/", j.device), ssrc);
+  const ShardRows mine = j.fc->state();
+  for (const std::string& name : rows.names())
+    if (std::none_of(mine.begin(), mine.end(), [&](const auto& m) { return m.first == name; }))
+      throw usage_error(ssrc, ": classifier state '", name, "' does not belong to the '", j.fc->options().optimizer.kind,
+                        "' optimiser");
+  const auto t_rows = std::chrono::steady_clock::now();
+  double rows_gb = 0;
+  j.fc->fill_state([&](const std::string& name, const at::Tensor& dst) {
+    rows.read_into(name, dst);
+    rows_gb += static_cast<double>(dst.nbytes()) / 1e9;
+  });
+  const double rows_s = seconds(t_rows);
   // The RNG streams continue only on the same ranks (their number decides who draws what).
   if (info.world_size == j.dist->world_size()) {
-    for (const auto& kv : shard) {
-      if (kv.first != "rng.cpu" && !(kv.first == "rng.cuda" && j.device.is_cuda())) continue;
-      at::Generator gen = kv.first == "rng.cpu" ? at::detail::getDefaultCPUGenerator()
-                                                : at::globalContext().defaultGenerator(j.device);
+    const std::string name = "fc_shard_" + std::to_string(j.dist->rank()) + ".pt";
+    const StateDictReader own = open_checkpoint_file(info, name);
+    for (const char* key : {"rng.cpu", "rng.cuda"}) {
+      const size_t i = own.find(key);
+      if (i == TensorSource::npos || (std::string(key) == "rng.cuda" && !j.device.is_cuda())) continue;
+      at::Generator gen = std::string(key) == "rng.cpu" ? at::detail::getDefaultCPUGenerator()
+                                                        : at::globalContext().defaultGenerator(j.device);
       std::lock_guard<std::mutex> lock(gen.mutex());
-      gen.set_state(kv.second);
+      gen.set_state(own.read(i));
     }
   }
   // The sampling RNG counts forwards: micro-batches.
@@ -84,11 +113,9 @@ void TrainState::load(const std::string& dir) {
   // The data position: saved in global samples, converted to this job's micro-batches
   // (exact when the ranks and the batch size are those of the saved run).
   const int64_t per_batch = j.cfg.data.batch_size * j.dist->world_size();
-  bool has_data_state = false;
-  for (const auto& kv : ts) has_data_state |= kv.first == "data.epoch";
-  if (has_data_state) {
-    p.epoch = state_get(ts, "data.epoch", tsrc).item<int64_t>();
-    const int64_t samples = state_get(ts, "data.epoch_samples", tsrc).item<int64_t>();
+  if (ts.find("data.epoch") != TensorSource::npos) {
+    p.epoch = read_checkpoint_int(ts, "data.epoch", tsrc);
+    const int64_t samples = read_checkpoint_int(ts, "data.epoch_samples", tsrc);
     p.batch_in_epoch = samples / per_batch / j.micro * j.micro;
     if (samples % (per_batch * j.micro) != 0)
       log_info("resume: ", samples, " samples of epoch ", p.epoch, " were used; continuing at the nearest full step (",
@@ -104,7 +131,9 @@ void TrainState::load(const std::string& dir) {
   log_info("resumed from ", dir, " at step ", p.step,
            info.world_size != j.dist->world_size() ? " (classifier resharded from " + std::to_string(info.world_size) +
                                                          " to " + std::to_string(j.dist->world_size()) + " ranks)"
-                                                   : "");
+                                                   : "",
+           "; classifier rows ", rows_gb, " GB read in ", rows_s, " s (", rows_gb / std::max(rows_s, 1e-9),
+           " GB/s), whole load ", seconds(t0), " s");
 }
 
 void export_model(const TrainJob& j, int64_t step) {

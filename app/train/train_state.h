@@ -6,8 +6,10 @@
 //                   scaler), best/<set> (best verification accuracies)
 //   fc_shard_<r>.pt this rank's classifier rows: rows.start, rows.count, rows/weight,
 //                   rows/opt.* (its optimiser state), rng.cpu (and rng.cuda)
-// Loading on another number of ranks reshards rows/* by class range; the data continues
-// in the same epoch at the same fraction of it.
+// Loading reads each value straight into the job's own tensors (no copy of a file, no host
+// buffer of a shard's size on a GPU); on another number of ranks rows/* are resharded by
+// class range, each rank reading only its rows' bytes; the data continues in the same
+// epoch at the same fraction of it.
 #pragma once
 #include <map>
 #include <string>

@@ -28,7 +28,12 @@ double seconds_since(Clock::time_point t) { return std::chrono::duration<double>
 }  // namespace
 
 int run_training(const TrainRequest& req) {
-  TrainJob j = build_train_job(req.config);
+  // Where a resume starts is known before the job is built: the classifier's rows are then
+  // only allocated, and the checkpoint is read straight into them.
+  const std::string from = req.resume_from.empty() && req.resume
+                               ? latest_checkpoint(req.config.output + "/checkpoints")
+                               : req.resume_from;
+  TrainJob j = build_train_job(req.config, from.empty() ? ClassifierStart::Fresh : ClassifierStart::FromCheckpoint);
   const Config& cfg = j.cfg;
   Distributed& d = *j.dist;
   if (d.rank() == 0) {
@@ -48,7 +53,6 @@ int run_training(const TrainRequest& req) {
     if (cfg.train.tensorboard) sinks.add(std::make_unique<TensorBoardSink>(cfg.output + "/tensorboard"));
   }
   Validation validation(j);
-  std::string from = req.resume_from.empty() && req.resume ? checkpoints.latest() : req.resume_from;
   if (req.resume && from.empty()) log_info("--resume: no committed checkpoint under ", checkpoints.root(), ", starting fresh");
   if (!from.empty()) state.load(from);
   log_info("data: '", cfg.data.rec, "', ", j.dataset->size(), " images; ", j.steps_per_epoch, " steps/epoch, global batch ",

@@ -59,9 +59,11 @@ PartialFC::PartialFC(Distributed& dist, const PartialFCOptions& opts, torch::Dev
       opts_(checked(opts)),
       shard_(ClassShard::of(opts.num_classes, dist.world_size(), dist.rank())),
       num_sample_(std::min<int64_t>(shard_.count, static_cast<int64_t>(opts.sample_rate * shard_.count))),
-      weight_(initial_rows(shard_.start, shard_.count, opts.embedding_size, opts.seed).to(device)),
-      optimizer_(weight_, opts.optimizer),
-      head_(make_margin_head(opts.head, opts.margin)) {
+      weight_(opts.initialise_rows ? initial_rows(shard_.start, shard_.count, opts.embedding_size, opts.seed).to(device)
+                                   : torch::empty({shard_.count, opts.embedding_size}, torch::TensorOptions(device))),
+      optimizer_(weight_, opts.optimizer, opts.initialise_rows),
+      head_(make_margin_head(opts.head, opts.margin)),
+      rows_ready_(opts.initialise_rows) {
   if (!samples()) {
     weight_.requires_grad_(true);
     sub_weight_ = weight_;
@@ -71,6 +73,8 @@ PartialFC::PartialFC(Distributed& dist, const PartialFCOptions& opts, torch::Dev
 PartialFCOutput PartialFC::forward(const at::Tensor& local_emb, const at::Tensor& local_labels) {
   TORCH_CHECK(local_emb.dim() == 2 && local_emb.size(1) == opts_.embedding_size, "PartialFC: embeddings must be [B, ",
               opts_.embedding_size, "], got ", local_emb.sizes());
+  if (!rows_ready_)
+    throw runtime_error("PartialFC: the shard's rows were allocated for a checkpoint that has not been loaded");
   const int W = dist_.world_size();
   const torch::Device dev = weight_.device();
   at::Tensor emb = all_gather_with_grad(dist_, local_emb, GatherGrad::ReduceScatterSum, static_cast<double>(W));
@@ -208,8 +212,21 @@ void PartialFC::load_state(const ShardRows& rows, const std::string& source) {
     if (kv.second.sizes() != it->second.sizes())
       throw usage_error(source, ": classifier state '", kv.first, "' has shape ", kv.second.sizes(), ", expected ",
                         it->second.sizes());
-    it->second.copy_(kv.second);
   }
+  if (!rows_ready_) {
+    for (const auto& m : mine)
+      if (std::none_of(rows.begin(), rows.end(), [&](const auto& kv) { return kv.first == m.first; }))
+        throw usage_error(source, ": classifier state '", m.first, "' is missing");
+  }
+  for (const auto& kv : rows)
+    std::find_if(mine.begin(), mine.end(), [&](const auto& m) { return m.first == kv.first; })->second.copy_(kv.second);
+  rows_ready_ = true;
+}
+
+void PartialFC::fill_state(const std::function<void(const std::string& name, const at::Tensor& rows)>& fill) {
+  torch::NoGradGuard ng;
+  for (const auto& kv : state()) fill(kv.first, kv.second);
+  rows_ready_ = true;
 }
 
 }  // namespace faceshard

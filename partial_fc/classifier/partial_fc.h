@@ -14,6 +14,7 @@
 // averaging the backbone receives dL/dtheta of the global-mean loss. Tested against one
 // process holding the whole batch and the whole weight matrix.
 #pragma once
+#include <functional>
 #include <memory>
 #include <string>
 #include <utility>
@@ -44,6 +45,11 @@ struct PartialFCOptions {
   // (or AdamW's moments) keep moving them, as arcface_torch's PartialFC_V2 does with a
   // dense optimiser over the whole weight. Costs a [shard, d] gradient per step.
   bool step_all_rows = false;
+  // false: the weight and optimiser rows are allocated but not initialised, because a
+  // checkpoint is about to be read into them (fill_state): drawing millions of initial
+  // centres only to overwrite them costs seconds, and nothing is written twice. Such a
+  // shard refuses to run forward until its rows are filled.
+  bool initialise_rows = true;
   // The type the big GEMMs run in (the body's precision: kBFloat16/kHalf under mixed
   // precision); the logits and the softmax stay fp32 (margin_softmax.h).
   at::ScalarType gemm_dtype = at::kFloat;
@@ -91,7 +97,13 @@ class PartialFC {
   // "weight" and "opt.<name>" per-class rows of this shard (live tensors, not copies).
   ShardRows state() const;
   // Replaces weight and optimiser rows (shapes checked; errors name `source` and the key).
+  // A shard built without initialise_rows needs every entry.
   void load_state(const ShardRows& rows, const std::string& source);
+  // Fills the weight and optimiser rows in place: fill(name, rows) is called once per
+  // entry of state(), with the live [count, ...] tensor on the shard's device, and must
+  // write all of it (a checkpoint streamed straight into the shard: no second copy of it,
+  // no host buffer of its size on a GPU).
+  void fill_state(const std::function<void(const std::string& name, const at::Tensor& rows)>& fill);
   // Forwards taken: the sampling RNG is a function of seed, rank and this count, so a
   // resumed run samples as the uninterrupted one (micro-batches count one each).
   int64_t forwards() const { return forwards_; }
@@ -131,6 +143,7 @@ class PartialFC {
   std::unique_ptr<MarginHead> head_;
   std::vector<at::Tensor> pending_index_, pending_grad_;  // accumulate()
   int64_t forwards_ = 0;
+  bool rows_ready_ = true;  // false from a construction without initialise_rows until filled
 };
 
 }  // namespace faceshard

@@ -12,14 +12,17 @@ namespace {
 constexpr int64_t kChunkRows = 256;
 }  // namespace
 
-ShardOptimizer::ShardOptimizer(const at::Tensor& w, const ShardOptimizerOptions& opts) : opts_(opts) {
+ShardOptimizer::ShardOptimizer(const at::Tensor& w, const ShardOptimizerOptions& opts, bool initialise) : opts_(opts) {
   const auto o = w.options().requires_grad(false);
+  auto alloc = [&](c10::IntArrayRef sizes, const at::TensorOptions& to) {
+    return initialise ? torch::zeros(sizes, to) : torch::empty(sizes, to);
+  };
   if (opts_.kind == "sgd") {
-    momentum_ = torch::zeros_like(w, o);
+    momentum_ = alloc(w.sizes(), o);
   } else if (opts_.kind == "adamw") {
-    exp_avg_ = torch::zeros_like(w, o);
-    exp_avg_sq_ = torch::zeros_like(w, o);
-    row_steps_ = torch::zeros({w.size(0)}, o.dtype(torch::kLong));
+    exp_avg_ = alloc(w.sizes(), o);
+    exp_avg_sq_ = alloc(w.sizes(), o);
+    row_steps_ = alloc({w.size(0)}, o.dtype(torch::kLong));
   } else {
     throw option_error("optimizer", "'", opts_.kind, "' is not a classifier optimiser (sgd or adamw)");
   }

@@ -22,8 +22,9 @@ struct ShardOptimizerOptions {
 
 class ShardOptimizer {
  public:
-  // State rows shaped like `weight` [rows, d] (option errors name "optimizer").
-  ShardOptimizer(const at::Tensor& weight, const ShardOptimizerOptions& opts);
+  // State rows shaped like `weight` [rows, d] (option errors name "optimizer"): zero, or
+  // with initialise = false allocated only (a checkpoint is about to be read into them).
+  ShardOptimizer(const at::Tensor& weight, const ShardOptimizerOptions& opts, bool initialise = true);
 
   // Updates rows `index` (sorted, unique; undefined = every row) of `weight` with `grad`
   // [index.size(0) or rows, d].

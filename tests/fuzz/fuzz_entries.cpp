@@ -184,6 +184,14 @@ void state_dict_zip(const uint8_t* data, size_t size) {
       if (bytes > size) violated("storage larger than the file");
       std::vector<uint8_t> buf(bytes);
       f.read_storage(i, buf.data());
+      // The middle third as a range, in two pieces: the bytes the whole read gave.
+      std::vector<uint8_t> part(bytes);
+      ZipEntryStream part_stream = f.open_storage(i, bytes / 3, bytes - bytes / 3);
+      const size_t n = size_t(part_stream.remaining()), half = n / 2;
+      part_stream.read(part.data(), half);
+      part_stream.read(part.data() + half, n - half);
+      if (part_stream.remaining() != 0 || (n && std::memcmp(part.data(), buf.data() + bytes / 3, n) != 0))
+        violated("a ranged read differs from the whole read");
     }
   } catch (const Error& e) {
     check_error(e, {"fuzz.pt"});

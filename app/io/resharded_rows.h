@@ -1,0 +1,54 @@
+// A checkpoint's classifier rows for the classes one rank owns, read straight into that
+// rank's own tensors, on any number of ranks. The saved shards hold classes [0, C) in the
+// ranges ClassShard gives the saved number of ranks; only the files whose range overlaps
+// the rank's are opened, and of each only the bytes of the overlapping rows are read (a
+// contiguous run of rows is one byte range of its storage), so resuming costs the shard's
+// own memory and each byte of the checkpoint is read by one rank once. What is checked:
+// every file's rows.start and rows.count against the saved layout, every rows/ entry's row
+// count and row shape, the same entries in every file, and the byte range of every read
+// against its zip entry and the file. A rank that reads a whole storage (a resume on the
+// saved number of ranks) has its CRC-32 checked as it streams; a rank that reads part of
+// one cannot check the entry's CRC, only those bounds.
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <torch/torch.h>
+
+#include "app/io/checkpoint.h"
+#include "models/state_dict_reader.h"
+
+namespace faceshard {
+
+class ReshardedRows {
+ public:
+  // Opens the saved shards that hold classes of [start, start + count). Usage errors name
+  // the checkpoint or the file and key.
+  ReshardedRows(const CheckpointInfo& ckpt, int64_t start, int64_t count);
+
+  // The per-class entries ("rows/<name>") of the saved shards, by name without "rows/"
+  // ("weight", "opt.momentum", ...), in the files' order.
+  const std::vector<std::string>& names() const { return names_; }
+  bool has(const std::string& name) const;
+  // Classes [start, start + count) of rows/<name> into dst ([count, ...] of the saved row
+  // shape; any dtype and device). Usage error when the checkpoint lacks the entry or its
+  // rows have another shape.
+  void read_into(const std::string& name, const at::Tensor& dst) const;
+
+ private:
+  struct Part {
+    std::string file;
+    std::unique_ptr<StateDictReader> reader;
+    int64_t first_row = 0;  // in the saved shard
+    int64_t dst_row = 0;    // in this rank's shard
+    int64_t rows = 0;
+  };
+  std::string ckpt_path_;
+  int64_t count_ = 0;
+  std::vector<Part> parts_;
+  std::vector<std::string> names_;
+};
+
+}  // namespace faceshard

@@ -1,0 +1,335 @@
+// Reading checkpoints straight into their destinations: StateDictReader's values (whole,
+// by row range, converted, into strided destinations, through a small staging buffer)
+// against what Python's torch.load gives for the same file (written out as raw float64 by
+// Python, so no faceshard reader takes part in the reference); the CRC of a whole storage
+// and the bounds of a ranged read; ReshardedRows against the tensors that were saved, on
+// another number of ranks, opening only the files it needs; a classifier allocated for a
+// resume refusing to run until filled.
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <sstream>
+#include <vector>
+
+#include "app/io/checkpoint.h"
+#include "app/io/resharded_rows.h"
+#include "models/state_dict_io.h"
+#include "models/state_dict_reader.h"
+#include "partial_fc/classifier/class_shard.h"
+#include "partial_fc/classifier/partial_fc.h"
+#include "partial_fc/runtime/dist_env.h"
+#include "partial_fc/runtime/error.h"
+#include "tests/harness.h"
+#include "tests/test_errors.h"
+
+namespace faceshard {
+namespace {
+
+using testing::error_of;
+
+bool contains(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
+
+const char* kPySave = R"PY(
+import sys, torch
+d = sys.argv[1]
+g = torch.Generator().manual_seed(5)
+w = torch.randn(1000, 7, generator=g)
+big = torch.randn(400, 6, generator=g)
+sd = {
+    'w': w,
+    'h': torch.randn(517, 33, generator=g).half(),
+    'bf': torch.randn(100, 5, generator=g).bfloat16(),
+    'l': torch.arange(1000) * 3 - 7,
+    'b': torch.rand(60, generator=g) > 0.5,
+    'slice': w[:, 2:5],
+    't': torch.randn(9, 4, generator=g).t(),
+    'off': big[100:300],
+    's': torch.tensor(3.5, dtype=torch.float64),
+    'conv': torch.randn(8, 3, 3, 3, generator=g),
+    'e': torch.empty(0, 5),
+}
+torch.save(sd, d + '/sd.pt')
+# The reference: torch.load's values, as raw float64, and each entry's dtype and shape.
+with open(d + '/expected.txt', 'w') as out:
+    for k, t in torch.load(d + '/sd.pt').items():
+        t.double().contiguous().numpy().tofile('%s/%s.f64' % (d, k))
+        out.write('%s %s %s\n' % (k, str(t.dtype).replace('torch.', ''), ','.join(map(str, t.shape)) or '-'))
+)PY";
+
+struct Expected {
+  std::string dtype;
+  at::Tensor values;  // float64
+};
+
+std::map<std::string, Expected> python_reference(const std::string& dir) {
+  const auto r = testing::run_python(dir, "save.py", kPySave, {dir});
+  EXPECT_EQ(r.status, 0) << r.output;
+  std::map<std::string, Expected> out;
+  std::ifstream in(dir + "/expected.txt");
+  std::string name, dtype, shape;
+  while (in >> name >> dtype >> shape) {
+    std::vector<int64_t> sizes;
+    if (shape != "-") {
+      std::stringstream ss(shape);
+      for (std::string v; std::getline(ss, v, ',');) sizes.push_back(std::stoll(v));
+    }
+    at::Tensor t = at::empty(sizes, at::kDouble);
+    std::ifstream raw(dir + "/" + name + ".f64", std::ios::binary);
+    raw.read(static_cast<char*>(t.data_ptr()), static_cast<std::streamsize>(t.numel() * 8));
+    EXPECT_EQ(raw.gcount(), t.numel() * 8) << name;
+    out[name] = {dtype, t};
+  }
+  return out;
+}
+
+std::string dtype_name(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return "float32";
+    case at::kDouble: return "float64";
+    case at::kHalf: return "float16";
+    case at::kBFloat16: return "bfloat16";
+    case at::kLong: return "int64";
+    case at::kBool: return "bool";
+    default: return "other";
+  }
+}
+
+TEST(StateDictReader, ValuesEqualPythonTorchLoadWholeAndByRows) {
+  const std::string dir = testing::temp_dir("sd_reader");
+  const auto expected = python_reference(dir);
+  ASSERT_EQ(expected.size(), 11u);
+  const StateDictReader direct(dir + "/sd.pt");
+  const StateDictReader chunked(dir + "/sd.pt", /*staging_bytes=*/100);  // many chunks, odd sizes
+  ASSERT_EQ(direct.size(), expected.size());
+  for (size_t i = 0; i < direct.size(); ++i) {
+    const std::string& name = direct.name(i);
+    SCOPED_TRACE(name);
+    const Expected& e = expected.at(name);
+    const at::Tensor ref = e.values;
+    EXPECT_EQ(dtype_name(direct.dtype(i)), e.dtype);
+    EXPECT_EQ(c10::IntArrayRef(direct.sizes(i)), ref.sizes());
+    // Whole, in the saved dtype (the direct read) and converted (through the staging buffer).
+    const at::Tensor t = direct.read(i);
+    EXPECT_EQ(t.scalar_type(), direct.dtype(i));
+    EXPECT_TRUE(torch::equal(t.to(at::kDouble), ref));
+    for (const StateDictReader* r : {&direct, &chunked}) {
+      at::Tensor d = at::empty(ref.sizes(), at::kDouble);
+      r->read_into(i, d);
+      EXPECT_TRUE(torch::equal(d, ref));
+    }
+    if (ref.dim() == 0) continue;
+    // Row ranges into destinations of the saved dtype, of another dtype, and strided.
+    const int64_t n = ref.size(0);
+    for (auto [lo, hi] : std::vector<std::pair<int64_t, int64_t>>{{0, n}, {n / 3, n - n / 4}, {n - 1, n}, {0, 1}, {2, 2}}) {
+      if (lo < 0 || hi > n || lo > hi) continue;
+      std::vector<int64_t> shape = ref.sizes().vec();
+      shape[0] = hi - lo;
+      at::Tensor same = at::empty(shape, at::TensorOptions().dtype(direct.dtype(i)));
+      direct.read_rows_into(i, lo, same);
+      EXPECT_TRUE(torch::equal(same.to(at::kDouble), ref.narrow(0, lo, hi - lo))) << lo << ".." << hi;
+      for (const StateDictReader* r : {&direct, &chunked}) {
+        at::Tensor conv = at::empty(shape, at::kDouble);
+        r->read_rows_into(i, lo, conv);
+        EXPECT_TRUE(torch::equal(conv, ref.narrow(0, lo, hi - lo))) << lo << ".." << hi;
+        if (ref.dim() == 2) {  // a transposed destination: written row chunk by row chunk
+          std::swap(shape[0], shape[1]);
+          at::Tensor strided = at::empty(shape, at::kFloat).t();
+          std::swap(shape[0], shape[1]);
+          r->read_rows_into(i, lo, strided);
+          EXPECT_TRUE(torch::equal(strided.to(at::kDouble), ref.narrow(0, lo, hi - lo).to(at::kFloat).to(at::kDouble)));
+        }
+      }
+    }
+  }
+  // A channels-last destination (a backbone's conv weight).
+  const size_t conv = direct.find("conv");
+  ASSERT_NE(conv, TensorSource::npos);
+  for (const StateDictReader* r : {&direct, &chunked}) {
+    at::Tensor cl = at::empty({8, 3, 3, 3}).contiguous(at::MemoryFormat::ChannelsLast);
+    r->read_into(conv, cl);
+    EXPECT_TRUE(torch::equal(cl.to(at::kDouble), expected.at("conv").values));
+  }
+
+  // Out-of-range rows and wrong shapes: one line naming the file and the key.
+  const size_t w = direct.find("w");
+  std::string msg = error_of([&] { direct.read_rows_into(w, 995, at::empty({10, 7})); });
+  EXPECT_TRUE(contains(msg, dir + "/sd.pt: 'w' has 1000 rows; rows [995, 1005) are not among them")) << msg;
+  msg = error_of([&] { direct.read_rows_into(w, -1, at::empty({1, 7})); });
+  EXPECT_TRUE(contains(msg, "rows [-1, 0)")) << msg;
+  msg = error_of([&] { direct.read_rows_into(w, 0, at::empty({10, 8})); });
+  EXPECT_TRUE(contains(msg, "'w' has shape [1000,7], expected rows of shape [10,8]")) << msg;
+  msg = error_of([&] { direct.read_into(w, at::empty({1000, 6})); });
+  EXPECT_TRUE(contains(msg, "'w' has shape [1000,7], expected [1000,6]")) << msg;
+  msg = error_of([&] { direct.read_rows_into(direct.find("s"), 0, at::empty({1})); });
+  EXPECT_TRUE(contains(msg, "'s' has shape []")) << msg;
+  EXPECT_EQ(msg.find('\n'), std::string::npos) << msg;
+}
+
+// The file offset of the first byte of a torch.save record (its local header read here,
+// independently of the reader).
+uint64_t record_data_offset(const std::string& path, const std::string& suffix) {
+  const ZipArchive zip = ZipArchive::open_file(path, path);
+  for (const auto& e : zip.entries()) {
+    if (e.name.size() < suffix.size() || e.name.compare(e.name.size() - suffix.size(), suffix.size(), suffix) != 0)
+      continue;
+    std::ifstream f(path, std::ios::binary);
+    f.seekg(static_cast<std::streamoff>(e.local_offset + 26));
+    unsigned char h[4];
+    f.read(reinterpret_cast<char*>(h), 4);
+    return e.local_offset + 30 + (h[0] | (h[1] << 8)) + (h[2] | (h[3] << 8));
+  }
+  ADD_FAILURE() << "no record " << suffix;
+  return 0;
+}
+
+TEST(StateDictReader, WholeStorageChecksItsCrcRangedReadsTheirBounds) {
+  const std::string dir = testing::temp_dir("sd_reader_crc");
+  const std::string path = dir + "/rows.pt";
+  const at::Tensor w = at::arange(4000, at::kFloat).reshape({1000, 4});
+  write_state_dict({{"w", w}}, path);
+  const uint64_t at = record_data_offset(path, "/data/0");
+  {  // one byte of the last row flipped
+    std::fstream f(path, std::ios::binary | std::ios::in | std::ios::out);
+    f.seekg(static_cast<std::streamoff>(at + 999 * 16 + 5));
+    char c = 0;
+    f.get(c);
+    f.seekp(static_cast<std::streamoff>(at + 999 * 16 + 5));
+    f.put(static_cast<char>(c ^ 0x40));
+  }
+  const StateDictReader r(path);
+  std::string msg = error_of([&] { r.read_into(0, at::empty({1000, 4})); });
+  EXPECT_TRUE(contains(msg, path) && contains(msg, "fails its CRC-32 check")) << msg;
+  msg = error_of([&] { r.read_rows_into(0, 0, at::empty({1000, 4}, at::kDouble)); });  // whole, staged
+  EXPECT_TRUE(contains(msg, "fails its CRC-32 check")) << msg;
+  // A range of rows cannot be checked against the entry's CRC: its bytes come back as they
+  // are in the file (the untouched rows exactly, the flipped row changed).
+  at::Tensor head = at::empty({10, 4});
+  r.read_rows_into(0, 0, head);
+  EXPECT_TRUE(torch::equal(head, w.narrow(0, 0, 10)));
+  at::Tensor tail = at::empty({10, 4});
+  r.read_rows_into(0, 990, tail);
+  EXPECT_TRUE(torch::equal(tail.narrow(0, 0, 9), w.narrow(0, 990, 9)));
+  EXPECT_FALSE(torch::equal(tail[9], w[999]));
+}
+
+// ---- resharding ---------------------------------------------------------------------------
+
+// A checkpoint folder of `W` shards over `C` classes, each with rows/weight and
+// rows/opt.momentum from the given full tensors.
+void write_checkpoint(const std::string& dir, int64_t C, int W, const at::Tensor& weight, const at::Tensor& momentum) {
+  std::filesystem::create_directories(dir);
+  for (const ClassShard& s : ClassShard::all(C, W)) {
+    write_state_dict({{"rows.start", torch::tensor({s.start})},
+                      {"rows.count", torch::tensor({s.count})},
+                      {"rows/weight", weight.narrow(0, s.start, s.count)},
+                      {"rows/opt.momentum", momentum.narrow(0, s.start, s.count)},
+                      {"rng.cpu", at::detail::getDefaultCPUGenerator().get_state()}},
+                     dir + "/fc_shard_" + std::to_string(s.rank) + ".pt");
+  }
+  testing::write_text(dir + "/COMMITTED", "step 3\nworld_size " + std::to_string(W) + "\nnum_classes " +
+                                              std::to_string(C) + "\n");
+}
+
+TEST(ReshardedRows, EveryRankGetsItsClassesFromTheSavedShards) {
+  const std::string dir = testing::temp_dir("resharded_rows");
+  const int64_t C = 23;
+  const at::Tensor weight = torch::randn({C, 5}), momentum = torch::randn({C, 5});
+  write_checkpoint(dir + "/two", C, 2, weight, momentum);
+  const CheckpointInfo info = read_checkpoint_info(dir + "/two");
+  for (int W : {1, 2, 3, 5}) {
+    for (const ClassShard& s : ClassShard::all(C, W)) {
+      SCOPED_TRACE("rank " + std::to_string(s.rank) + " of " + std::to_string(W));
+      const ReshardedRows rows(info, s.start, s.count);
+      EXPECT_EQ(rows.names(), (std::vector<std::string>{"weight", "opt.momentum"}));
+      at::Tensor w = at::empty({s.count, 5}), m = at::empty({s.count, 5}, at::kDouble);
+      rows.read_into("weight", w);
+      rows.read_into("opt.momentum", m);
+      EXPECT_TRUE(torch::equal(w, weight.narrow(0, s.start, s.count)));
+      EXPECT_TRUE(torch::equal(m, momentum.narrow(0, s.start, s.count).to(at::kDouble)));
+    }
+  }
+  // Only the files whose classes overlap are opened: ranks within shard 0's classes need
+  // no fc_shard_1.pt.
+  std::filesystem::copy(dir + "/two", dir + "/half");
+  std::filesystem::remove(dir + "/half/fc_shard_1.pt");
+  const CheckpointInfo half = read_checkpoint_info(dir + "/half");
+  at::Tensor w = at::empty({12, 5});
+  ReshardedRows(half, 0, 12).read_into("weight", w);
+  EXPECT_TRUE(torch::equal(w, weight.narrow(0, 0, 12)));
+  std::string msg = error_of([&] { ReshardedRows(half, 0, 13); });
+  EXPECT_TRUE(contains(msg, "has no fc_shard_1.pt (saved on 2 ranks)")) << msg;
+
+  // A missing entry, another row shape, a shard with other classes or other entries.
+  const ReshardedRows rows(info, 0, C);
+  msg = error_of([&] { rows.read_into("opt.exp_avg", at::empty({C, 5})); });
+  EXPECT_TRUE(contains(msg, "has no classifier state 'rows/opt.exp_avg'")) << msg;
+  msg = error_of([&] { rows.read_into("weight", at::empty({C, 4})); });
+  EXPECT_TRUE(contains(msg, "fc_shard_0.pt: 'rows/weight' has rows of shape [5], this run's classifier has [4]")) << msg;
+  write_state_dict({{"rows.start", torch::tensor({11})},
+                    {"rows.count", torch::tensor({12})},
+                    {"rows/weight", weight.narrow(0, 11, 12)},
+                    {"rows/opt.momentum", momentum.narrow(0, 11, 12)}},
+                   dir + "/half/fc_shard_1.pt");
+  msg = error_of([&] { ReshardedRows(half, 0, C); });
+  EXPECT_TRUE(contains(msg, "fc_shard_1.pt: holds classes [11, 23), expected [12, 23) (rank 1 of 2 with 23 classes)"))
+      << msg;
+  write_state_dict({{"rows.start", torch::tensor({12})},
+                    {"rows.count", torch::tensor({11})},
+                    {"rows/weight", weight.narrow(0, 12, 10)},
+                    {"rows/opt.momentum", momentum.narrow(0, 12, 11)}},
+                   dir + "/half/fc_shard_1.pt");
+  msg = error_of([&] { ReshardedRows(half, 0, C); });
+  EXPECT_TRUE(contains(msg, "fc_shard_1.pt: 'rows/weight' has 10 rows, expected 11")) << msg;
+  write_state_dict({{"rows.start", torch::tensor({12})},
+                    {"rows.count", torch::tensor({11})},
+                    {"rows/weight", weight.narrow(0, 12, 11)}},
+                   dir + "/half/fc_shard_1.pt");
+  msg = error_of([&] { ReshardedRows(half, 0, C); });
+  EXPECT_TRUE(contains(msg, "classifier entries differ")) << msg;
+  write_state_dict({{"rows.start", torch::tensor({12.0})}, {"rows.count", torch::tensor({11})}},
+                   dir + "/half/fc_shard_1.pt");
+  msg = error_of([&] { ReshardedRows(half, 0, C); });
+  EXPECT_TRUE(contains(msg, "fc_shard_1.pt: key 'rows.start' is ") && contains(msg, "expected an integer")) << msg;
+  write_state_dict({{"rows.count", torch::tensor({11})}}, dir + "/half/fc_shard_1.pt");
+  msg = error_of([&] { ReshardedRows(half, 0, C); });
+  EXPECT_TRUE(contains(msg, "fc_shard_1.pt: key 'rows.start' is missing")) << msg;
+  // A marker whose numbers cannot describe a layout.
+  testing::write_text(dir + "/half/COMMITTED", "step 3\nworld_size 0\nnum_classes 23\n");
+  msg = error_of([&] { read_checkpoint_info(dir + "/half"); });
+  EXPECT_TRUE(contains(msg, "malformed COMMITTED marker")) << msg;
+}
+
+TEST(PartialFCState, RowsAllocatedForACheckpointAreFilledBeforeUse) {
+  auto dist = Distributed::init(DistEnv{});
+  PartialFCOptions o;
+  o.num_classes = 20;
+  o.embedding_size = 4;
+  PartialFC fresh(*dist, o);
+  o.initialise_rows = false;
+  PartialFC resumed(*dist, o);
+  const at::Tensor emb = torch::randn({6, 4}), labels = torch::randint(0, 20, {6}, torch::kLong);
+  std::string msg = error_of([&] { resumed.forward(emb, labels); });
+  EXPECT_TRUE(contains(msg, "allocated for a checkpoint that has not been loaded")) << msg;
+  // load_state on such a shard needs every entry.
+  msg = error_of([&] { resumed.load_state({{"weight", fresh.weight()}}, "ckpt"); });
+  EXPECT_TRUE(contains(msg, "ckpt: classifier state 'opt.momentum' is missing")) << msg;
+  std::vector<std::string> filled;
+  resumed.fill_state([&](const std::string& name, const at::Tensor& rows) {
+    filled.push_back(name);
+    for (const auto& kv : fresh.state())
+      if (kv.first == name) rows.copy_(kv.second);
+  });
+  EXPECT_EQ(filled, (std::vector<std::string>{"weight", "opt.momentum"}));
+  for (PartialFC* fc : {&fresh, &resumed}) {
+    fc->forward(emb, labels).loss.backward();
+    fc->step(0.1);
+  }
+  EXPECT_TRUE(torch::equal(fresh.weight(), resumed.weight()));
+}
+
+}  // namespace
+}  // namespace faceshard
