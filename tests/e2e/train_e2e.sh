@@ -104,6 +104,31 @@ resume_exact)
   losses "$work/out/metrics.jsonl" > "$work/b.txt"
   diff "$work/a.txt" "$work/b.txt" > /dev/null || { paste "$work/a.txt" "$work/b.txt"; fail "losses differ after resume"; }
   echo "PASS: steps 1-8 identical, bit for bit:"; cat "$work/b.txt" ;;
+resume_heads)
+  # The heads with state (AdaFace's norm statistics, CurricularFace's t) and with per-step
+  # draws (ElasticFace+), sampled: stopping at step 3 and resuming gives the uninterrupted
+  # run's losses and head state bit for bit.
+  for h in adaface curricularface elasticface_arc; do
+    hs=(--set optim.total_steps=6 --set loss.sample_rate=0.5 --set loss.head=$h --set train.checkpoint_every=3)
+    [ $h = elasticface_arc ] && hs+=(--set loss.elasticface_arc.plus=true)
+    rm -rf "$work/out" "$work/outA"
+    train "${hs[@]}" > "$work/a.log" 2>&1 || { cat "$work/a.log"; fail "$h run A"; }
+    mv "$work/out" "$work/outA"
+    train "${hs[@]}" --set train.max_steps=3 > "$work/b1.log" 2>&1 || { cat "$work/b1.log"; fail "$h run B part 1"; }
+    train "${hs[@]}" --resume > "$work/b2.log" 2>&1 || { cat "$work/b2.log"; fail "$h run B part 2"; }
+    for run in outA out; do
+      "$py" -c "
+import json,sys
+for l in open(sys.argv[1]):
+    o=json.loads(l)
+    if 'loss' in o: print(o['step'], repr(o['loss']), sorted((k, repr(v)) for k, v in o.items() if k.startswith('head/')))" \
+        "$work/$run/metrics.jsonl" > "$work/$run.txt"
+    done
+    [ "$(wc -l < "$work/outA.txt")" -eq 6 ] || fail "$h: expected 6 logged steps"
+    diff "$work/outA.txt" "$work/out.txt" > /dev/null || { paste "$work/outA.txt" "$work/out.txt"; fail "$h: losses or head state differ after resume"; }
+    echo "$h: steps 1-6 identical after resume at step 3:"; cat "$work/out.txt"
+  done
+  echo PASS ;;
 resume_accumulate)
   # Partial FC sampling with 3 micro-batches per step: 8 batches per epoch make 2 steps and 2
   # batches that are never read. Stopping at the end of epoch 0 and resuming must give the
