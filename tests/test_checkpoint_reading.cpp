@@ -2,9 +2,9 @@
 // by row range, converted, into strided destinations, through a small staging buffer)
 // against what Python's torch.load gives for the same file (written out as raw float64 by
 // Python, so no faceshard reader takes part in the reference); the CRC of a whole storage
-// and the bounds of a ranged read; ReshardedRows against the tensors that were saved, on
-// another number of ranks, opening only the files it needs; a classifier allocated for a
-// resume refusing to run until filled.
+// and the bounds of a ranged read; the peak memory of loading a backbone; ReshardedRows
+// against the tensors that were saved, on another number of ranks, opening only the files
+// it needs; a classifier allocated for a resume refusing to run until filled.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -17,6 +17,8 @@
 
 #include "app/io/checkpoint.h"
 #include "app/io/resharded_rows.h"
+#include "models/backbone.h"
+#include "models/backbone_registry.h"
 #include "models/state_dict_io.h"
 #include "models/state_dict_reader.h"
 #include "partial_fc/classifier/class_shard.h"
@@ -214,6 +216,38 @@ TEST(StateDictReader, WholeStorageChecksItsCrcRangedReadsTheirBounds) {
   r.read_rows_into(0, 990, tail);
   EXPECT_TRUE(torch::equal(tail.narrow(0, 0, 9), w.narrow(0, 990, 9)));
   EXPECT_FALSE(torch::equal(tail[9], w[999]));
+}
+
+// VmRSS or VmHWM of this process in MB.
+int64_t status_mb(const std::string& field) {
+  std::ifstream f("/proc/self/status");
+  for (std::string line; std::getline(f, line);)
+    if (line.rfind(field + ":", 0) == 0) return std::stoll(line.substr(field.size() + 1)) / 1024;
+  return -1;
+}
+
+// faceshard-verify and -extract load a model with load_backbone_weights: the file's values
+// go straight into the parameters, so the peak RSS while loading an r100 (261 MB of
+// weights) stays within the staging buffer and the pickle's objects of what it was before.
+TEST(StateDictReader, LoadingABackboneHoldsNoSecondCopyOfIt) {
+  const std::string dir = testing::temp_dir("sd_reader_backbone");
+  BackboneOptions o;
+  o.name = "r100";
+  auto saved = make_backbone(o);
+  save_backbone_weights(*saved, dir + "/r100.pt");
+  auto loaded = make_backbone(o);
+  int64_t model_mb = 0;
+  for (const auto& kv : loaded->state_dict()) model_mb += kv.second.nbytes() >> 20;
+  ASSERT_GT(model_mb, 200);
+  std::ofstream("/proc/self/clear_refs") << "5";  // the peak (VmHWM) restarts from now
+  const int64_t before = status_mb("VmRSS");
+  ASSERT_LE(status_mb("VmHWM"), before + 1) << "cannot reset the peak RSS";
+  load_backbone_weights(*loaded, dir + "/r100.pt");
+  const int64_t extra = status_mb("VmHWM") - before;
+  EXPECT_LT(extra, 64) << "loading a " << model_mb << " MB model took " << extra << " MB more at its peak";
+  const StateDict a = saved->state_dict(), b = loaded->state_dict();
+  ASSERT_EQ(a.size(), b.size());
+  for (size_t i = 0; i < a.size(); ++i) EXPECT_TRUE(torch::equal(a[i].second, b[i].second)) << a[i].first;
 }
 
 // ---- resharding ---------------------------------------------------------------------------
