@@ -191,17 +191,6 @@ Config load_config_text(const std::string& yaml, const std::string& name,
 // The complete configuration as YAML (every key, defaults included).
 std::string config_to_yaml(Config cfg);
 
-template <typename F>
-auto with_config_keys(const Config& cfg, std::initializer_list<OptionKey> keys, F&& build) -> decltype(build()) {
-  try {
-    return build();
-  } catch (const Error& e) {
-    for (const auto& k : keys)
-      if (!e.option().empty() && e.option() == k.option) throw_config_error(cfg, k.key, e.detail());
-    throw;
-  }
-}
-
 // The same with keys known only at run time (a head's parameters).
 template <typename F>
 auto with_config_keys(const Config& cfg, const std::vector<std::pair<std::string, std::string>>& keys, F&& build)
@@ -213,6 +202,13 @@ auto with_config_keys(const Config& cfg, const std::vector<std::pair<std::string
       if (!e.option().empty() && e.option() == k.first) throw_config_error(cfg, k.second, e.detail());
     throw;
   }
+}
+
+template <typename F>
+auto with_config_keys(const Config& cfg, std::initializer_list<OptionKey> keys, F&& build) -> decltype(build()) {
+  std::vector<std::pair<std::string, std::string>> named;
+  for (const auto& k : keys) named.emplace_back(k.option, k.key);
+  return with_config_keys(cfg, named, std::forward<F>(build));
 }
 
 }  // namespace faceshard
