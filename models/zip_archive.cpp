@@ -279,6 +279,7 @@ ZipEntryStream::ZipEntryStream(const ZipArchive& zip, const ZipArchive::Entry& e
   data_at_ = zip.data_offset(en);
   check_crc_ = zip.verify_crc_ && begin == 0 && end == en.size;
   advised_ = begin;
+  drop_behind_ = zip.fd_ >= 0 && end - begin >= (uint64_t(64) << 20);
 }
 
 void ZipEntryStream::read(void* dst, size_t n) {
@@ -287,8 +288,9 @@ void ZipEntryStream::read(void* dst, size_t n) {
                                    detail::printable(entry_.name) + "'");
   // 4 MB steps: each step's CRC reads bytes the read has just left in cache. The kernel is
   // asked for the next 128 MB ahead of the reads, so the disk keeps reading while this
-  // thread copies (and faults in the destination's fresh pages): about a third faster on a
-  // cold file of GBs than the default read-ahead.
+  // thread copies (and faults in the destination's fresh pages); a big range (a classifier
+  // shard) drops the pages it has read from the page cache: it is read once, and a GB-sized
+  // cache of it beside the GBs being filled only makes the kernel reclaim memory meanwhile.
   constexpr size_t kStep = size_t(4) << 20;
   constexpr uint64_t kAhead = uint64_t(128) << 20;
   auto* p = static_cast<uint8_t*>(dst);
@@ -300,6 +302,7 @@ void ZipEntryStream::read(void* dst, size_t n) {
       advised_ = to;
     }
     zip_.pread_exact(data_at_ + pos_, p, k);
+    if (drop_behind_) ::posix_fadvise(zip_.fd_, off_t(data_at_ + pos_), off_t(k), POSIX_FADV_DONTNEED);
     if (check_crc_) crc_ = crc32_update(crc_, p, k);
     p += k;
     n -= k;

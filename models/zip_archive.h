@@ -99,6 +99,7 @@ class ZipEntryStream {
   uint64_t data_at_ = 0;  // file offset of the entry's first byte
   uint64_t pos_ = 0, end_ = 0;  // within the entry
   uint64_t advised_ = 0;        // read-ahead requested up to here (within the entry)
+  bool drop_behind_ = false;    // a big range: read pages leave the page cache
   bool check_crc_ = false;
   uint32_t crc_ = 0;
 };
