@@ -29,8 +29,7 @@ struct HeadInputs {
 
 // What one forward's rows need from the head, kept for backward.
 struct HeadRows {
-  at::Tensor a, b;  // [N] per-row parameters (a margin, a scaler...), head-specific
-  double t = 0;     // a per-step scalar (CurricularFace's t)
+  at::Tensor a, b;  // per-row parameters [N] or per-step values [1], head-specific
 };
 
 class MarginHead {
