@@ -153,20 +153,7 @@ reshard)
   # Resume onto 3 ranks and save at once (no step): rows must equal the 2-rank checkpoint's.
   NPROC=3 train --set optim.total_steps=8 --resume "$work/saved" --set train.max_steps=4 --set output="$work/out3" \
     > "$work/c.log" 2>&1 || { cat "$work/c.log"; fail "3-rank resume without steps"; }
-  "$py" - "$work/saved" "$work/out3/checkpoints/step_00000004" <<'PY' || exit 1
-import glob, sys, torch
-def rows(d, key):
-    parts = []
-    for f in glob.glob(d + '/fc_shard_*.pt'):
-        sd = torch.load(f)
-        parts.append((int(sd['rows.start']), sd[key]))
-    return len(parts), torch.cat([t for _, t in sorted(parts, key=lambda p: p[0])])
-for key in ('rows/weight', 'rows/opt.momentum'):
-    n2, a = rows(sys.argv[1], key); n3, b = rows(sys.argv[2], key)
-    assert (n2, n3) == (2, 3), (n2, n3)
-    assert torch.equal(a, b), key
-print('classifier rows and momentum of 2 shards == 3 shards (%d classes)' % a.shape[0])
-PY
+  "$py" "$root/tests/e2e/same_rows.py" "$work/saved" "$work/out3/checkpoints/step_00000004" || exit 1
   echo PASS ;;
 crash_in_save)
   FACESHARD_FAULTS=crash_in_save@1:8 train --set optim.total_steps=12 > "$work/a.log" 2>&1 && fail "the crashed run exited 0"
