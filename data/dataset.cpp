@@ -7,6 +7,7 @@
 #include <random>
 
 #include "data/image_record.h"
+#include "data/index_check.h"
 #include "partial_fc/runtime/error.h"
 
 namespace faceshard {
@@ -20,6 +21,9 @@ RecordIODataset::RecordIODataset(const std::string& rec_path, const std::string&
                                  const RecordIndexOptions& index_options, int label_bits)
     : rec_(rec_path, idx_path, index_options), layout_(read_insightface_layout(rec_, label_bits)) {
   if (layout_.num_images() == 0) throw usage_error(rec_path, ": no image records");
+  // A corrupt .idx (keys pointing at other keys' records) caught at start, not as a run on
+  // the wrong images: 256 reads however large the file.
+  check_index_sample(rec_, layout_, 256);
 }
 
 int64_t RecordIODataset::num_classes() const {
@@ -35,6 +39,7 @@ void RecordIODataset::read(uint64_t index, RawSample& out) const {
   ImageRecordView v;
   try {
     v = unpack_image_record(buf, "");
+    check_record_id(v, k, "");
   } catch (const Error& e) {
     throw runtime_error(describe(index), e.what());
   }

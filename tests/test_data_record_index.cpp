@@ -18,6 +18,7 @@
 
 #include "data/dataset.h"
 #include "data/image_record.h"
+#include "data/index_check.h"
 #include "data/insightface_rec.h"
 #include "data/record_index.h"
 #include "data/recordio.h"
@@ -335,6 +336,55 @@ TEST(InsightFaceRounding, HeaderOffByMoreThanRoundingNamesKeyAndValue) {
     EXPECT_EQ(l.image_end, 61u);
     EXPECT_EQ(l.identity_end, 62u);
     EXPECT_EQ(read_identity_range(r, l, 61), (std::pair<uint64_t, uint64_t>{1, 61}));
+  }
+}
+
+
+// An index whose keys point at other keys' records: two swapped lines keep every offset a
+// distinct record start, so only the records' own header ids (the key, as insightface's
+// writers store it) show it. Opening checks a spread sample; reading checks every record.
+TEST(IndexCheck, KeysPointingAtOtherRecordsAreCaughtByTheRecordIds) {
+  RoundedRec r(600, 20, kLabelBits);
+  const auto lines = read_index(r.d / "train.idx");
+  auto write_swapped = [&](uint64_t a, uint64_t b) {
+    std::ofstream out(r.d / "train.idx", std::ios::trunc);
+    for (const auto& e : lines) {
+      const uint64_t off = e.key == a ? lines[b].offset : e.key == b ? lines[a].offset : e.offset;
+      out << e.key << "\t" << off << "\n";
+    }
+  };
+  ASSERT_EQ(lines[1].key, 1u);
+  ASSERT_EQ(lines[600].key, 600u);
+  // Intact: opening and reading every image pass.
+  {
+    RecordIODataset ds(r.d / "train.rec", r.d / "train.idx");
+    RawSample s;
+    for (uint64_t i = 0; i < ds.size(); ++i) ds.read(i, s);
+    EXPECT_EQ(ds.size(), 600u);
+  }
+  // The first and last images are always in the opening sample.
+  write_swapped(1, 600);
+  std::string msg = error_of([&] { RecordIODataset ds(r.d / "train.rec", r.d / "train.idx"); });
+  EXPECT_NE(msg.find("train.rec: key 1 at offset " + std::to_string(lines[600].offset) +
+                     ": the record's header id is 600, not its key 1"),
+            std::string::npos)
+      << msg;
+  // Keys 302 and 303 (images 301, 302) fall between the 256 sampled images of 600: opening
+  // passes, reading them fails.
+  write_swapped(302, 303);
+  {
+    RecordIODataset ds(r.d / "train.rec", r.d / "train.idx");
+    RawSample s;
+    msg = error_of([&] { ds.read(301, s); });  // image 301 is key 302
+    EXPECT_NE(msg.find("key 302 at offset " + std::to_string(lines[303].offset) +
+                       ": the record's header id is 303, not its key 302"),
+              std::string::npos)
+        << msg;
+    const IndexedRecordIO rec(r.d / "train.rec", r.d / "train.idx");
+    const InsightFaceLayout layout = read_insightface_layout(rec);
+    EXPECT_NE(error_of([&] { check_index_sample(rec, layout, 600); }).find("header id is 303, not its key 302"),
+              std::string::npos);
+    EXPECT_EQ(error_of([&] { check_index_sample(rec, layout, 256); }), "<no error>");
   }
 }
 

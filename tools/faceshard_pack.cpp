@@ -13,6 +13,7 @@
 
 #include "data/dataset.h"
 #include "data/image_record.h"
+#include "data/index_check.h"
 #include "data/image_transform.h"
 #include "data/insightface_rec.h"
 #include "data/recordio.h"
@@ -196,6 +197,7 @@ int cmd_verify(const Args& a) {
     r.read(k, buf);
     const std::string where = faceshard::detail::concat(rec, ": key ", k, " at offset ", r.offset_of(k));
     const auto v = faceshard::unpack_image_record(buf, where);
+    faceshard::check_record_id(v, k, where);
     const int64_t label = faceshard::label_to_class(v.class_label(), where);
     if (classes > 0 && label >= classes) {
       throw faceshard::runtime_error(where, ": label ", label, " is out of range [0, ", classes, ")");

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Hostile files through the real binaries: a torch.save state_dict of 200k nested tuples,
 # a verification .bin that references one 500 KB image 7000 times through the pickle memo,
-# and malformed or hostile YAML configs. Each must end with ONE error line naming the file
+# corrupt .idx files (keys swapped, every key at one offset) and malformed or hostile YAML
+# configs. Each must end with ONE error line naming the file
 # (and for YAML the line and key path), exit status 1 (runtime) or 2 (config), and a peak
 # resident memory below PEAK_MB (the binaries with LibTorch loaded take about 400-500 MB).
 # usage: hostile_inputs.sh SOURCE_DIR BIN_DIR
@@ -49,6 +50,19 @@ printf 'base: %s/configs/base.yaml\noutput: %s/run\ndata: {rec: %s/data, num_cla
 "$bin/faceshard-train" --config "$work/tiny.yaml" --set optim.total_steps=1 > "$work/train.log" 2>&1 \
   || { cat "$work/train.log"; echo "FAIL: training the model the .bin case needs"; exit 1; }
 
+# Corrupt indexes of a good .rec: keys 1 and 64 swapped (every offset still a distinct record
+# start), and every key at key 1's offset.
+for bad in swap same; do mkdir -p "$work/$bad"; cp "$work/data/train.rec" "$work/$bad/"; done
+"$py" - "$work" <<'PY' || exit 1
+import sys
+d = sys.argv[1]
+lines = [l.split('\t') for l in open(d + '/data/train.idx').read().split('\n') if l]
+off = {int(k): v for k, v in lines}
+swap = {1: off[64], 64: off[1]}
+open(d + '/swap/train.idx', 'w').write(''.join('%s\t%s\n' % (k, swap.get(int(k), v)) for k, v in lines))
+open(d + '/same/train.idx', 'w').write(''.join('%s\t%s\n' % (k, off[1]) for k, v in lines))
+PY
+
 # Runs a command; checks its exit status, one stderr line with every fragment, and its peak RSS.
 check() {  # status name fragments... -- command...
   local want="$1" name="$2"; shift 2
@@ -89,5 +103,10 @@ check 2 quote.yaml "quote.yaml:" "key 'optim" -- "$bin/faceshard-config" --confi
 check 2 nullkey.yaml "nullkey.yaml:7:3" "key 'model'" "got an empty key" -- \
   "$bin/faceshard-config" --config "$work/nullkey.yaml"
 check 2 value.yaml "value.yaml:8" "key 'optim.lr'" "expected a number" -- "$bin/faceshard-config" --config "$work/value.yaml"
+check 1 swap.idx "swap/train.rec: key 1 at offset" "header id is 64, not its key 1" -- \
+  "$bin/faceshard-pack" verify "$work/swap/train.rec"
+check 1 swap.train "swap/train.rec: key 1 at offset" "header id is 64, not its key 1" -- \
+  "$bin/faceshard-train" --config "$work/tiny.yaml" --set data.rec="$work/swap" --set output="$work/run3"
+check 1 same.idx "same/train.idx: keys " "both point at offset" -- "$bin/faceshard-pack" verify "$work/same/train.rec"
 [ "$fail" -eq 0 ] && echo "PASS"
 exit "$fail"
