@@ -33,6 +33,14 @@ const std::vector<Entry>& registry() {
                    return std::make_shared<MobileFaceNet>(std::array<int64_t, 4>{1, 4, 6, 2}, 2, o);
                  },
                  false});
+    // A quarter of mbf's width and one block per stage (about 4x less compute): quick CPU
+    // runs and the per-head demo tests; same layer names, so insightface's MobileFaceNet
+    // with blocks=(1,1,1,1), scale=1 reads its weights.
+    e.push_back({"mbf_small",
+                 [](const BackboneOptions& o) {
+                   return std::make_shared<MobileFaceNet>(std::array<int64_t, 4>{1, 1, 1, 1}, 1, o);
+                 },
+                 false});
     e.push_back({"mbf_large",
                  [](const BackboneOptions& o) {
                    return std::make_shared<MobileFaceNet>(std::array<int64_t, 4>{2, 8, 12, 4}, 4, o);

@@ -187,6 +187,7 @@ TEST(ModelsRegistry, NamesOptionsAndErrors) {
                                          "r200",
                                          "r2060",
                                          "mbf",
+                                         "mbf_small",
                                          "mbf_large",
                                          "vit_t",
                                          "vit_t_dp005_mask0",

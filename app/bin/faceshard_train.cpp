@@ -1,4 +1,4 @@
-// faceshard-train --config FILE [--set key=value ...] [--resume [CHECKPOINT]] [--print-config]
+// faceshard-train --config FILE [--set key=value ...] [--resume [auto|CHECKPOINT]] [--print-config]
 #include <cstdio>
 
 #include "app/config/cli.h"
@@ -8,10 +8,12 @@
 using namespace faceshard;
 
 static const char* kUsage =
-    "usage: faceshard-train --config FILE [--set section.key=value ...] [--resume [CHECKPOINT_DIR]] [--print-config]\n"
+    "usage: faceshard-train --config FILE [--set section.key=value ...] [--resume [auto|CHECKPOINT_DIR]] [--print-config]\n"
     "Start several ranks with tools/launch.sh --nproc N, torchrun --no-python, or srun; alone it runs one rank.\n"
-    "--resume continues from the latest committed checkpoint in <output>/checkpoints (or the given one),\n"
-    "also with a different number of ranks. SIGTERM/SIGINT: finish the step, checkpoint, exit 0.\n";
+    "--resume (or --resume auto, or train.resume: auto) continues from the latest committed checkpoint in\n"
+    "<output>/checkpoints, or starts fresh when there is none, and exits 0 when that checkpoint ends the run;\n"
+    "--resume DIR continues from that checkpoint. Either works with a different number of ranks.\n"
+    "SIGTERM/SIGINT: finish the step, checkpoint, exit 0.\n";
 
 int main(int argc, char** argv) {
   return run_main("faceshard-train", [&] {
@@ -25,12 +27,16 @@ int main(int argc, char** argv) {
       const std::string& a = args.rest[i];
       if (a == "--resume") {
         req.resume = true;
-        if (i + 1 < args.rest.size() && args.rest[i + 1].rfind("--", 0) != 0) req.resume_from = args.rest[++i];
+        if (i + 1 < args.rest.size() && args.rest[i + 1].rfind("--", 0) != 0) {
+          const std::string& v = args.rest[++i];
+          if (v != "auto") req.resume_from = v;  // "auto": the newest checkpoint, or fresh
+        }
       } else {
         throw usage_error("unknown argument '", a, "' (see --help)");
       }
     }
     req.config = load_config_from_args(args);
+    if (req.config.train.resume == "auto") req.resume = true;
     req.config_text = config_to_yaml(req.config);
     if (args.print_config) {
       std::fputs(req.config_text.c_str(), stdout);

@@ -624,6 +624,8 @@ void Config::visit(FieldVisitor& v) {
   v.field("train.log_every", train.log_every, at_least(1));
   v.field("train.verify_every", train.verify_every, at_least(0));
   v.field("train.checkpoint_every", train.checkpoint_every, at_least(0));
+  v.field("train.checkpoint_every_s", train.checkpoint_every_s, at_least(0));
+  v.field("train.resume", train.resume, choices({"off", "auto"}));
   v.field("train.keep_checkpoints", train.keep_checkpoints, at_least(1));
   v.field("train.max_steps", train.max_steps, at_least(1));
   v.field("train.loss_scaling", train.loss_scaling, choices({"auto", "on", "off"}));

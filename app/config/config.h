@@ -129,6 +129,12 @@ struct TrainConfig {
   int64_t log_every = 10;
   int64_t verify_every = 2000;
   int64_t checkpoint_every = 0;  // steps, 0: at the end of every epoch
+  // Also checkpoint once this many seconds have passed since the last one (0: off), so that
+  // the work a lost machine costs is bounded in time whatever the step time.
+  double checkpoint_every_s = 0;
+  // off | auto: continue from the newest committed checkpoint under `output` when there is
+  // one, start fresh when there is none (what a scheduler that reruns the command needs).
+  std::string resume = "off";
   int64_t keep_checkpoints = 3;
   std::optional<int64_t> max_steps;  // stop early (demo, tests); default: run the schedule
   // Dynamic loss scaling: "auto" = on exactly for fp16; "on" also scales fp32/bf16 losses

@@ -55,6 +55,14 @@ int run_training(const TrainRequest& req) {
   Validation validation(j);
   if (req.resume && from.empty()) log_info("--resume: no committed checkpoint under ", checkpoints.root(), ", starting fresh");
   if (!from.empty()) state.load(from);
+  if (!from.empty() && p.step >= j.last_step) {
+    // A scheduler reran a finished job: nothing to train; the export is written if the
+    // run ended between its last checkpoint and the export.
+    log_info("resume: the run already finished at step ", p.step, " of ", j.last_step, " (", from, "); nothing to do");
+    if (!std::filesystem::exists(cfg.output + "/model.pt")) export_model(j, p.step);
+    d.shutdown();
+    return 0;
+  }
   log_info("data: '", cfg.data.rec, "', ", j.dataset->size(), " images; ", j.steps_per_epoch, " steps/epoch, global batch ",
            j.global_batch(), "; schedule: ", j.total_steps, " steps, warm-up ", j.warmup_steps);
   log_info("model: ", cfg.model.backbone, " (", j.backbone_params.size(), " tensors in ", j.ddp->num_buckets(),
@@ -96,7 +104,7 @@ int run_training(const TrainRequest& req) {
   at::Tensor loss_sum = torch::zeros({}, torch::TensorOptions().device(j.device)), acc_sum = torch::zeros_like(loss_sum);
   int64_t logged = 0, skipped = 0;
   const int64_t start_step = p.step;
-  auto t_start = Clock::now(), t_log = Clock::now();
+  auto t_start = Clock::now(), t_log = Clock::now(), t_checkpoint = Clock::now();
   while (p.step < j.last_step) {
     StepResult r = train_step.run(next_batch, p.step);
     loss_sum.add_(r.loss);
@@ -135,11 +143,15 @@ int run_training(const TrainRequest& req) {
     if (cfg.train.verify_every > 0 && p.step % cfg.train.verify_every == 0 && p.step != j.last_step)
       validation.run(p.step, p.best_accuracy, sinks);
     const bool epoch_end = p.batch_in_epoch == batches_per_epoch;
-    const bool want_checkpoint = cfg.train.checkpoint_every > 0 ? p.step % cfg.train.checkpoint_every == 0 : epoch_end;
-    // SIGTERM/SIGINT on any rank: every rank learns it at the same step.
-    at::Tensor stop = torch::tensor({static_cast<float>(g_stop_signal.load() != 0)});
-    d.all_reduce(stop, ReduceOp::Max);
-    if (stop.item<float>() > 0) {
+    bool want_checkpoint = cfg.train.checkpoint_every > 0 ? p.step % cfg.train.checkpoint_every == 0 : epoch_end;
+    // SIGTERM/SIGINT on any rank, and a time-based checkpoint falling due on any rank's
+    // clock: every rank learns both at the same step (one all-reduce of two flags).
+    const bool due = cfg.train.checkpoint_every_s > 0 && seconds_since(t_checkpoint) >= cfg.train.checkpoint_every_s;
+    at::Tensor flags = torch::tensor({static_cast<float>(g_stop_signal.load() != 0), static_cast<float>(due)});
+    d.all_reduce(flags, ReduceOp::Max);
+    const auto f = flags.accessor<float, 1>();
+    want_checkpoint = want_checkpoint || f[1] > 0;
+    if (f[0] > 0) {
       check_finite();
       log_info("stop requested (signal): checkpointing at step ", p.step, " and exiting");
       state.save(checkpoints);
@@ -149,6 +161,7 @@ int run_training(const TrainRequest& req) {
     if (want_checkpoint && p.step != j.last_step) {
       check_finite();
       state.save(checkpoints);
+      t_checkpoint = Clock::now();
     }
   }
   check_finite();

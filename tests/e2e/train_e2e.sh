@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # End-to-end tests of faceshard-train on CPU with 2 ranks and a tiny synthetic data set.
 # usage: train_e2e.sh SOURCE_DIR BIN_DIR CASE
-#   CASE: loss_falls | resume_exact | resume_accumulate | reshard | crash_in_save | sigterm | fp16_skip | nan_stop |
+#   CASE: loss_falls | resume_exact | resume_auto | resume_accumulate | reshard | crash_in_save | sigterm | fp16_skip | nan_stop |
 #         verify_tool | bad_input | bf16 | vit_t
 set -u
 root="$1"; bin="$2"; case_name="$3"
@@ -128,6 +128,25 @@ for l in open(sys.argv[1]):
     diff "$work/outA.txt" "$work/out.txt" > /dev/null || { paste "$work/outA.txt" "$work/out.txt"; fail "$h: losses or head state differ after resume"; }
     echo "$h: steps 1-6 identical after resume at step 3:"; cat "$work/out.txt"
   done
+  echo PASS ;;
+resume_auto)
+  # --resume auto as a scheduler reruns it: on an empty output it starts fresh; stopped at step
+  # 3, it continues from that checkpoint; once the run is finished (train.resume: auto, the
+  # config key) it says so and exits 0 without training. train.checkpoint_every_s adds
+  # checkpoints that the step cadence (here: epoch ends, none within 6 steps) does not.
+  a=(--set optim.total_steps=6 --set train.checkpoint_every=0 --set train.keep_checkpoints=10)
+  train "${a[@]}" --set train.max_steps=3 --resume auto > "$work/a1.log" 2>&1 || { cat "$work/a1.log"; fail "run 1"; }
+  grep -q "no committed checkpoint under .*, starting fresh" "$work/a1.log" || { cat "$work/a1.log"; fail "run 1 did not say it starts fresh"; }
+  train "${a[@]}" --set train.checkpoint_every_s=1e-6 --resume auto > "$work/a2.log" 2>&1 || { cat "$work/a2.log"; fail "run 2"; }
+  grep -q "resumed from .*step_00000003 at step 3" "$work/a2.log" || { cat "$work/a2.log"; fail "run 2 did not resume at step 3"; }
+  kept=$(cd "$work/out/checkpoints" && echo step_*)
+  [ "$kept" = "step_00000003 step_00000004 step_00000005 step_00000006" ] || fail "checkpoints after run 2: $kept"
+  before=$(wc -l < "$work/out/metrics.jsonl")
+  train "${a[@]}" --set train.resume=auto > "$work/a3.log" 2>&1 || { cat "$work/a3.log"; fail "run 3 (finished run) exited non-zero"; }
+  grep -q "the run already finished at step 6 of 6" "$work/a3.log" || { cat "$work/a3.log"; fail "run 3 did not say the run is finished"; }
+  [ "$(wc -l < "$work/out/metrics.jsonl")" = "$before" ] || fail "run 3 logged steps"
+  [ -f "$work/out/model.pt" ] || fail "no export"
+  grep -E "starting fresh|resumed from|already finished" "$work"/a[123].log
   echo PASS ;;
 resume_accumulate)
   # Partial FC sampling with 3 micro-batches per step: 8 batches per epoch make 2 steps and 2
