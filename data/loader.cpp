@@ -171,25 +171,25 @@ void DataLoader::load_sample(uint64_t epoch, uint64_t pos, const std::vector<uin
                              int64_t* label) {
   std::string error;
   uint64_t index = order[pos];
-  if (fill_one(index, epoch, pos, dst, label, &error)) return;
+  if (fill_one(index, epoch, dst, label, &error)) return;
   note_bad(epoch, index, error);
-  std::mt19937_64 g(seed_mix(seed_mix(opt_.seed ^ 0x5eed) ^ seed_mix(epoch) ^ pos));
+  std::mt19937_64 g(seed_mix(seed_mix(opt_.seed ^ 0x5eed) ^ seed_mix(epoch) ^ index));
   for (int t = 0; t < kReplaceTries; ++t) {
     const uint64_t alt = order[g() % order.size()];
     if (alt == index) continue;
-    if (fill_one(alt, epoch, pos, dst, label, &error)) return;
+    if (fill_one(alt, epoch, dst, label, &error)) return;
     note_bad(epoch, alt, error);
   }
   throw runtime_error("loader: ", kReplaceTries, " replacement samples in a row failed to load; last: ", error);
 }
 
-bool DataLoader::fill_one(uint64_t index, uint64_t epoch, uint64_t pos, float* dst, int64_t* label,
+bool DataLoader::fill_one(uint64_t index, uint64_t epoch, float* dst, int64_t* label,
                           std::string* error) {
   thread_local RawSample sample;
   const int S = opt_.image_size;
-  // Augmentation draws depend on (seed, epoch, position) only, so the batches do not
-  // depend on the number of workers or on thread timing.
-  std::mt19937_64 rng(seed_mix(seed_mix(opt_.seed) ^ seed_mix(epoch + 0x100000000ull) ^ pos));
+  // Augmentation draws depend on (seed, epoch, sample) only, so the batches depend neither
+  // on the number of workers or thread timing nor on the rank or the number of ranks.
+  std::mt19937_64 rng(seed_mix(seed_mix(opt_.seed) ^ seed_mix(epoch + 0x100000000ull) ^ index));
   const bool flip = opt_.flip && (rng() & 1);
   cv::Mat bgr;
   // Only unreadable or undecodable samples are replaced; a LabelError (a mislabelled data

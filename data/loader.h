@@ -28,7 +28,7 @@ struct LoaderOptions {
   int image_size = 112;          // every image must be image_size x image_size
   bool flip = true;              // random horizontal flip, p = 0.5
   ExtraAugment extra;            // off by default
-  uint64_t seed = 0;             // flips and extras are a function of (seed, epoch, position)
+  uint64_t seed = 0;             // flips and extras are a function of (seed, epoch, sample index)
   double max_bad_fraction = 0.01;  // stop when more than this fraction of the rank's epoch share is bad
   int64_t num_classes = -1;      // labels must lie in [0, num_classes) when >= 0
   torch::Device device = torch::kCPU;
@@ -69,7 +69,7 @@ class DataLoader {
   void worker_loop();
   void build_batch(uint64_t epoch, uint64_t b, const std::vector<uint64_t>& order, Batch& out);
   void load_sample(uint64_t epoch, uint64_t pos, const std::vector<uint64_t>& order, float* dst, int64_t* label);
-  bool fill_one(uint64_t index, uint64_t epoch, uint64_t pos, float* dst, int64_t* label, std::string* error);
+  bool fill_one(uint64_t index, uint64_t epoch, float* dst, int64_t* label, std::string* error);
   void note_bad(uint64_t epoch, uint64_t index, const std::string& error);
   Batch to_device(Batch b);
 

@@ -557,6 +557,7 @@ void Config::visit(FieldVisitor& v) {
   v.field("data.num_classes", data.num_classes, required_pos);
   v.field("data.num_images", data.num_images, at_least(1));
   v.field("data.batch_size", data.batch_size, at_least(1));
+  v.field("data.global_batch_size", data.global_batch_size, at_least(1));
   v.field("data.num_workers", data.num_workers, range(1, 256));  // the loader needs a worker thread
   v.field("data.val_targets", data.val_targets, none);
   v.field("data.val_dir", data.val_dir, none);

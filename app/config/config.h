@@ -49,6 +49,9 @@ struct DataConfig {
   int64_t num_classes = 0;
   std::optional<int64_t> num_images;  // for the schedule; default: the data set's count
   int64_t batch_size = 128;  // per rank
+  // When set: the global batch, whatever the number of ranks (the per-rank batch becomes
+  // global_batch_size / (ranks x optim.grad_accumulation) and data.batch_size is not used).
+  std::optional<int64_t> global_batch_size;
   int64_t num_workers = 2;
   std::vector<std::string> val_targets;
   std::optional<std::string> val_dir;  // where <target>.bin live; default: the rec folder

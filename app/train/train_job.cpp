@@ -24,6 +24,21 @@ torch::Device pick_device(const Config& cfg, const DistEnv& env) {
   return torch::kCPU;
 }
 
+// data.global_batch_size keeps the global batch what the config says on any number of ranks
+// (an elastic run stays one experiment): the per-rank batch follows the world size.
+void adapt_batch_to_world(Config& cfg, const Distributed& d) {
+  if (!cfg.data.global_batch_size) return;
+  const int64_t g = *cfg.data.global_batch_size, acc = cfg.optim.grad_accumulation, w = d.world_size();
+  if (g % (w * acc) != 0)
+    throw_config_error(cfg, "data.global_batch_size",
+                       detail::concat(g, " cannot be split evenly over ", w, " ranks x ", acc,
+                                      " micro-batches (optim.grad_accumulation)"));
+  if (d.rank() == 0)
+    log_info("data.global_batch_size ", g, ": ", g / (w * acc), " images per rank and micro-batch on ", w,
+             " ranks x ", acc, " micro-batches (data.batch_size ", cfg.data.batch_size, " is not used)");
+  cfg.data.batch_size = g / (w * acc);
+}
+
 void build_data(TrainJob& j) {
   const Config& cfg = j.cfg;
   Distributed& d = *j.dist;
@@ -174,6 +189,7 @@ TrainJob build_train_job(const Config& cfg, std::shared_ptr<Distributed> dist, C
   j.device = pick_device(cfg, DistEnv::from_environment());
   j.dist = std::move(dist);
   if (j.device.is_cuda() && cfg.train.cudnn_benchmark) at::globalContext().setBenchmarkCuDNN(true);
+  adapt_batch_to_world(j.cfg, *j.dist);
   build_data(j);
   build_model(j, start);
   return j;

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # End-to-end tests of faceshard-train on CPU with 2 ranks and a tiny synthetic data set.
 # usage: train_e2e.sh SOURCE_DIR BIN_DIR CASE
-#   CASE: loss_falls | resume_exact | resume_auto | resume_accumulate | reshard | crash_in_save | sigterm | fp16_skip | nan_stop |
+#   CASE: loss_falls | resume_exact | resume_auto | global_batch | resume_accumulate | reshard | crash_in_save | sigterm | fp16_skip | nan_stop |
 #         verify_tool | bad_input | bf16 | vit_t
 set -u
 root="$1"; bin="$2"; case_name="$3"
@@ -147,6 +147,20 @@ resume_auto)
   [ "$(wc -l < "$work/out/metrics.jsonl")" = "$before" ] || fail "run 3 logged steps"
   [ -f "$work/out/model.pt" ] || fail "no export"
   grep -E "starting fresh|resumed from|already finished" "$work"/a[123].log
+  echo PASS ;;
+global_batch)
+  # data.global_batch_size decides the per-rank batch from the number of ranks (data.batch_size
+  # 8 of the config is not used), and a global batch the ranks cannot share evenly is refused
+  # naming the key.
+  NPROC=2 train --set data.global_batch_size=12 --set optim.total_steps=1 > "$work/g1.log" 2>&1 || { cat "$work/g1.log"; fail "global batch 12 on 2 ranks"; }
+  grep -q "data.global_batch_size 12: 6 images per rank and micro-batch on 2 ranks x 1 micro-batches (data.batch_size 8 is not used)" "$work/g1.log" \
+    || { cat "$work/g1.log"; fail "per-rank batch not logged"; }
+  grep -q "global batch 12;" "$work/g1.log" || { cat "$work/g1.log"; fail "the job's global batch is not 12"; }
+  rm -rf "$work/out"
+  NPROC=2 train --set data.global_batch_size=13 > "$work/g2.log" 2>&1
+  rc=$?
+  [ $rc = 2 ] || { cat "$work/g2.log"; fail "global batch 13 on 2 ranks: exit $rc, expected 2"; }
+  grep -q "key 'data.global_batch_size': 13 cannot be split evenly over 2 ranks x 1 micro-batches" "$work/g2.log" || { cat "$work/g2.log"; fail "no error naming the key"; }
   echo PASS ;;
 resume_accumulate)
   # Partial FC sampling with 3 micro-batches per step: 8 batches per epoch make 2 steps and 2
