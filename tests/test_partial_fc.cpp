@@ -352,31 +352,35 @@ TEST(PartialFCArcfaceTorchMode, MatchesStraightThroughReference) {
 // with a zero gradient (weight decay and momentum move them), as one optimiser over the
 // whole weight does; the sampled rows as before.
 TEST(PartialFCSampling, StepAllRowsMovesUnsampledRowsLikeADenseOptimiser) {
-  testing::run_ranks(2, [](Distributed& d) {
-    const int64_t C = 201, D = 8;
-    const double lr = 0.1, wd = 5e-4;
-    PartialFCOptions o;
-    o.num_classes = C;
-    o.embedding_size = D;
-    o.sample_rate = 0.2;
-    o.step_all_rows = true;
-    o.optimizer = ShardOptimizerOptions{"sgd", 0.9, wd};
-    PartialFC fc(d, o);
-    Data data = make_data(d.world_size(), d.rank(), C, D);
-    at::Tensor w = PartialFC::initial_rows(0, C, D, o.seed), buf;
-    for (int step = 0; step < 2; ++step) {
-      auto out = fc.forward(data.emb.narrow(0, data.offset, data.rows), data.labels.narrow(0, data.offset, data.rows));
-      out.loss.backward();
-      at::Tensor cols = std::get<0>(torch::sort(d.all_gather(fc.sampled_index() + fc.shard().start)));
-      at::Tensor dense = torch::zeros_like(w).index_copy_(0, cols, reference(data.emb, w, data.labels, o.margin, cols)
-                                                                     .weight_grad.index_select(0, cols).to(torch::kFloat));
-      fc.step(lr);
-      at::Tensor dp = dense + wd * w;
-      buf = buf.defined() ? buf * 0.9 + dp : dp;
-      w = w - lr * buf;
-      EXPECT_LE(testing::relative_error(fc.weight(), w.narrow(0, fc.shard().start, fc.shard().count)), 1e-5) << "step " << step;
-    }
-  });
+  // Momentum 0 too: plain SGD, the buffers unused (and still zero in the state).
+  for (const double mom : {0.9, 0.0}) {
+    testing::run_ranks(2, [mom](Distributed& d) {
+      const int64_t C = 201, D = 8;
+      const double lr = 0.1, wd = 5e-4;
+      PartialFCOptions o;
+      o.num_classes = C;
+      o.embedding_size = D;
+      o.sample_rate = 0.2;
+      o.step_all_rows = true;
+      o.optimizer = ShardOptimizerOptions{"sgd", mom, wd};
+      PartialFC fc(d, o);
+      Data data = make_data(d.world_size(), d.rank(), C, D);
+      at::Tensor w = PartialFC::initial_rows(0, C, D, o.seed), buf;
+      for (int step = 0; step < 2; ++step) {
+        auto out = fc.forward(data.emb.narrow(0, data.offset, data.rows), data.labels.narrow(0, data.offset, data.rows));
+        out.loss.backward();
+        at::Tensor cols = std::get<0>(torch::sort(d.all_gather(fc.sampled_index() + fc.shard().start)));
+        at::Tensor dense = torch::zeros_like(w).index_copy_(0, cols, reference(data.emb, w, data.labels, o.margin, cols)
+                                                                       .weight_grad.index_select(0, cols).to(torch::kFloat));
+        fc.step(lr);
+        at::Tensor dp = dense + wd * w;
+        buf = buf.defined() ? buf * mom + dp : dp;
+        w = w - lr * buf;
+        EXPECT_LE(testing::relative_error(fc.weight(), w.narrow(0, fc.shard().start, fc.shard().count)), 1e-5)
+            << "step " << step << " momentum " << mom;
+      }
+    });
+  }
 }
 
 // The classifier's state is its rows (weight and optimiser state); loading checks names and

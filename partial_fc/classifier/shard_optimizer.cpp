@@ -40,14 +40,22 @@ void ShardOptimizer::step(at::Tensor& W, const at::Tensor& idx, const at::Tensor
     // torch's fused SGD: one pass over weight, gradient and momentum (dampening 0, no
     // Nesterov, like torch.optim.SGD with arcface_torch's settings). The momentum buffers
     // start at zero, so every step is momentum * buf + (g + wd * w), the first one included.
+    // With momentum 0 the fused kernel takes no buffers (they stay zero, as saved).
+    const bool plain = opts_.momentum == 0;
     if (all) {
-      at::_fused_sgd_({W}, {g}, {momentum_}, opts_.weight_decay, opts_.momentum, lr, 0.0, false, false, false);
+      at::_fused_sgd_({W}, {g}, plain ? at::TensorList{} : at::TensorList{momentum_}, opts_.weight_decay,
+                      opts_.momentum, lr, 0.0, false, false, false);
       return;
     }
-    at::Tensor w = W.index_select(0, idx), m = momentum_.index_select(0, idx);
-    at::_fused_sgd_({w}, {g}, {m}, opts_.weight_decay, opts_.momentum, lr, 0.0, false, false, false);
+    at::Tensor w = W.index_select(0, idx);
+    if (plain) {
+      at::_fused_sgd_({w}, {g}, {}, opts_.weight_decay, 0.0, lr, 0.0, false, false, false);
+    } else {
+      at::Tensor m = momentum_.index_select(0, idx);
+      at::_fused_sgd_({w}, {g}, {m}, opts_.weight_decay, opts_.momentum, lr, 0.0, false, false, false);
+      momentum_.index_copy_(0, idx, m);
+    }
     W.index_copy_(0, idx, w);
-    momentum_.index_copy_(0, idx, m);
     return;
   }
   // AdamW with a step count per row (torch's fused AdamW takes one count per tensor), in
