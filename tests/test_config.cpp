@@ -156,6 +156,37 @@ TEST(Config, MissingBaseFileAndCycles) {
   expect_usage_error([&] { load_config(broken); }, {"broken.yaml", "YAML syntax error"});
 }
 
+// Bases that fan out: a list naming one file ten times at each level stays within the
+// depth and cycle checks and would load 10^depth files. The total number of files and
+// bytes is bounded, and the error names the chain of bases that went past the bound.
+TEST(Config, BasesThatFanOutAreBoundedInFilesAndBytes) {
+  ConfigFiles f;
+  const std::string ten = "[l1.yaml, l1.yaml, l1.yaml, l1.yaml, l1.yaml, l1.yaml, l1.yaml, l1.yaml, l1.yaml, l1.yaml]";
+  for (int i = 1; i <= 8; ++i) {
+    std::string list = ten;
+    for (size_t at = list.find("l1"); at != std::string::npos; at = list.find("l1", at + 1))
+      list.replace(at, 2, "l" + std::to_string(i + 1));
+    f.write("l" + std::to_string(i) + ".yaml", i == 8 ? "data:\n  num_classes: 3\n" : "base: " + list + "\n");
+  }
+  const std::string top = f.write("top.yaml", "base: " + ten + "\n");
+  expect_usage_error([&] { load_config(top); },
+                     {"key 'base'", "more than 64 files", "top.yaml -> " + f.dir + "/l1.yaml -> " + f.dir + "/l2.yaml"});
+  // Bytes: five 220 KB files stay under the per-file limit and go past 1 MiB in all.
+  const std::string pad = "# " + std::string(220000, 'x') + "\n";
+  f.write("big.yaml", pad + "data:\n  num_classes: 3\n");
+  const std::string bytes = f.write("bytes.yaml", "base: [big.yaml, big.yaml, big.yaml, big.yaml, big.yaml]\n");
+  expect_usage_error([&] { load_config(bytes); }, {"bytes.yaml:1", "more than 1024 KiB in all", "bytes.yaml -> "});
+  // A diamond (a base included twice) within the bounds loads.
+  f.write("common.yaml", "data:\n  num_classes: 3\n");
+  f.write("a.yaml", "base: common.yaml\n");
+  f.write("b.yaml", "base: common.yaml\noptim:\n  lr: 0.3\n");
+  EXPECT_DOUBLE_EQ(load_config(f.write("diamond.yaml", "base: [a.yaml, b.yaml]\n")).optim.lr, 0.3);
+  // The cycle error names the chain.
+  f.write("x.yaml", "base: y.yaml\n");
+  f.write("y.yaml", "base: x.yaml\n");
+  expect_usage_error([&] { load_config(f.dir + "/x.yaml"); }, {"cycle", "x.yaml -> " + f.dir + "/y.yaml -> " + f.dir + "/x.yaml"});
+}
+
 // Settings that default to another setting are optional: unset, their accessor gives the
 // other one; a later layer's null unsets an earlier value; they round-trip through YAML.
 TEST(Config, OptionalKeysResolveToWhatTheyFollow) {

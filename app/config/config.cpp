@@ -107,6 +107,12 @@ void merge_into(YAML::Node dst, const YAML::Node& src, const std::string& path, 
 constexpr size_t kMaxConfigBytes = size_t(256) << 10;
 constexpr int kMaxDepth = 32;
 constexpr size_t kMaxValues = 100000;  // values visited with aliases expanded
+// Limits on a config with its bases. The depth and cycle checks follow one chain of
+// includes; a list that names the same file at every level stays within them and still
+// loads 10^depth files. So every file loaded counts, a base included twice twice.
+constexpr int kMaxBaseDepth = 16;
+constexpr size_t kMaxConfigFiles = 64;
+constexpr size_t kMaxConfigTotalBytes = size_t(1) << 20;
 
 // The key path of `line` (1-based) in block-style YAML text, from the keys on that line
 // and the less-indented lines above it: what a syntax error names besides file and line.
@@ -236,8 +242,33 @@ std::string read_text(const std::string& path, const std::string& referrer) {
   return ss.str();
 }
 
+// What a config and its bases have loaded so far (kMaxConfigFiles, kMaxConfigTotalBytes).
+struct LoadBudget {
+  size_t files = 0;
+  size_t bytes = 0;
+};
+
+// "a.yaml -> b.yaml -> c.yaml": the chain of bases that leads to a file.
+std::string chain_text(const std::vector<std::string>& stack) {
+  std::string out;
+  for (const auto& s : stack) out += (out.empty() ? "" : " -> ") + detail::printable(s, 200);
+  return out;
+}
+
+// Counts one more file of `bytes` (stack: the chain that loads it, itself included).
+void charge(LoadBudget& budget, size_t bytes, const std::string& at, const std::vector<std::string>& stack) {
+  budget.files += 1;
+  budget.bytes += bytes;
+  if (budget.files > kMaxConfigFiles)
+    throw usage_error(at, ": key 'base': a config and its bases load more than ", kMaxConfigFiles,
+                      " files (a base counts each time it is included), at ", chain_text(stack));
+  if (budget.bytes > kMaxConfigTotalBytes)
+    throw usage_error(at, ": key 'base': a config and its bases load more than ", kMaxConfigTotalBytes >> 10,
+                      " KiB in all (a base counts each time it is included), at ", chain_text(stack));
+}
+
 void load_layer(MergedYaml& m, const std::string& text, const std::string& name, const fs::path& dir,
-                std::vector<std::string>& stack) {
+                std::vector<std::string>& stack, LoadBudget& budget) {
   YAML::Node root = parse_yaml(text, name);
   if (root["base"]) {
     YAML::Node base = root["base"];
@@ -253,16 +284,20 @@ void load_layer(MergedYaml& m, const std::string& text, const std::string& name,
     } else {
       throw usage_error(at, ": key 'base': expected a file name or a list of file names");
     }
-    if (stack.size() > 16) throw usage_error(at, ": key 'base': bases nested more than 16 files deep");
+    if (stack.size() > kMaxBaseDepth)
+      throw usage_error(at, ": key 'base': bases nested more than ", kMaxBaseDepth, " files deep: ", chain_text(stack));
     root.remove("base");
     for (const auto& b : bases) {
       fs::path p = fs::path(b).is_absolute() ? fs::path(b) : dir / b;
       std::string ps = p.lexically_normal().string();
       for (const auto& s : stack)
-        if (s == ps) throw usage_error(at, ": key 'base': '", detail::printable(b), "' includes itself (cycle)");
+        if (s == ps)
+          throw usage_error(at, ": key 'base': '", detail::printable(b), "' includes itself (cycle): ",
+                            chain_text(stack), " -> ", detail::printable(ps, 200));
       std::string sub = read_text(ps, at);
       stack.push_back(ps);
-      load_layer(m, sub, ps, p.parent_path(), stack);
+      charge(budget, sub.size(), at, stack);
+      load_layer(m, sub, ps, p.parent_path(), stack, budget);
       stack.pop_back();
     }
   }
@@ -677,7 +712,9 @@ Config load_config_text(const std::string& yaml, const std::string& name, const 
   m.top = name;
   std::vector<std::string> stack{name};
   fs::path dir = fs::path(name).parent_path();
-  load_layer(m, yaml, name, dir, stack);
+  LoadBudget budget;
+  charge(budget, yaml.size(), name, stack);
+  load_layer(m, yaml, name, dir, stack, budget);
   for (const auto& o : overrides) apply_override(m, o);
   return read(m);
 }
