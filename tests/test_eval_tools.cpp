@@ -291,6 +291,44 @@ TEST(EvalIjb, MetaFilesAreCheckedLineByLine) {
   EXPECT_EQ(error_of([&] { check_ijb_images(ok, root + "/loose_crop"); }), "<no error>");
 }
 
+// Image names stay inside loose_crop/ and faceness scores are finite and > 0 (a score of
+// 0 weighs an image to nothing and used to give templates of zeros, and scores of 0).
+TEST(EvalIjb, ImageNamesStayInsideTheRootAndFacenessIsPositive) {
+  const std::string root = temp_dir("ijbconfine");
+  const std::string l1 = "1.jpg 1 2 3 4 5 6 7 8 9 10 0.9\n";
+  const std::string tid = "1.jpg 5 7\nNAME 6 8\n", pairs = "5 6 0\n";
+  for (const std::string name : {"../../../../etc/passwd", "/etc/passwd", "a/../../b.jpg", "a/..", ".."}) {
+    std::string t = tid;
+    t.replace(t.find("NAME"), 4, name);
+    write_meta(root, l1 + "\n" + name + " 1 2 3 4 5 6 7 8 9 10 0.8\n", t, pairs);
+    const std::string e = error_of([&] { read_ijb_meta(root, "ijbc"); });
+    EXPECT_NE(e.find("ijbc_name_5pts_score.txt:3: image '" + name + "' is not a path inside loose_crop/"),
+              std::string::npos)
+        << e;
+  }
+  for (const std::string name : {"a/b/c.jpg", "..jpg", "a..b/c.jpg", "./x.jpg"}) {
+    std::string t = tid;
+    t.replace(t.find("NAME"), 4, name);
+    write_meta(root, l1 + name + " 1 2 3 4 5 6 7 8 9 10 0.8\n", t, pairs);
+    EXPECT_EQ(read_ijb_meta(root, "ijbc").images[1], name);
+  }
+  std::string t = tid;
+  t.replace(t.find("NAME"), 4, "2.jpg");
+  for (const std::string score : {"0", "-0.5", "-0", "1e-400"}) {
+    write_meta(root, l1 + "2.jpg 1 2 3 4 5 6 7 8 9 10 " + score + "\n", t, pairs);
+    const std::string e = error_of([&] { read_ijb_meta(root, "ijbc"); });
+    EXPECT_NE(e.find("ijbc_name_5pts_score.txt:2: faceness score must be > 0, got '" + score + "'"), std::string::npos)
+        << e;
+  }
+  for (const std::string score : {"inf", "nan", "-inf", "1e999"}) {
+    write_meta(root, l1 + "2.jpg 1 2 3 4 5 6 7 8 9 10 " + score + "\n", t, pairs);
+    const std::string e = error_of([&] { read_ijb_meta(root, "ijbc"); });
+    EXPECT_NE(e.find("ijbc_name_5pts_score.txt:2: '" + score + "' is not a finite number"), std::string::npos) << e;
+  }
+  write_meta(root, l1 + "2.jpg 1 2 3 4 5 6 7 8 9 10 1e-30\n", t, pairs);
+  EXPECT_DOUBLE_EQ(read_ijb_meta(root, "ijbc").faceness[1], 1e-30);
+}
+
 // Pair scores are computed a chunk at a time: more pairs than two chunks, every pair
 // checked against its dot product summed here.
 TEST(EvalIjb, PairScoresCoverEveryChunk) {

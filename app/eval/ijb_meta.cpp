@@ -54,8 +54,10 @@ class FieldReader {
     const std::string& s = fields_[i];
     char* end = nullptr;
     const double v = std::strtod(s.c_str(), &end);
-    if (end != s.c_str() + s.size() || !std::isfinite(v))
+    if (end != s.c_str() + s.size() || s.empty())
       throw usage_error(f_.name, ":", line_, ": '", detail::printable(s), "' is not a number");
+    if (!std::isfinite(v))
+      throw usage_error(f_.name, ":", line_, ": '", detail::printable(s), "' is not a finite number");
     return v;
   }
   int64_t id(size_t i) const {
@@ -76,6 +78,19 @@ class FieldReader {
   std::vector<std::string> fields_;
 };
 
+// An image name stays under loose_crop/: relative, no '..' component, no NUL (which would
+// cut the name short when the file is opened).
+bool confined(const std::string& name) {
+  if (name.empty() || name[0] == '/' || name.find('\0') != std::string::npos) return false;
+  for (size_t b = 0; b <= name.size();) {
+    size_t e = name.find('/', b);
+    if (e == std::string::npos) e = name.size();
+    if (name.compare(b, e - b, "..") == 0) return false;
+    b = e + 1;
+  }
+  return true;
+}
+
 IjbMetaText read_text(const std::string& path, const char* what) {
   std::ifstream f(path, std::ios::binary);
   if (!f) throw usage_error(path, ": cannot open the ", what, " file");
@@ -95,7 +110,15 @@ IjbMeta parse_ijb_meta(const std::string& target, const IjbMetaText& lmk_file, c
   while (lmk.next()) {
     std::array<float, 10> p{};
     for (size_t k = 0; k < 10; ++k) p[k] = float(lmk.number(k + 1));
+    // A faceness of 0 (or less) would weigh the image's features to nothing and leave a
+    // template of zeros, whose scores are silently 0.
     const double faceness = lmk.number(11);
+    if (!(faceness > 0))
+      throw usage_error(lmk.name(), ":", lmk.line(), ": faceness score must be > 0, got '",
+                        detail::printable(lmk.field(11)), "'");
+    if (!confined(lmk.field(0)))
+      throw usage_error(lmk.name(), ":", lmk.line(), ": image '", detail::printable(lmk.field(0)),
+                        "' is not a path inside loose_crop/ (absolute, or with a '..' component)");
     m.images.push_back(lmk.field(0));
     m.image_lines.push_back(lmk.line());
     m.landmarks.push_back(p);

@@ -29,7 +29,9 @@ struct IjbMetaText {
 };
 
 // Parses the three files' text. The first two list the same images in the same order;
-// every template of a pair must have images. Usage errors name file, line (as an editor
+// every template of a pair must have images; image names are relative paths without a
+// '..' component (they stay inside loose_crop/); landmarks are finite and faceness scores
+// finite and > 0. Usage errors name file, line (as an editor
 // counts it, blank lines included) and what is wrong. Lines are read one at a time, so
 // memory is the text plus what IjbMeta keeps per line (about 120 bytes per image, 24 per
 // pair), whatever the lines hold.

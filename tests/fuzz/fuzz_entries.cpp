@@ -3,6 +3,7 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -261,6 +262,14 @@ void ijb_meta(const uint8_t* data, size_t size) {
       violated("per-image arrays differ in length");
     if (m.pair_t1.size() != m.pair_t2.size() || m.pair_label.size() != m.pair_t1.size())
       violated("per-pair arrays differ in length");
+    for (size_t i = 0; i < n; ++i) {
+      if (!(m.faceness[i] > 0) || !std::isfinite(m.faceness[i])) violated("a faceness score that is not finite and > 0");
+      const std::string& name = m.images[i];
+      if (name.empty() || name[0] == '/' || name.find('\0') != std::string::npos || name == ".." ||
+          name.rfind("../", 0) == 0 || name.find("/../") != std::string::npos ||
+          (name.size() >= 3 && name.compare(name.size() - 3, 3, "/..") == 0))
+        violated("an image name outside loose_crop/: '" + name + "'");
+    }
     const std::set<int64_t> known(m.templates.begin(), m.templates.end());
     for (size_t i = 0; i < m.pair_t1.size(); ++i)
       if (!known.count(m.pair_t1[i]) || !known.count(m.pair_t2[i])) violated("pair names an unknown template");
