@@ -22,6 +22,7 @@
 #include "app/eval/inference_model.h"
 #include "app/io/npy.h"
 #include "data/image_transform.h"
+#include "data/verification_bin.h"
 #include "data/synthetic_faces.h"
 #include "models/backbone_registry.h"
 #include "partial_fc/runtime/error.h"
@@ -559,6 +560,39 @@ print(' '.join('%.17g' % x for x in np.unique(score)[::-1]))
 
 // ---------------------------------------------------------------------------------------
 // faceshard-extract
+
+// A set of fewer pairs than the default 10 folds runs with the folds asked for; fewer pairs
+// than folds, no pairs or pairs of one kind end with an error naming the file.
+TEST(EvalVerification, SmallSetsTakeTheFoldsAskedForAndBadSetsNameTheirFile) {
+  const std::string dir = temp_dir("smallsets");
+  auto model = write_model(dir + "/model", 16);
+  torch::manual_seed(5);
+  VerificationData data;
+  data.name = "eight";
+  data.images = torch::rand({16, 3, 112, 112}) * 2 - 1;
+  for (int64_t i = 0; i < 8; ++i) data.issame.push_back(i % 2 == 0);
+  const VerificationResult two = evaluate_verification(*model, data, 16, torch::kCPU, 2);
+  EXPECT_EQ(two.kfold.fold_accuracy.size(), 2u);
+  EXPECT_EQ(evaluate_verification(*model, data, 16, torch::kCPU, 8).kfold.fold_accuracy.size(), 8u);
+  std::string e = error_of([&] { evaluate_verification(*model, data, 16, torch::kCPU); });
+  EXPECT_NE(e.find("verification set 'eight': 8 pairs, fewer than the 10 folds"), std::string::npos) << e;
+  data.path = dir + "/eight.bin";
+  e = error_of([&] { check_verification_folds(data, 9); });
+  EXPECT_NE(e.find(dir + "/eight.bin: 8 pairs, fewer than the 9 folds of the protocol (faceshard-verify --folds K takes "
+                         "K <= 8)"),
+            std::string::npos)
+      << e;
+  // Sets checked when they are read (their images are not decoded first).
+  write_verification_bin(dir + "/empty.bin", VerificationSet{});
+  e = error_of([&] { load_verification_data(dir + "/empty.bin"); });
+  EXPECT_EQ(e, dir + "/empty.bin: the verification set has no pairs");
+  VerificationSet same;
+  for (int i = 0; i < 6; ++i) same.images.push_back(std::vector<uint8_t>{1, 2, 3});
+  same.issame = {true, true, true};
+  write_verification_bin(dir + "/same.bin", same);
+  e = error_of([&] { load_verification_data(dir + "/same.bin"); });
+  EXPECT_EQ(e, dir + "/same.bin: 3 pairs, all genuine; the protocol needs genuine and impostor pairs");
+}
 
 TEST(EvalTools, ExtractWritesNpyThatNumpyLoadsAndTheNames) {
   if (!fs::exists(std::string(FACESHARD_BIN_DIR) + "/faceshard-extract")) GTEST_SKIP() << "faceshard-extract not built";

@@ -1,5 +1,6 @@
 #include "app/eval/evaluation.h"
 
+#include <algorithm>
 #include <chrono>
 #include <filesystem>
 
@@ -17,7 +18,15 @@ VerificationData load_verification_data(const std::string& path) {
   VerificationSet set = read_verification_bin(path);
   VerificationData d;
   d.name = std::filesystem::path(path).stem().string();
+  d.path = path;
   d.issame = set.issame;
+  // Checked here, where the file is known: the metrics would otherwise fail on it later
+  // with a message that names no file.
+  const size_t genuine = static_cast<size_t>(std::count(d.issame.begin(), d.issame.end(), true));
+  if (d.issame.empty()) throw runtime_error(path, ": the verification set has no pairs");
+  if (genuine == 0 || genuine == d.issame.size())
+    throw runtime_error(path, ": ", d.issame.size(), " pairs, all ", genuine ? "genuine" : "impostor",
+                        "; the protocol needs genuine and impostor pairs");
   const int64_t n = static_cast<int64_t>(set.images.size());
   d.images = torch::empty({n, 3, 112, 112});
   float* dst = d.images.data_ptr<float>();
@@ -97,8 +106,18 @@ at::Tensor embed_with_flip(Backbone& model, const at::Tensor& images, int64_t ba
   return (sum / sum.norm(2, {1}, /*keepdim=*/true).clamp_min(1e-12)).to(torch::kFloat);
 }
 
+void check_verification_folds(const VerificationData& data, int64_t folds) {
+  const int64_t pairs = static_cast<int64_t>(data.issame.size());
+  const std::string what = data.path.empty() ? "verification set '" + data.name + "'" : data.path;
+  if (folds < 1) throw usage_error(what, ": folds must be at least 1, got ", folds);
+  if (pairs < folds)
+    throw usage_error(what, ": ", pairs, " pairs, fewer than the ", folds,
+                      " folds of the protocol (faceshard-verify --folds K takes K <= ", pairs, ")");
+}
+
 VerificationResult evaluate_verification(Backbone& model, const VerificationData& data, int64_t batch,
-                                         torch::Device device) {
+                                         torch::Device device, int64_t folds) {
+  check_verification_folds(data, folds);
   const auto passes = flip_pass_embeddings(model, data.images, batch, device);
   VerificationResult r;
   // As verification.py: the mean L2 norm over the rows of both passes taken separately
@@ -107,7 +126,7 @@ VerificationResult evaluate_verification(Backbone& model, const VerificationData
   const at::Tensor raw = passes.first + passes.second;
   at::Tensor e1 = raw.slice(0, 0, raw.size(0), 2), e2 = raw.slice(0, 1, raw.size(0), 2);
   at::Tensor dist = pair_distances(e1, e2);
-  r.kfold = kfold_verification(dist, data.issame);
+  r.kfold = kfold_verification(dist, data.issame, static_cast<int>(folds));
   // Scores for the ROC: cosine similarity (higher = same), 1 - d/2 for unit vectors.
   at::Tensor score = (1 - dist / 2).to(torch::kDouble).contiguous();
   std::vector<double> scores(score.data_ptr<double>(), score.data_ptr<double>() + score.numel());

@@ -17,12 +17,19 @@ namespace faceshard {
 
 struct VerificationData {
   std::string name;      // file stem, e.g. "lfw"
+  std::string path;      // the file, for errors ("" for sets built in memory)
   at::Tensor images;     // [2P, 3, 112, 112] float, normalised RGB (pair i = rows 2i, 2i+1)
   std::vector<bool> issame;
 };
 
-// Reads and decodes an insightface .bin (images resized to 112 when they are not).
+// Reads and decodes an insightface .bin (images resized to 112 when they are not). A set
+// without pairs, or without both genuine and impostor pairs (the ROC needs both), is an
+// error naming the file.
 VerificationData load_verification_data(const std::string& path);
+
+// Usage error naming the set's file when it has fewer pairs than `folds` (the protocol
+// needs at least one pair per fold).
+void check_verification_folds(const VerificationData& data, int64_t folds);
 
 // Flip-test embeddings, L2-normalised: normalize(f(x) + f(mirror(x))), the sum taken in
 // double as insightface does, returned as float; in eval mode and without gradients,
@@ -48,7 +55,8 @@ struct VerificationResult {
   double xnorm = 0;
 };
 
+// insightface's protocol with `folds` folds (check_verification_folds first).
 VerificationResult evaluate_verification(Backbone& model, const VerificationData& data, int64_t batch,
-                                         torch::Device device);
+                                         torch::Device device, int64_t folds = 10);
 
 }  // namespace faceshard

@@ -14,6 +14,7 @@ Validation::Validation(TrainJob& job) : job_(job) {
     const std::string p = dir + "/" + t + ".bin";
     if (!std::filesystem::exists(p)) throw_config_error(job.cfg, "data.val_targets", "'" + t + "' has no file " + p);
     sets_.push_back(load_verification_data(p));
+    check_verification_folds(sets_.back(), 10);  // before training, not at the first verification
     log_info("verification set ", t, ": ", sets_.back().issame.size(), " pairs");
   }
 }
