@@ -4,12 +4,15 @@
 // Python, so no faceshard reader takes part in the reference); the CRC of a whole storage
 // and the bounds of a ranged read; the peak memory of loading a backbone; ReshardedRows
 // against the tensors that were saved, on another number of ranks, opening only the files
-// it needs; a classifier allocated for a resume refusing to run until filled.
+// it needs; a classifier allocated for a resume refusing to run until filled; every value
+// a resume reads checked, naming the file and the key.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <cmath>
 #include <cstdio>
 #include <filesystem>
+#include <functional>
 #include <fstream>
 #include <map>
 #include <sstream>
@@ -17,6 +20,7 @@
 
 #include "app/io/checkpoint.h"
 #include "app/io/resharded_rows.h"
+#include "app/train/train_state.h"
 #include "models/backbone.h"
 #include "models/backbone_registry.h"
 #include "models/state_dict_io.h"
@@ -334,7 +338,184 @@ TEST(ReshardedRows, EveryRankGetsItsClassesFromTheSavedShards) {
   // A marker whose numbers cannot describe a layout.
   testing::write_text(dir + "/half/COMMITTED", "step 3\nworld_size 0\nnum_classes 23\n");
   msg = error_of([&] { read_checkpoint_info(dir + "/half"); });
-  EXPECT_TRUE(contains(msg, "malformed COMMITTED marker")) << msg;
+  EXPECT_TRUE(contains(msg, "half/COMMITTED:2: key 'world_size' is '0', expected an integer in [1, 1048576]")) << msg;
+  testing::write_text(dir + "/half/COMMITTED", "step 3\nworld_size 2\n");
+  msg = error_of([&] { read_checkpoint_info(dir + "/half"); });
+  EXPECT_TRUE(contains(msg, "half/COMMITTED: key 'num_classes' is missing")) << msg;
+  testing::write_text(dir + "/half/COMMITTED", "step 3\nworld_size 2\nnum_classes 99999999999999999999\n");
+  msg = error_of([&] { read_checkpoint_info(dir + "/half"); });
+  EXPECT_TRUE(contains(msg, "half/COMMITTED:3: key 'num_classes' is '99999999999999999999'")) << msg;
+}
+
+// Values read into the classifier are checked where they are read, naming the file, the
+// key and the class: a non-finite weight or moment, a negative second moment or step count,
+// rows of another kind of number.
+TEST(ReshardedRows, ValuesAreCheckedNamingFileKeyAndClass) {
+  const std::string dir = testing::temp_dir("resharded_values");
+  const int64_t C = 23;
+  at::Tensor weight = torch::randn({C, 5}), momentum = torch::randn({C, 5});
+  weight[17][2] = std::nan("");
+  write_checkpoint(dir + "/nan", C, 2, weight, momentum);
+  const CheckpointInfo info = read_checkpoint_info(dir + "/nan");
+  std::string msg = error_of([&] { ReshardedRows(info, 0, C).read_into("weight", at::empty({C, 5})); });
+  EXPECT_TRUE(contains(msg, "nan/fc_shard_1.pt: key 'rows/weight': the value at class 17 is nan, expected a finite number"))
+      << msg;
+  // On 3 ranks, rank 2 owns classes [16, 23): the same class is named.
+  msg = error_of([&] { ReshardedRows(info, 16, 7).read_into("weight", at::empty({7, 5})); });
+  EXPECT_TRUE(contains(msg, "fc_shard_1.pt: key 'rows/weight': the value at class 17 is nan")) << msg;
+  EXPECT_EQ(error_of([&] { ReshardedRows(info, 0, 12).read_into("weight", at::empty({12, 5})); }), "<no error>");
+  // Non-negative entries (AdamW's second moment, its step counts).
+  weight[17][2] = 0.5;
+  momentum = momentum.abs();
+  momentum[3][1] = -1;
+  write_checkpoint(dir + "/neg", C, 2, weight, momentum);
+  const ReshardedRows neg(read_checkpoint_info(dir + "/neg"), 0, C);
+  EXPECT_EQ(error_of([&] { neg.read_into("opt.momentum", at::empty({C, 5})); }), "<no error>");
+  msg = error_of([&] { neg.read_into("opt.momentum", at::empty({C, 5}), /*non_negative=*/true); });
+  EXPECT_TRUE(contains(msg, "neg/fc_shard_0.pt: key 'rows/opt.momentum': the value at class 3 is -1, expected a value >= 0"))
+      << msg;
+  // Rows of another kind of number: integers or booleans into fp32 rows.
+  for (const at::Tensor& bad : {torch::ones({C, 5}, at::kLong), torch::ones({C, 5}, at::kBool)}) {
+    write_checkpoint(dir + "/type", C, 2, bad, momentum);
+    msg = error_of([&] { ReshardedRows(read_checkpoint_info(dir + "/type"), 0, C).read_into("weight", at::empty({C, 5})); });
+    EXPECT_TRUE(contains(msg, "type/fc_shard_0.pt: key 'rows/weight' is ") && contains(msg, "expected floating-point rows"))
+        << msg;
+  }
+}
+
+// A checkpoint whose files are well-formed but hold wrong values: a resume ends with one
+// line naming the file and the key (not LibTorch's message from deep inside), each case
+// made from a good checkpoint by changing one entry.
+TEST(TrainStateLoad, WrongValuesNameTheFileAndKey) {
+  const std::string dir = testing::temp_dir("train_state_values");
+  std::shared_ptr<Distributed> dist = Distributed::init(DistEnv{});
+  const Config cfg = load_config_text("output: " + dir + "/out\n" + R"(data: {rec: synthetic, num_classes: 10, batch_size: 4, num_workers: 1}
+model: {backbone: mbf, embedding_size: 8}
+optim: {optimizer: adamw}
+loss: {head: curricularface}
+train: {verify_every: 0, tensorboard: false}
+dist: {device: cpu}
+)", "job.yaml");
+  TrainJob job = build_train_job(cfg, dist);
+  const std::vector<int64_t> param0(job.backbone_params[0].sizes().begin(), job.backbone_params[0].sizes().end());
+  {
+    TrainState state(job);
+    state.progress().step = 3;
+    state.progress().best_accuracy["lfw"] = 0.5;
+    CheckpointManager checkpoints(dir + "/ck", *dist, 100);
+    state.save(checkpoints);
+  }
+  const std::string good = dir + "/ck/step_00000003";
+  // The good checkpoint with `file`'s entries changed (`change` edits them in place).
+  int n = 0;
+  auto variant = [&](const std::string& file, const std::function<void(StateDict&)>& change) {
+    const std::string out = dir + "/v" + std::to_string(n++);
+    std::filesystem::copy(good, out);
+    StateDict sd = read_state_dict(good + "/" + file);
+    change(sd);
+    write_state_dict(sd, out + "/" + file);
+    return out;
+  };
+  auto set = [](const std::string& key, const at::Tensor& v) {
+    return [key, v](StateDict& sd) {
+      for (auto& kv : sd)
+        if (kv.first == key) return void(kv.second = v);
+      sd.emplace_back(key, v);
+    };
+  };
+  auto resume = [&](const std::string& ck) {
+    return error_of([&] {
+      TrainJob j = build_train_job(cfg, dist, ClassifierStart::FromCheckpoint);
+      TrainState(j).load(ck);
+    });
+  };
+  EXPECT_EQ(resume(good), "<no error>");
+  struct Case {
+    std::string file, key;
+    at::Tensor value;
+    std::string expected;
+  };
+  const at::Tensor nan_rows = [&] {
+    for (const auto& kv : read_state_dict(good + "/fc_shard_0.pt"))
+      if (kv.first == "rows/weight") {
+        at::Tensor w = kv.second.clone();
+        w[4][1] = std::nan("");
+        return w;
+      }
+    return at::Tensor();
+  }();
+  const std::vector<Case> cases = {
+      {"fc_shard_0.pt", "rng.cpu", torch::zeros({7}, at::kByte), "fc_shard_0.pt: key 'rng.cpu' is Byte of shape [7]"},
+      {"fc_shard_0.pt", "rng.cpu", torch::zeros({5056}, at::kFloat), "fc_shard_0.pt: key 'rng.cpu' is Float of shape"},
+      {"fc_shard_0.pt", "rows.start", torch::tensor({0, 1}), "fc_shard_0.pt: key 'rows.start' holds 2 values, expected one"},
+      {"fc_shard_0.pt", "rows/weight", nan_rows, "fc_shard_0.pt: key 'rows/weight': the value at class 4 is nan"},
+      {"fc_shard_0.pt", "rows/opt.exp_avg_sq", -torch::ones({10, 8}),
+       "fc_shard_0.pt: key 'rows/opt.exp_avg_sq': the value at class 0 is -1, expected a value >= 0"},
+      {"fc_shard_0.pt", "rows/opt.row_steps", torch::full({10}, 1.5), "fc_shard_0.pt: key 'rows/opt.row_steps' is Float, expected integer rows"},
+      {"train_state.pt", "step", torch::tensor({4}), "train_state.pt: key 'step' is 4, but the checkpoint's COMMITTED marker says step 3"},
+      {"train_state.pt", "step", torch::tensor({3, 3}), "train_state.pt: key 'step' holds 2 values, expected one"},
+      {"train_state.pt", "world_size", torch::tensor({2}), "train_state.pt: key 'world_size' is 2, but the checkpoint's COMMITTED marker says 1"},
+      {"train_state.pt", "data.epoch", torch::tensor({-1}), "train_state.pt: key 'data.epoch' is -1"},
+      {"train_state.pt", "data.epoch_samples", torch::tensor({int64_t(-8)}), "train_state.pt: key 'data.epoch_samples' is -8"},
+      {"train_state.pt", "best/lfw", torch::tensor({std::nan("")}, at::kDouble), "train_state.pt: key 'best/lfw' is nan, expected an accuracy in [0, 1]"},
+      {"train_state.pt", "best/lfw", torch::tensor({1.5}), "train_state.pt: key 'best/lfw' is 1.5"},
+      {"train_state.pt", "head/t", torch::tensor({0.1, 0.2}), "train_state.pt: key 'head/t' is Float of 2 values, expected 1 floating-point values"},
+      {"train_state.pt", "head/t", torch::tensor({INFINITY}), "train_state.pt: key 'head/t': the value at index 0 is inf, expected a finite number"},
+      {"train_state.pt", "head/x", torch::tensor({0.1}), "train_state.pt: key 'head/x' is not state of the curricularface head"},
+      {"train_state.pt", "opt/exp_avg.0", torch::zeros(param0, at::kLong), "train_state.pt: optimiser state 'exp_avg.0': is Long, expected floating-point values"},
+      {"train_state.pt", "opt/exp_avg_sq.0", torch::zeros(param0), "optimiser state 'exp_avg.0' is missing"},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.file + " " + c.key);
+    const std::string msg = resume(variant(c.file, set(c.key, c.value)));
+    EXPECT_TRUE(contains(msg, c.expected)) << msg;
+    EXPECT_EQ(msg.find('\n'), std::string::npos) << msg;
+  }
+  // AdamW's state of one param, with one bad value each.
+  auto adam = [&](const at::Tensor& avg, const at::Tensor& sq, const at::Tensor& step) {
+    return [=](StateDict& sd) {
+      sd.emplace_back("opt/exp_avg.0", avg);
+      sd.emplace_back("opt/exp_avg_sq.0", sq);
+      sd.emplace_back("opt/step.0", step);
+    };
+  };
+  const at::Tensor z = torch::zeros(param0);
+  EXPECT_EQ(resume(variant("train_state.pt", adam(z, z, torch::tensor({2.0})))), "<no error>");
+  std::string msg = resume(variant("train_state.pt", adam(z.clone().fill_(NAN), z, torch::tensor({2.0}))));
+  EXPECT_TRUE(contains(msg, "train_state.pt: key 'opt/exp_avg.0': the value at index 0 is nan")) << msg;
+  msg = resume(variant("train_state.pt", adam(z, z.clone().fill_(-2), torch::tensor({2.0}))));
+  EXPECT_TRUE(contains(msg, "train_state.pt: key 'opt/exp_avg_sq.0': the value at index 0 is -2, expected a value >= 0")) << msg;
+  msg = resume(variant("train_state.pt", adam(z, z, torch::tensor({-1.0}))));
+  EXPECT_TRUE(contains(msg, "train_state.pt: key 'opt/step.0': the value at index 0 is -1")) << msg;
+  // A backbone value that is not finite, a negative running variance.
+  const StateDict bb = read_state_dict(good + "/backbone.pt");
+  std::string var_key, weight_key;
+  for (const auto& kv : bb) {
+    if (var_key.empty() && kv.first.find("running_var") != std::string::npos) var_key = kv.first;
+    if (weight_key.empty() && kv.second.is_floating_point() && kv.second.dim() == 4) weight_key = kv.first;
+  }
+  msg = resume(variant("backbone.pt", [&](StateDict& sd) {
+    for (auto& kv : sd)
+      if (kv.first == weight_key) kv.second = kv.second.clone().fill_(INFINITY);
+  }));
+  EXPECT_TRUE(contains(msg, "backbone.pt: key '" + weight_key + "': the value at index 0 is inf")) << msg;
+  msg = resume(variant("backbone.pt", [&](StateDict& sd) {
+    for (auto& kv : sd)
+      if (kv.first == var_key) kv.second = -kv.second.abs() - 1;
+  }));
+  EXPECT_TRUE(contains(msg, "backbone.pt: key '" + var_key + "': the value at index 0 is")) << msg;
+  EXPECT_TRUE(contains(msg, "expected a value >= 0")) << msg;
+  // A CPU generator state of the right size whose Mersenne Twister position is out of range.
+  msg = resume(variant("fc_shard_0.pt", [&](StateDict& sd) {
+    for (auto& kv : sd)
+      if (kv.first == "rng.cpu") kv.second = kv.second.clone().fill_(255);
+  }));
+  EXPECT_TRUE(contains(msg, "fc_shard_0.pt: key 'rng.cpu': not a valid")) << msg;
+  // The marker: a key that is not a number.
+  const std::string marker = variant("backbone.pt", [](StateDict&) {});
+  testing::write_text(marker + "/COMMITTED", "step 3\nworld_size 1\nnum_classes ten\n");
+  msg = resume(marker);
+  EXPECT_TRUE(contains(msg, "/COMMITTED:3: key 'num_classes' is 'ten'")) << msg;
 }
 
 TEST(PartialFCState, RowsAllocatedForACheckpointAreFilledBeforeUse) {

@@ -4,7 +4,9 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
@@ -83,6 +85,36 @@ double read_checkpoint_double(const TensorSource& file, const std::string& key, 
   const at::Tensor v = one_value(file, key, source);
   if (at::isComplexType(v.scalar_type())) throw usage_error(source, ": key '", key, "' is complex, expected a number");
   return v.item<double>();
+}
+
+void check_checkpoint_values(const at::Tensor& t, const std::string& source, const std::string& key,
+                             bool non_negative, int64_t first_row) {
+  if (!t.defined() || t.numel() == 0) return;
+  const bool floating = t.is_floating_point();
+  if (!floating && !non_negative) return;
+  if (t.is_complex() || t.scalar_type() == at::kBool)
+    throw usage_error(source, ": key '", key, "' is ", t.scalar_type(), ", expected real numbers");
+  at::NoGradGuard no_grad;
+  const at::Tensor all = t.dim() == 0 ? t.reshape({1}) : t.detach();
+  // Rows at a time, about 16M values per chunk: the mask of a chunk is all that is made.
+  const int64_t per_row = std::max<int64_t>(1, all.numel() / all.size(0));
+  const int64_t rows = std::max<int64_t>(1, (int64_t(1) << 24) / per_row);
+  for (int64_t r = 0; r < all.size(0); r += rows) {
+    const at::Tensor c = all.narrow(0, r, std::min(rows, all.size(0) - r));
+    at::Tensor bad = floating ? at::isfinite(c).logical_not() : at::zeros_like(c, c.options().dtype(at::kBool));
+    if (non_negative) bad = bad.logical_or(c < 0);
+    if (!bad.any().item<bool>()) continue;
+    const int64_t at = bad.reshape(-1).nonzero()[0][0].item<int64_t>();
+    const at::Tensor v = c.reshape(-1)[at].to(at::kCPU, at::kDouble);
+    const double value = v.item<double>();
+    std::ostringstream where;
+    if (first_row >= 0)
+      where << "class " << first_row + r + at / per_row;
+    else
+      where << "index " << r * per_row + at;
+    throw usage_error(source, ": key '", key, "': the value at ", where.str(), " is ", value, ", expected ",
+                      std::isfinite(value) ? "a value >= 0" : "a finite number");
+  }
 }
 
 CheckpointManager::CheckpointManager(std::string root, Distributed& dist, int64_t keep)
@@ -169,20 +201,41 @@ void CheckpointManager::prune(const std::string& newest) const {
 CheckpointInfo read_checkpoint_info(const std::string& dir) {
   std::ifstream f(dir + "/" + kMarker);
   if (!f) throw usage_error("checkpoint '", dir, "' is not committed (no ", kMarker, " marker): an interrupted save?");
+  const std::string marker = dir + "/" + kMarker;
   CheckpointInfo info;
   info.path = dir;
-  std::string key;
-  int64_t value = 0;
-  int seen = 0;
-  while (f >> key >> value) {
-    if (key == "step") info.step = value, seen |= 1;
-    if (key == "world_size") info.world_size = value, seen |= 2;
-    if (key == "num_classes") info.num_classes = value, seen |= 4;
-  }
   // Bounds on what the marker says: the classifier's layout is computed from them.
-  if (seen != 7 || info.step < 0 || info.world_size < 1 || info.world_size > (int64_t(1) << 20) ||
-      info.num_classes < info.world_size)
-    throw usage_error("checkpoint '", dir, "': malformed ", kMarker, " marker");
+  struct Key {
+    const char* name;
+    int64_t* value;
+    int64_t min, max;
+    bool seen;
+  };
+  Key keys[] = {{"step", &info.step, 0, int64_t(1) << 53, false},
+                {"world_size", &info.world_size, 1, int64_t(1) << 20, false},
+                {"num_classes", &info.num_classes, 1, int64_t(1) << 40, false}};
+  std::string line;
+  for (int n = 1; std::getline(f, line) && n <= 64; ++n) {
+    std::istringstream in(line);
+    std::string key, value;
+    if (!(in >> key)) continue;
+    in >> value;
+    for (Key& k : keys) {
+      if (key != k.name) continue;
+      char* end = nullptr;
+      errno = 0;
+      const long long v = std::strtoll(value.c_str(), &end, 10);
+      if (value.empty() || *end != '\0' || errno == ERANGE || v < k.min || v > k.max)
+        throw usage_error(marker, ":", n, ": key '", k.name, "' is '", detail::printable(value, 40),
+                          "', expected an integer in [", k.min, ", ", k.max, "]");
+      *k.value = v;
+      k.seen = true;
+    }
+  }
+  for (const Key& k : keys)
+    if (!k.seen) throw usage_error(marker, ": key '", k.name, "' is missing (a malformed ", kMarker, " marker)");
+  if (info.num_classes < info.world_size)
+    throw usage_error(marker, ": key 'num_classes' is ", info.num_classes, ", fewer than its world_size ", info.world_size);
   return info;
 }
 

@@ -66,6 +66,14 @@ StateDictReader open_checkpoint_file(const CheckpointInfo& ckpt, const std::stri
 int64_t read_checkpoint_int(const TensorSource& file, const std::string& key, const std::string& source);
 double read_checkpoint_double(const TensorSource& file, const std::string& key, const std::string& source);
 
+// Checks values read from a checkpoint's entry `key` of `source` (a file): every value of
+// a floating tensor finite, and with non_negative every value >= 0 (integer tensors are
+// only checked for that). Usage error naming the file, the key, the first bad value and
+// its index (with first_row >= 0, a tensor of classifier rows: class first_row + r). Reads the tensor in
+// chunks (no copy of its size, on any device).
+void check_checkpoint_values(const at::Tensor& values, const std::string& source, const std::string& key,
+                             bool non_negative = false, int64_t first_row = -1);
+
 // Writes `weights` to path atomically: temporary file, fsync, rename, fsync of the folder.
 void write_state_dict_durably(const StateDict& weights, const std::string& path);
 void write_text_durably(const std::string& text, const std::string& path);

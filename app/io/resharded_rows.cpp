@@ -54,6 +54,7 @@ ReshardedRows::ReshardedRows(const CheckpointInfo& ckpt, int64_t start, int64_t 
     } else if (names != names_) {
       throw usage_error(part.file, ": its classifier entries differ from those of ", parts_.front().file);
     }
+    part.saved_start = saved.start;
     part.first_row = lo - saved.start;
     part.dst_row = lo - start;
     part.rows = hi - lo;
@@ -65,7 +66,7 @@ bool ReshardedRows::has(const std::string& name) const {
   return std::find(names_.begin(), names_.end(), name) != names_.end();
 }
 
-void ReshardedRows::read_into(const std::string& name, const at::Tensor& dst) const {
+void ReshardedRows::read_into(const std::string& name, const at::Tensor& dst, bool non_negative) const {
   if (!has(name))
     throw usage_error("checkpoint '", ckpt_path_, "' has no classifier state '", kRows, name, "'");
   if (dst.dim() < 1 || dst.size(0) != count_)
@@ -79,7 +80,14 @@ void ReshardedRows::read_into(const std::string& name, const at::Tensor& dst) co
       throw usage_error(part.file, ": '", kRows, name, "' has rows of shape ",
                         shape_str(c10::IntArrayRef(sizes).slice(1)), ", this run's classifier has ",
                         shape_str(dst.sizes().slice(1)));
-    f.read_rows_into(i, part.first_row, dst.narrow(0, part.dst_row, part.rows));
+    const at::ScalarType saved = f.dtype(i);
+    const bool floating = at::isFloatingType(saved), integer = at::isIntegralType(saved, /*includeBool=*/false);
+    if (dst.is_floating_point() ? !floating : !integer)
+      throw usage_error(part.file, ": key '", kRows, name, "' is ", saved, ", expected ",
+                        dst.is_floating_point() ? "floating-point" : "integer", " rows");
+    const at::Tensor rows = dst.narrow(0, part.dst_row, part.rows);
+    f.read_rows_into(i, part.first_row, rows);
+    check_checkpoint_values(rows, part.file, kRows + name, non_negative, part.saved_start + part.first_row);
   }
 }
 

@@ -33,15 +33,18 @@ class ReshardedRows {
   const std::vector<std::string>& names() const { return names_; }
   bool has(const std::string& name) const;
   // Classes [start, start + count) of rows/<name> into dst ([count, ...] of the saved row
-  // shape; any dtype and device). Usage error when the checkpoint lacks the entry or its
-  // rows have another shape.
-  void read_into(const std::string& name, const at::Tensor& dst) const;
+  // shape; any dtype and device). Usage error when the checkpoint lacks the entry, its
+  // rows have another shape or another kind of number (floating-point rows for a
+  // floating-point dst, integers for an integer one), or a value read is not finite (or,
+  // with non_negative, below 0): naming the file, the key and the class.
+  void read_into(const std::string& name, const at::Tensor& dst, bool non_negative = false) const;
 
  private:
   struct Part {
     std::string file;
     std::unique_ptr<StateDictReader> reader;
-    int64_t first_row = 0;  // in the saved shard
+    int64_t saved_start = 0;  // the saved shard's first class
+    int64_t first_row = 0;    // in the saved shard
     int64_t dst_row = 0;    // in this rank's shard
     int64_t rows = 0;
   };

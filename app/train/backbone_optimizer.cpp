@@ -194,6 +194,9 @@ void BackboneOptimizer::load_state(const TensorSource& state, const std::string&
     if (adamw_ && prefix == "exp_avg_sq") slot = &eas;
     if (adamw_ && prefix == "step") slot = &st;
     if (!slot) throw bad("not a state of this optimiser (", opts_.kind, opts_.kind == "sgd" && opts_.momentum == 0 ? " without momentum" : "", ")");
+    const at::ScalarType type = state.dtype(e);
+    if (at::isComplexType(type) || type == at::kBool || (slot != &st && !at::isFloatingType(type)))
+      throw bad("is ", type, ", expected ", slot == &st ? "a number" : "floating-point values");
     if (slot == &st) {
       if (numel != 1) throw bad("expected one number, got shape ", c10::IntArrayRef(sizes));
     } else if (c10::IntArrayRef(sizes) != params_[i].sizes()) {

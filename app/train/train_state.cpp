@@ -1,5 +1,7 @@
 #include "app/train/train_state.h"
 
+#include <ATen/CPUGeneratorImpl.h>
+
 #include <algorithm>
 #include <chrono>
 #include <mutex>
@@ -13,6 +15,34 @@ namespace faceshard {
 namespace {
 
 at::Tensor scalar_long(int64_t v) { return torch::tensor({v}, torch::kLong); }
+
+// A generator's state from entry i of a checkpoint file: the bytes LibTorch's get_state
+// gives for this generator (their type and number checked from the file before reading),
+// tried on a scratch generator first, so that a state LibTorch rejects, or a CPU
+// (Mersenne Twister) state whose position lies outside its table, names the file and key
+// and leaves the job's generator as it was.
+void restore_generator(at::Generator& gen, const TensorSource& file, size_t i, const std::string& source,
+                       const std::string& key) {
+  std::lock_guard<std::mutex> lock(gen.mutex());
+  const at::Tensor want = gen.get_state();
+  const std::vector<int64_t> sizes = file.sizes(i);
+  if (file.dtype(i) != want.scalar_type() || c10::IntArrayRef(sizes) != want.sizes())
+    throw usage_error(source, ": key '", key, "' is ", file.dtype(i), " of shape ", c10::IntArrayRef(sizes),
+                      ", expected the ", want.scalar_type(), " of shape ", want.sizes(), " that this ",
+                      gen.device().str(), " generator's state takes");
+  const at::Tensor state = file.read(i);
+  try {
+    if (gen.device().is_cpu()) {
+      auto scratch = at::make_generator<at::CPUGeneratorImpl>();
+      scratch.set_state(state);
+      if (!scratch.get<at::CPUGeneratorImpl>()->engine().is_valid())
+        throw usage_error(source, ": key '", key, "': not a valid CPU generator state (its Mersenne Twister position is out of range)");
+    }
+    gen.set_state(state);
+  } catch (const c10::Error&) {
+    throw usage_error(source, ": key '", key, "': not a valid ", gen.device().str(), " generator state");
+  }
+}
 
 }  // namespace
 
@@ -60,11 +90,27 @@ void TrainState::load(const std::string& dir) {
   // state, the classifier's rows, on the job's device): a resume needs no memory beyond the
   // training's own and a staging buffer.
   j.backbone->load_state_dict(open_checkpoint_file(info, "backbone.pt"), dir + "/backbone.pt");
+  // Every value of the backbone finite; BatchNorm's running variances and counts >= 0.
+  for (const auto& [key, value] : j.backbone->state_dict()) {
+    const bool non_negative = key.size() >= 11 && (key.compare(key.size() - 11, 11, "running_var") == 0 ||
+                                                   key.find("num_batches_tracked") != std::string::npos);
+    check_checkpoint_values(value, dir + "/backbone.pt", key, non_negative);
+  }
 
   const std::string tsrc = dir + "/train_state.pt";
   const StateDictReader ts = open_checkpoint_file(info, "train_state.pt");
   p.step = read_checkpoint_int(ts, "step", tsrc);
+  if (p.step != info.step)
+    throw usage_error(tsrc, ": key 'step' is ", p.step, ", but the checkpoint's COMMITTED marker says step ", info.step);
+  if (ts.find("world_size") != TensorSource::npos) {
+    const int64_t saved_world = read_checkpoint_int(ts, "world_size", tsrc);
+    if (saved_world != info.world_size)
+      throw usage_error(tsrc, ": key 'world_size' is ", saved_world, ", but the checkpoint's COMMITTED marker says ",
+                        info.world_size);
+  }
   j.opt->load_state(PrefixedSource(ts, "opt/"), tsrc);
+  for (const auto& [key, value] : j.opt->state())  // AdamW's second moments and step counts are never negative
+    check_checkpoint_values(value, tsrc, "opt/" + key, key.rfind("exp_avg_sq.", 0) == 0 || key.rfind("step.", 0) == 0);
   {
     const PrefixedSource scaler(ts, "scaler/");
     StateDict values;
@@ -72,11 +118,28 @@ void TrainState::load(const std::string& dir) {
     j.scaler->load_state(values, tsrc);
   }
   const PrefixedSource best(ts, "best/");
-  for (size_t i = 0; i < best.size(); ++i)
-    p.best_accuracy[best.name(i)] = read_checkpoint_double(ts, "best/" + best.name(i), tsrc);
+  for (size_t i = 0; i < best.size(); ++i) {
+    const double a = read_checkpoint_double(ts, "best/" + best.name(i), tsrc);
+    if (!(a >= 0 && a <= 1))
+      throw usage_error(tsrc, ": key 'best/", best.name(i), "' is ", a, ", expected an accuracy in [0, 1]");
+    p.best_accuracy[best.name(i)] = a;
+  }
+  // The head's state: each key's name, size and type checked from the file before it is
+  // read, its values after.
   const PrefixedSource head_state(ts, "head/");
-  for (size_t i = 0; i < head_state.size(); ++i)
-    j.fc->head().load_state(head_state.name(i), head_state.read(i).to(j.device), tsrc);
+  const auto head_now = j.fc->head().state();
+  for (size_t i = 0; i < head_state.size(); ++i) {
+    const std::string& key = head_state.name(i);
+    auto it = std::find_if(head_now.begin(), head_now.end(), [&](const auto& kv) { return kv.first == key; });
+    if (it == head_now.end())
+      throw usage_error(tsrc, ": key 'head/", key, "' is not state of the ", j.fc->head().name(), " head");
+    if (head_state.numel(i) != it->second.numel() || !at::isFloatingType(head_state.dtype(i)))
+      throw usage_error(tsrc, ": key 'head/", key, "' is ", head_state.dtype(i), " of ", head_state.numel(i),
+                        " values, expected ", it->second.numel(), " floating-point values");
+    const at::Tensor value = head_state.read(i);
+    check_checkpoint_values(value, tsrc, "head/" + key);
+    j.fc->head().load_state(key, value.to(j.device), tsrc);
+  }
 
   // The classifier: this rank's class range from the saved shards, resharded when the
   // number of ranks differs, each entry streamed into the shard's own tensor.
@@ -90,7 +153,8 @@ void TrainState::load(const std::string& dir) {
   const auto t_rows = std::chrono::steady_clock::now();
   double rows_gb = 0;
   j.fc->fill_state([&](const std::string& name, const at::Tensor& dst) {
-    rows.read_into(name, dst);
+    // AdamW's second moments and step counts are never negative.
+    rows.read_into(name, dst, name == "opt.exp_avg_sq" || name == "opt.row_steps");
     rows_gb += static_cast<double>(dst.nbytes()) / 1e9;
   });
   const double rows_s = seconds(t_rows);
@@ -98,13 +162,13 @@ void TrainState::load(const std::string& dir) {
   if (info.world_size == j.dist->world_size()) {
     const std::string name = "fc_shard_" + std::to_string(j.dist->rank()) + ".pt";
     const StateDictReader own = open_checkpoint_file(info, name);
+    const std::string file = dir + "/" + name;
     for (const char* key : {"rng.cpu", "rng.cuda"}) {
       const size_t i = own.find(key);
       if (i == TensorSource::npos || (std::string(key) == "rng.cuda" && !j.device.is_cuda())) continue;
       at::Generator gen = std::string(key) == "rng.cpu" ? at::detail::getDefaultCPUGenerator()
                                                         : at::globalContext().defaultGenerator(j.device);
-      std::lock_guard<std::mutex> lock(gen.mutex());
-      gen.set_state(own.read(i));
+      restore_generator(gen, own, i, file, key);
     }
   }
   // The sampling RNG counts forwards: micro-batches.
@@ -116,6 +180,12 @@ void TrainState::load(const std::string& dir) {
   if (ts.find("data.epoch") != TensorSource::npos) {
     p.epoch = read_checkpoint_int(ts, "data.epoch", tsrc);
     const int64_t samples = read_checkpoint_int(ts, "data.epoch_samples", tsrc);
+    // A run of `step` steps has begun at most step + 1 epochs.
+    if (p.epoch < 0 || p.epoch > p.step + 1)
+      throw usage_error(tsrc, ": key 'data.epoch' is ", p.epoch, ", expected an epoch in [0, ", p.step + 1,
+                        "] (the saved step + 1)");
+    if (samples < 0 || samples > (int64_t(1) << 53))
+      throw usage_error(tsrc, ": key 'data.epoch_samples' is ", samples, ", expected a sample count in [0, 2^53]");
     p.batch_in_epoch = samples / per_batch / j.micro * j.micro;
     if (samples % (per_batch * j.micro) != 0)
       log_info("resume: ", samples, " samples of epoch ", p.epoch, " were used; continuing at the nearest full step (",
