@@ -6,10 +6,12 @@
 #include <fstream>
 
 #include "app/config/config.h"
+#include "app/train/train_job.h"
 #include "models/backbone_registry.h"
 #include "partial_fc/classifier/partial_fc.h"
 #include "partial_fc/runtime/error.h"
 #include "tests/harness.h"
+#include "tests/test_errors.h"
 
 namespace faceshard {
 namespace {
@@ -185,6 +187,68 @@ TEST(Config, BasesThatFanOutAreBoundedInFilesAndBytes) {
   f.write("x.yaml", "base: y.yaml\n");
   f.write("y.yaml", "base: x.yaml\n");
   expect_usage_error([&] { load_config(f.dir + "/x.yaml"); }, {"cycle", "x.yaml -> " + f.dir + "/y.yaml -> " + f.dir + "/x.yaml"});
+}
+
+// Before the classifier is allocated, the run computes what its shard needs and stops with
+// one line naming the keys that size it when the device cannot hold it; the config itself
+// bounds data.num_classes so that no size of the classifier overflows int64.
+TEST(Config, ClassifierMemoryPlanAndItsLimit) {
+  const Config cfg = load_config_text(
+      "data:\n  num_classes: 1000003\n  batch_size: 8\nmodel:\n  embedding_size: 32\nloss:\n  sample_rate: 0.5\n",
+      "plan.yaml");
+  PartialFCOptions po;
+  po.num_classes = cfg.data.num_classes;
+  po.embedding_size = cfg.model.embedding_size;
+  po.sample_rate = cfg.loss.sample_rate;
+  // 4 ranks: rank 0 holds 250001 classes and samples 125000 of them.
+  ClassifierMemoryPlan p = classifier_memory_plan(po, 4, 0, cfg.data.batch_size);
+  EXPECT_EQ(p.rows, 250001);
+  EXPECT_EQ(p.sampled_rows, 125000);
+  EXPECT_EQ(p.global_batch, 32);
+  EXPECT_DOUBLE_EQ(p.weight_bytes, 250001.0 * 32 * 4);
+  EXPECT_DOUBLE_EQ(p.state_bytes, 250001.0 * 32 * 4);          // SGD momentum
+  EXPECT_DOUBLE_EQ(p.gradient_bytes, 2 * 125000.0 * 32 * 4);   // the sampled rows and their gradient
+  EXPECT_DOUBLE_EQ(p.logits_bytes, 32 * 125000.0 * 4);
+  po.optimizer.kind = "adamw";
+  po.step_all_rows = true;
+  po.gemm_dtype = at::kBFloat16;
+  p = classifier_memory_plan(po, 4, 3, cfg.data.batch_size);
+  EXPECT_EQ(p.rows, 250000);
+  EXPECT_DOUBLE_EQ(p.state_bytes, 250000.0 * (2 * 32 * 4 + 8));
+  EXPECT_DOUBLE_EQ(p.gradient_bytes, 2 * 125000.0 * 32 * 4 + 250000.0 * 32 * 4 + 125000.0 * 32 * 2);
+  po.sample_rate = 1;
+  po.optimizer.kind = "sgd";
+  po.gemm_dtype = at::kFloat;
+  p = classifier_memory_plan(po, 4, 3, cfg.data.batch_size);
+  EXPECT_DOUBLE_EQ(p.gradient_bytes, 250000.0 * 32 * 4);  // the whole shard's gradient
+  EXPECT_DOUBLE_EQ(p.total_bytes(), 3 * 250000.0 * 32 * 4 + 32 * 250000.0 * 4);
+  // Fewer classes than ranks: PartialFC's own option error.
+  po.num_classes = 3;
+  EXPECT_NE(testing::error_of([&] { classifier_memory_plan(po, 4, 0, 8); }).find("at least the number of ranks"),
+            std::string::npos);
+
+  // Does not fit: one line naming the keys, what is needed and what is there.
+  po = PartialFCOptions();
+  po.num_classes = 1000003;
+  po.embedding_size = 32;
+  po.sample_rate = 0.5;
+  p = classifier_memory_plan(po, 4, 0, 8);
+  EXPECT_NO_THROW(check_classifier_fits(cfg, p, 4, 0, AvailableMemory{p.total_bytes(), "test"}, torch::kCPU));
+  expect_usage_error(
+      [&] { check_classifier_fits(cfg, p, 4, 0, AvailableMemory{p.total_bytes() - 1, "MemAvailable"}, torch::kCPU); },
+      {"plan.yaml:2", "key 'data.num_classes': 1000003 classes do not fit", "rank 0's classifier shard needs at least " +
+       std::to_string(static_cast<long long>(p.total_bytes())) + " bytes", "250001 rows x 32 fp32",
+       "logits 32 x 125000 x 4 B = 16000000", "loss.sample_rate 0.5", "data.batch_size 8", "world size 4",
+       "but cpu has " + std::to_string(static_cast<long long>(p.total_bytes() - 1)) + " bytes available (MemAvailable)"});
+  // The CPU's available memory is known here (Linux).
+  const auto cpu = device_available_memory(torch::kCPU);
+  ASSERT_TRUE(cpu.has_value());
+  EXPECT_GT(cpu->bytes, 1e6);
+
+  // At most 2^40 classes (int64 sizes of the classifier never overflow).
+  EXPECT_NO_THROW(load_config_text("data:\n  num_classes: 1099511627776\n", "big.yaml"));
+  expect_usage_error([] { load_config_text("data:\n  num_classes: 1099511627777\n", "big.yaml"); },
+                     {"big.yaml:2", "key 'data.num_classes'", "more than the 2^40"});
 }
 
 // Settings that default to another setting are optional: unset, their accessor gives the

@@ -3,6 +3,7 @@
 #include <cstdio>
 
 #include "app/config/cli.h"
+#include "partial_fc/classifier/partial_fc.h"
 #include "partial_fc/runtime/error.h"
 
 using namespace faceshard;
@@ -17,7 +18,19 @@ int main(int argc, char** argv) {
     if (!args.rest.empty()) throw usage_error("unknown argument '", args.rest[0], "' (see --help)");
     Config cfg = load_config_from_args(args);
     if (args.print_config) std::fputs(config_to_yaml(cfg).c_str(), stdout);
-    else std::printf("%s: ok\n", args.config.c_str());
+    else {
+      // The whole classifier's size (one rank's is its share): what data.num_classes asks for.
+      PartialFCOptions po;
+      po.num_classes = cfg.data.num_classes;
+      po.embedding_size = cfg.model.embedding_size;
+      po.optimizer.kind = cfg.optim.classifier_optimizer();
+      const ClassifierMemoryPlan all = classifier_memory_plan(po, 1, 0, cfg.data.batch_size);
+      std::printf("%s: ok\nclassifier: %lld classes x %lld fp32: %.0f bytes (%.3g GB) of centres + %.0f bytes (%.3g GB) "
+                  "of optimiser state, split over the ranks\n",
+                  args.config.c_str(), static_cast<long long>(cfg.data.num_classes),
+                  static_cast<long long>(cfg.model.embedding_size), all.weight_bytes, all.weight_bytes / 1e9,
+                  all.state_bytes, all.state_bytes / 1e9);
+    }
     return 0;
   });
 }

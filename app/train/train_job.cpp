@@ -2,7 +2,15 @@
 
 #ifdef FACESHARD_WITH_CUDA
 #include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAFunctions.h>
 #endif
+
+#include <algorithm>
+#include <cctype>
+#include <cstdlib>
+#include <fstream>
+#include <limits>
+#include <sstream>
 
 #include "app/train/sync_bn.h"
 #include "data/sampler.h"
@@ -138,7 +146,14 @@ void build_model(TrainJob& j, ClassifierStart start) {
   for (const auto& [head, params] : margin_head_defaults())
     if (head == cfg.loss.head)
       for (const auto& kv : params) keys.emplace_back(kv.first, "loss." + head + "." + kv.first);
-  j.fc = with_config_keys(cfg, keys, [&] { return std::make_unique<PartialFC>(d, po, j.device); });
+  j.fc = with_config_keys(cfg, keys, [&] {
+    // Before anything of the classifier is allocated: a shard that cannot fit is a config
+    // error naming the keys that size it, not the allocator's message deep in training.
+    const ClassifierMemoryPlan plan = classifier_memory_plan(po, d.world_size(), d.rank(), cfg.data.batch_size);
+    if (const auto available = device_available_memory(j.device))
+      check_classifier_fits(cfg, plan, d.world_size(), d.rank(), *available, j.device);
+    return std::make_unique<PartialFC>(d, po, j.device);
+  });
 
   BackboneOptimizerOptions boo;
   boo.kind = cfg.optim.optimizer;
@@ -161,6 +176,71 @@ void build_model(TrainJob& j, ClassifierStart start) {
 }
 
 }  // namespace
+
+namespace {
+
+// A number of bytes from a cgroup file ("max" or unreadable: nothing).
+std::optional<double> cgroup_bytes(const std::string& path) {
+  std::ifstream f(path);
+  std::string v;
+  if (!(f >> v) || v.empty() || !std::isdigit(static_cast<unsigned char>(v[0]))) return std::nullopt;
+  return std::strtod(v.c_str(), nullptr);
+}
+
+}  // namespace
+
+std::optional<AvailableMemory> device_available_memory(torch::Device dev) {
+#ifdef FACESHARD_WITH_CUDA
+  if (dev.is_cuda()) {
+    const c10::DeviceIndex index = dev.has_index() ? dev.index() : c10::cuda::current_device();
+    const auto [free, total] = c10::cuda::CUDACachingAllocator::get()->getMemoryInfo(index);
+    (void)total;
+    const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(index);
+    const double cached = static_cast<double>(stats.reserved_bytes[0].current - stats.allocated_bytes[0].current);
+    return AvailableMemory{static_cast<double>(free) + cached, "free on cuda:" + std::to_string(index)};
+  }
+#endif
+  if (!dev.is_cpu()) return std::nullopt;
+  std::optional<AvailableMemory> out;
+  std::ifstream meminfo("/proc/meminfo");
+  for (std::string key; meminfo >> key;) {
+    double kb = 0;
+    meminfo >> kb;
+    if (key == "MemAvailable:") out = AvailableMemory{kb * 1024, "MemAvailable"};
+    meminfo.ignore(std::numeric_limits<std::streamsize>::max(), '\n');
+  }
+  // A container's limit: cgroup v2, else v1.
+  struct Cgroup {
+    const char* limit;
+    const char* usage;
+    const char* what;
+  };
+  for (const Cgroup& c : {Cgroup{"/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current", "cgroup memory.max"},
+                          Cgroup{"/sys/fs/cgroup/memory/memory.limit_in_bytes",
+                                 "/sys/fs/cgroup/memory/memory.usage_in_bytes", "cgroup memory.limit_in_bytes"}}) {
+    const auto limit = cgroup_bytes(c.limit), usage = cgroup_bytes(c.usage);
+    if (!limit || !usage) continue;
+    const double left = std::max(0.0, *limit - *usage);
+    if (!out || left < out->bytes) out = AvailableMemory{left, std::string(c.what) + " less usage"};
+    break;
+  }
+  return out;
+}
+
+void check_classifier_fits(const Config& cfg, const ClassifierMemoryPlan& p, int world_size, int rank,
+                           const AvailableMemory& available, torch::Device device) {
+  if (p.total_bytes() <= available.bytes) return;
+  auto bytes = [](double b) { return std::to_string(static_cast<long long>(std::min(b, 9.2e18))); };
+  std::ostringstream os;
+  os << cfg.data.num_classes << " classes do not fit: rank " << rank << "'s classifier shard needs at least "
+     << bytes(p.total_bytes()) << " bytes (" << p.rows << " rows x " << p.embedding_size << " fp32: weight "
+     << bytes(p.weight_bytes) << ", optimiser state " << bytes(p.state_bytes) << ", gradient " << bytes(p.gradient_bytes)
+     << ", logits " << p.global_batch << " x " << p.sampled_rows << " x 4 B = " << bytes(p.logits_bytes)
+     << ") with loss.sample_rate " << cfg.loss.sample_rate << ", data.batch_size " << cfg.data.batch_size
+     << " and world size " << world_size << ", but " << device.str() << " has " << bytes(available.bytes)
+     << " bytes available (" << available.what << ")";
+  throw_config_error(cfg, "data.num_classes", os.str());
+}
 
 std::optional<double> device_peak_memory_gb(torch::Device dev) {
 #ifdef FACESHARD_WITH_CUDA

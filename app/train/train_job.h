@@ -6,6 +6,8 @@
 // config errors naming the file and key.
 #pragma once
 #include <memory>
+#include <optional>
+#include <string>
 #include <vector>
 
 #include <torch/torch.h>
@@ -58,6 +60,21 @@ TrainJob build_train_job(const Config& cfg, ClassifierStart start = ClassifierSt
 // picks for them); tests build several jobs over one set of ranks this way.
 TrainJob build_train_job(const Config& cfg, std::shared_ptr<Distributed> dist,
                          ClassifierStart start = ClassifierStart::Fresh);
+
+// Bytes a new allocation can take on `device`: for a GPU, the driver's free memory plus
+// what LibTorch's caching allocator holds unused; for the CPU, /proc/meminfo's
+// MemAvailable, or less when the process's cgroup has a smaller limit left. `what` says
+// which ("MemAvailable", "cgroup memory.max", "free on cuda:0"). Nothing when unknown.
+struct AvailableMemory {
+  double bytes = 0;
+  std::string what;
+};
+std::optional<AvailableMemory> device_available_memory(torch::Device device);
+
+// Throws a config error naming data.num_classes (with loss.sample_rate, the batch and the
+// world size) when `plan` needs more than `available`: one line with both byte counts.
+void check_classifier_fits(const Config& cfg, const ClassifierMemoryPlan& plan, int world_size, int rank,
+                           const AvailableMemory& available, torch::Device device);
 
 // The GPU allocator's peak in GB for a CUDA device, nothing for the CPU.
 std::optional<double> device_peak_memory_gb(torch::Device device);

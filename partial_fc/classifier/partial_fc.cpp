@@ -42,6 +42,25 @@ const PartialFCOptions& checked(const PartialFCOptions& o) {
 }
 }  // namespace
 
+ClassifierMemoryPlan classifier_memory_plan(const PartialFCOptions& o, int world_size, int rank,
+                                            int64_t batch_per_rank) {
+  const ClassShard shard = ClassShard::of(checked(o).num_classes, world_size, rank);
+  ClassifierMemoryPlan p;
+  p.rows = shard.count;
+  p.sampled_rows = std::min<int64_t>(shard.count, static_cast<int64_t>(o.sample_rate * static_cast<double>(shard.count)));
+  p.embedding_size = o.embedding_size;
+  p.global_batch = batch_per_rank * world_size;
+  const double row = static_cast<double>(o.embedding_size) * 4.0;  // one fp32 row
+  const double n = static_cast<double>(p.rows), s = static_cast<double>(p.sampled_rows);
+  const bool sampling = p.sampled_rows < p.rows;
+  p.weight_bytes = n * row;
+  p.state_bytes = o.optimizer.kind == "adamw" ? n * (2 * row + 8) : n * row;
+  p.gradient_bytes = sampling ? 2 * s * row + (o.step_all_rows ? n * row : 0.0) : n * row;
+  if (o.gemm_dtype != at::kFloat) p.gradient_bytes += s * row / 2;
+  p.logits_bytes = static_cast<double>(p.global_batch) * s * 4.0;
+  return p;
+}
+
 at::Tensor PartialFC::initial_rows(int64_t start, int64_t count, int64_t dim, uint64_t seed) {
   at::Tensor out = torch::empty({count, dim});
   if (count == 0) return out;

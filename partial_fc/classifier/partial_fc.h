@@ -63,6 +63,26 @@ struct PartialFCOutput {
 // Rows of a shard (name -> [count, ...] tensor), for checkpoints and resharding.
 using ShardRows = std::vector<std::pair<std::string, at::Tensor>>;
 
+// What one rank's classifier takes in memory, computed from the options alone (before
+// anything is allocated): the shard's rows x embedding x 4 B for the weight, the
+// optimiser's rows (SGD momentum: one more; AdamW: two more and an int64 step per row), the
+// step's gradient (the whole shard without sampling; with sampling the sampled rows and
+// their copy, plus a dense gradient of the shard with step_all_rows; a half-precision
+// copy of them for the GEMM under mixed precision) and the fp32 logits buffer
+// [batch x world, sampled rows]. A lower bound: the softmax's small vectors, the sampling
+// scores and the allocator's rounding come on top. Doubles, so that no size overflows.
+struct ClassifierMemoryPlan {
+  int64_t rows = 0;          // classes of this rank's shard
+  int64_t sampled_rows = 0;  // rows that take part in a step
+  int64_t embedding_size = 0;
+  int64_t global_batch = 0;  // batch per rank x ranks: the logits' rows
+  double weight_bytes = 0, state_bytes = 0, gradient_bytes = 0, logits_bytes = 0;
+  double total_bytes() const { return weight_bytes + state_bytes + gradient_bytes + logits_bytes; }
+};
+// Option errors as PartialFC's ("num_classes" when there are fewer classes than ranks).
+ClassifierMemoryPlan classifier_memory_plan(const PartialFCOptions& opts, int world_size, int rank,
+                                            int64_t batch_per_rank);
+
 class PartialFC {
  public:
   // Option errors name "num_classes", "sample_rate", "embedding_size" or "optimizer".
