@@ -1,10 +1,14 @@
 #!/usr/bin/env bash
 # Hostile files through the real binaries: a torch.save state_dict of 200k nested tuples,
 # a verification .bin that references one 500 KB image 7000 times through the pickle memo,
-# corrupt .idx files (keys swapped, every key at one offset) and malformed or hostile YAML
-# configs. Each must end with ONE error line naming the file
-# (and for YAML the line and key path), exit status 1 (runtime) or 2 (config), and a peak
-# resident memory below PEAK_MB (the binaries with LibTorch loaded take about 400-500 MB).
+# corrupt .idx files (keys swapped, every key at one offset), malformed or hostile YAML
+# configs (and bases that fan out to 10^9 files), checkpoints whose values are wrong (a
+# generator state of 7 bytes, a NaN centre, a step the marker does not say), a classifier
+# too big for the machine, IJB meta files that name a file outside loose_crop/ or a
+# faceness of 0, and verification sets with no pairs or fewer pairs than folds. Each must
+# end with ONE error line naming the file (and for YAML the line and key path) and no
+# library text, exit status 1 (runtime) or 2 (config), and a peak resident memory below
+# PEAK_MB (the binaries with LibTorch loaded take about 400-500 MB).
 # usage: hostile_inputs.sh SOURCE_DIR BIN_DIR
 set -u
 root="$1"; bin="$2"
@@ -42,6 +46,23 @@ yaml = {
 }
 for k, v in yaml.items():
     open('%s/%s.yaml' % (d, k), 'w').write(v)
+# Bases that fan out: each of 9 levels names the next level's file 10 times (10^9 loads).
+for i in range(1, 10):
+    body = 'base: [%s]\n' % ', '.join(['fan%d.yaml' % (i + 1)] * 10) if i < 9 else head
+    open('%s/fan%d.yaml' % (d, i), 'w').write(body)
+open(d + '/fanout.yaml', 'w').write('base: [%s]\n' % ', '.join(['fan1.yaml'] * 10))
+# IJB meta files: an image name that leaves loose_crop/, and a faceness of 0.
+import os
+for name, (img, score) in {'ijb_path': ('../../../../etc/passwd', '0.8'), 'ijb_face': ('2.jpg', '0')}.items():
+    os.makedirs('%s/%s/meta' % (d, name))
+    os.makedirs('%s/%s/loose_crop' % (d, name))
+    open('%s/%s/meta/ijbc_name_5pts_score.txt' % (d, name), 'w').write(
+        '1.jpg 38 51 73 51 56 71 41 92 70 92 0.9\n%s 38 51 73 51 56 71 41 92 70 92 %s\n' % (img, score))
+    open('%s/%s/meta/ijbc_face_tid_mid.txt' % (d, name), 'w').write('1.jpg 1 1\n%s 2 2\n' % img)
+    open('%s/%s/meta/ijbc_template_pair_label.txt' % (d, name), 'w').write('1 2 0\n')
+# A verification set without pairs.
+import pickle
+open(d + '/empty.bin', 'wb').write(pickle.dumps(([], []), protocol=2))
 PY
 "$bin/faceshard-synth" --output "$work/data" --identities 16 --images 4 --holdout 4 --pairs 8 --seed 3 > /dev/null \
   || { echo "FAIL: faceshard-synth"; exit 1; }
@@ -49,6 +70,20 @@ printf 'base: %s/configs/base.yaml\noutput: %s/run\ndata: {rec: %s/data, num_cla
   "$root" "$work" "$work" > "$work/tiny.yaml"
 "$bin/faceshard-train" --config "$work/tiny.yaml" --set optim.total_steps=1 > "$work/train.log" 2>&1 \
   || { cat "$work/train.log"; echo "FAIL: training the model the .bin case needs"; exit 1; }
+# Checkpoints with one wrong value each, rewritten by torch from the run's own.
+"$py" - "$work/run/checkpoints/step_00000001" "$work" <<'PY' || { echo "FAIL: writing the bad checkpoints"; exit 1; }
+import shutil, sys, torch
+ck, d = sys.argv[1], sys.argv[2]
+def variant(name, file, change):
+    shutil.copytree(ck, '%s/%s' % (d, name))
+    path = '%s/%s/%s' % (d, name, file)
+    sd = torch.load(path, weights_only=True)
+    change(sd)
+    torch.save(sd, path)
+variant('ck_rng', 'fc_shard_0.pt', lambda sd: sd.__setitem__('rng.cpu', sd['rng.cpu'][:7].clone()))
+variant('ck_nan', 'fc_shard_0.pt', lambda sd: sd['rows/weight'].__setitem__((3, 0), float('nan')))
+variant('ck_step', 'train_state.pt', lambda sd: sd.__setitem__('step', torch.tensor([-5])))
+PY
 
 # Corrupt indexes of a good .rec: keys 1 and 64 swapped (every offset still a distinct record
 # start), and every key at key 1's offset.
@@ -84,6 +119,10 @@ PY
   [ "$lines" -eq 1 ] || bad "$name: $lines lines on stderr"
   [ "$peak" -lt "$PEAK_MB" ] || bad "$name: peak RSS $peak MB >= $PEAK_MB MB"
   for f in "${frags[@]}"; do grep -qF -- "$f" "$work/err" || bad "$name: '$f' not in the message"; done
+  # No library text: the message is faceshard's own, not LibTorch's, the C++ runtime's or yaml-cpp's.
+  if grep -qE 'c10::|Exception raised from|at::|std::|terminate called|what\(\)|yaml-cpp|CPUGeneratorImpl|cannot be converted to Scalar|DefaultCPUAllocator' "$work/err"; then
+    bad "$name: library text in the message"
+  fi
 }
 
 check 1 deep.pt "deep.pt" "data.pkl offset 42" "nested more than 32 deep" -- \
@@ -108,5 +147,29 @@ check 1 swap.idx "swap/train.rec: key 1 at offset" "header id is 64, not its key
 check 1 swap.train "swap/train.rec: key 1 at offset" "header id is 64, not its key 1" -- \
   "$bin/faceshard-train" --config "$work/tiny.yaml" --set data.rec="$work/swap" --set output="$work/run3"
 check 1 same.idx "same/train.idx: keys " "both point at offset" -- "$bin/faceshard-pack" verify "$work/same/train.rec"
+check 2 fanout.yaml "key 'base'" "more than 64 files" "fanout.yaml -> $work/fan1.yaml -> $work/fan2.yaml" -- \
+  "$bin/faceshard-config" --config "$work/fanout.yaml"
+ck() { echo "$bin/faceshard-train --config $work/tiny.yaml --set output=$work/$1.out --resume $work/$1"; }
+# shellcheck disable=SC2046
+check 2 ck_rng "ck_rng/fc_shard_0.pt" "key 'rng.cpu'" "shape [7]" -- $(ck ck_rng)
+# shellcheck disable=SC2046
+check 2 ck_nan "ck_nan/fc_shard_0.pt" "key 'rows/weight'" "class 3 is nan" -- $(ck ck_nan)
+# shellcheck disable=SC2046
+check 2 ck_step "ck_step/train_state.pt" "key 'step' is -5" -- $(ck ck_step)
+check 2 num_classes "--set: key 'data.num_classes'" "2147483648 classes do not fit" "loss.sample_rate 1" \
+  "data.batch_size 8" "world size 1" "bytes available" -- \
+  "$bin/faceshard-train" --config "$work/tiny.yaml" --set data.num_classes=2147483648 --set output="$work/big"
+check 2 ijb_path "ijb_path/meta/ijbc_name_5pts_score.txt:2" "'../../../../etc/passwd' is not a path inside loose_crop/" -- \
+  "$bin/faceshard-ijb" --model "$work/run" --root "$work/ijb_path" --device cpu --output "$work/ijb_out"
+check 2 ijb_face "ijb_face/meta/ijbc_name_5pts_score.txt:2" "faceness score must be > 0, got '0'" -- \
+  "$bin/faceshard-ijb" --model "$work/run" --root "$work/ijb_face" --device cpu --output "$work/ijb_out"
+check 1 empty.bin "empty.bin" "no pairs" -- \
+  "$bin/faceshard-verify" --model "$work/run" --bin "$work/empty.bin" --device cpu --output "$work/v0"
+check 2 folds "synth.bin" "8 pairs, fewer than the 10 folds" "--folds K takes K <= 8" -- \
+  "$bin/faceshard-verify" --model "$work/run" --bin "$work/data/synth.bin" --device cpu --output "$work/v1"
+# --folds is honoured on a set of fewer than 10 pairs.
+"$bin/faceshard-verify" --model "$work/run" --bin "$work/data/synth.bin" --device cpu --folds 2 --output "$work/v2" \
+  > "$work/v2.log" 2>&1 || { cat "$work/v2.log"; bad "faceshard-verify --folds 2 on 8 pairs"; }
+grep -q "(8 pairs)" "$work/v2.log" || bad "faceshard-verify --folds 2: no result line"
 [ "$fail" -eq 0 ] && echo "PASS"
 exit "$fail"
