@@ -2,24 +2,33 @@
 
 #include <array>
 
+#include <opencv2/core.hpp>
 #include <opencv2/imgcodecs.hpp>
 #include <opencv2/imgproc.hpp>
 
+#include "data/image_codec.h"
 #include "partial_fc/runtime/error.h"
 
 namespace faceshard {
 
 cv::Mat decode_image(const uint8_t* data, size_t size, const std::string& where) {
-  if (size == 0) throw runtime_error(where, ": empty image");
-  if (size > size_t(INT32_MAX)) throw runtime_error(where, ": image of ", size, " bytes is too large");
-  const cv::Mat buf(1, int(size), CV_8UC1, const_cast<uint8_t*>(data));
-  cv::Mat img;
-  try {
-    img = cv::imdecode(buf, cv::IMREAD_COLOR);
-  } catch (const cv::Exception& e) {
-    throw runtime_error(where, ": image does not decode: ", e.what());
+  return decode_image(data, size, read_image_header(data, size, where), where);
+}
+
+cv::Mat decode_image(const uint8_t* data, size_t size, const EncodedImageHeader& header, const std::string& where) {
+  cv::Mat img(int(header.height), int(header.width), CV_8UC3);
+  decode_to_bgr(data, size, header, img.data, img.step[0], where);
+  // The EXIF orientation, applied as cv::imdecode applies it.
+  switch (header.orientation) {
+    case 2: cv::flip(img, img, 1); break;
+    case 3: cv::flip(img, img, -1); break;
+    case 4: cv::flip(img, img, 0); break;
+    case 5: cv::transpose(img, img); break;
+    case 6: cv::transpose(img, img); cv::flip(img, img, 1); break;
+    case 7: cv::transpose(img, img); cv::flip(img, img, -1); break;
+    case 8: cv::transpose(img, img); cv::flip(img, img, 0); break;
+    default: break;
   }
-  if (img.empty()) throw runtime_error(where, ": image does not decode (", size, " bytes, not a valid JPEG/PNG)");
   return img;
 }
 

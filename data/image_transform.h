@@ -9,11 +9,20 @@
 
 #include <opencv2/core.hpp>
 
+#include "data/image_header.h"
+
 namespace faceshard {
 
-// Decodes a JPEG/PNG/BMP to an 8-bit BGR image (OpenCV's channel order). Throws
-// faceshard::Error naming `where` when the bytes do not decode.
+// Decodes a JPEG, PNG or uncompressed BMP to an 8-bit BGR image (OpenCV's channel order;
+// the pixels cv::imdecode gives, EXIF orientation applied). Reads the header first
+// (data/image_header.h): an image over kMaxImageSide / kMaxImagePixels is refused before
+// any pixel is decoded. Throws faceshard::Error "<where>: ..." (one line, nothing printed
+// by the libraries) when the bytes do not decode, and when the decoder warns (truncated or
+// corrupt data): a patched-up image is a failed decode.
 cv::Mat decode_image(const uint8_t* data, size_t size, const std::string& where);
+// The same with the header already read from these bytes (read_image_header), for a
+// caller that checks the declared size first.
+cv::Mat decode_image(const uint8_t* data, size_t size, const EncodedImageHeader& header, const std::string& where);
 
 // Writes 3 x H x W floats in RGB order to dst from a BGR image; flip mirrors left-right.
 void bgr_to_normalized_chw(const cv::Mat& bgr, bool flip, float* dst);

@@ -206,8 +206,23 @@ bool DataLoader::fill_one(uint64_t index, uint64_t epoch, float* dst, int64_t* l
     return false;
   }
   if (!dataset_->raw_pixels()) {
+    // The header first: an image over the decoders' limits (a decompression bomb) is a bad
+    // record like any that does not decode; one of another size stops the run (below)
+    // without being decoded.
+    EncodedImageHeader header;
     try {
-      bgr = decode_image(sample.bytes.data(), sample.bytes.size(), "");  // message starts ": ..."
+      header = read_image_header(sample.bytes.data(), sample.bytes.size(), "");  // message starts ": ..."
+    } catch (const Error& e) {
+      *error = dataset_->describe(index) + e.what();
+      return false;
+    }
+    if (header.decoded_width() != S || header.decoded_height() != S) {
+      throw runtime_error(dataset_->describe(index), ": image is ", header.decoded_width(), "x",
+                          header.decoded_height(), ", expected ", S, "x", S,
+                          " (faces must be aligned and cropped to the network input size)");
+    }
+    try {
+      bgr = decode_image(sample.bytes.data(), sample.bytes.size(), header, "");
     } catch (const Error& e) {
       *error = dataset_->describe(index) + e.what();
       return false;
@@ -225,10 +240,6 @@ bool DataLoader::fill_one(uint64_t index, uint64_t epoch, float* dst, int64_t* l
     rgb_to_normalized_chw(sample.bytes.data(), S, S, flip, dst);
     return true;
   }
-  if (bgr.rows != S || bgr.cols != S) {
-    throw runtime_error(dataset_->describe(index), ": image is ", bgr.cols, "x", bgr.rows, ", expected ", S, "x", S,
-                        " (faces must be aligned and cropped to the network input size)");
-  }
   if (opt_.extra.any()) apply_extra_augment(bgr, opt_.extra, rng);
   bgr_to_normalized_chw(bgr, flip, dst);
   return true;
@@ -241,18 +252,18 @@ void DataLoader::note_bad(uint64_t epoch, uint64_t index, const std::string& err
     epoch_bad_.clear();
   }
   const bool new_in_epoch = epoch_bad_.insert(index).second;
-  if (bad_.insert(index).second) {  // logged once per record
-    log_warn("loader: skipping a bad sample (", error, "); replaced by another sample");
-  }
-  if (!new_in_epoch) return;
   // This rank reads only its sampler share (1/world of the data set) per epoch, so the
   // limit is a fraction of that share; counting the whole data set would let a rank
   // accept world times too many bad samples.
   const double limit = opt_.max_bad_fraction * double(sampler_.size());
-  if (double(epoch_bad_.size()) > limit) {
+  if (new_in_epoch && double(epoch_bad_.size()) > limit) {
+    // The error names this sample: no warning line before it.
     throw runtime_error("loader: ", epoch_bad_.size(), " of this rank's ", sampler_.size(), " samples in epoch ",
                         epoch, " failed to load, more than max_bad_fraction = ", opt_.max_bad_fraction,
                         "; last: ", error);
+  }
+  if (bad_.insert(index).second) {  // logged once per record
+    log_warn("loader: skipping a bad sample (", error, "); replaced by another sample");
   }
 }
 

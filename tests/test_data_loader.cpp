@@ -25,12 +25,15 @@
 #include <thread>
 #include <vector>
 
+#include <jpeglib.h>
+
 #include <opencv2/imgcodecs.hpp>
 #include <opencv2/imgproc.hpp>
 
 #include "app/config/config.h"
 #include "app/eval/verification_metrics.h"
 #include "data/dataset.h"
+#include "data/image_header.h"
 #include "data/image_record.h"
 #include "data/image_transform.h"
 #include "data/insightface_rec.h"
@@ -40,6 +43,7 @@
 #include "data/synthetic_faces.h"
 #include "data/verification_bin.h"
 #include "partial_fc/runtime/error.h"
+#include "tests/hostile_images.h"
 #include "tests/test_errors.h"
 #include "tests/test_files.h"
 
@@ -139,6 +143,189 @@ TEST(DataTransform, DecodeIsExactForPngAndRejectsGarbage) {
             std::string::npos);
   png.resize(png.size() / 3);  // truncated
   EXPECT_THROW(decode_image(png.data(), 0, "empty"), Error);
+}
+
+// ---------------------------------------------------------------------------------------
+// Image headers and the strict decoders
+
+// For valid files the header reader gives the size OpenCV decodes, and decode_image the
+// very pixels cv::imdecode(IMREAD_COLOR) gives: JPEG (baseline, progressive, greyscale,
+// restart markers), PNG (8/16-bit, grey, alpha) and BMP (24/32-bit, 8-bit palette).
+TEST(DataImage, HeaderAndPixelsMatchOpenCvForValidFiles) {
+  int checked = 0;
+  for (const cv::Size sz : {cv::Size(1, 1), cv::Size(7, 13), cv::Size(112, 112), cv::Size(301, 200), cv::Size(640, 480)}) {
+    cv::Mat bgr = testing::noise_image(sz.width, sz.height);
+    cv::GaussianBlur(bgr, bgr, cv::Size(5, 5), 2);  // some structure for the JPEG encoder
+    cv::Mat grey, bgra, bgr16, grey16;
+    cv::cvtColor(bgr, grey, cv::COLOR_BGR2GRAY);
+    cv::cvtColor(bgr, bgra, cv::COLOR_BGR2BGRA);
+    bgr.convertTo(bgr16, CV_16U, 257.3);
+    grey.convertTo(grey16, CV_16U, 250.1);
+    const std::vector<std::pair<std::string, std::vector<uint8_t>>> files = {
+        {"jpeg q50", testing::encode(".jpg", bgr, {cv::IMWRITE_JPEG_QUALITY, 50})},
+        {"jpeg q95", testing::encode(".jpg", bgr, {cv::IMWRITE_JPEG_QUALITY, 95})},
+        {"jpeg progressive", testing::encode(".jpg", bgr, {cv::IMWRITE_JPEG_PROGRESSIVE, 1})},
+        {"jpeg optimized", testing::encode(".jpg", bgr, {cv::IMWRITE_JPEG_OPTIMIZE, 1})},
+        {"jpeg restarts", testing::encode(".jpg", bgr, {cv::IMWRITE_JPEG_RST_INTERVAL, 3})},
+        {"jpeg grey", testing::encode(".jpg", grey)},
+        {"jpeg grey progressive", testing::encode(".jpg", grey, {cv::IMWRITE_JPEG_PROGRESSIVE, 1})},
+        {"png", testing::encode(".png", bgr)},
+        {"png grey", testing::encode(".png", grey)},
+        {"png bgra", testing::encode(".png", bgra)},
+        {"png 16-bit", testing::encode(".png", bgr16)},
+        {"png 16-bit grey", testing::encode(".png", grey16)},
+        {"bmp", testing::encode(".bmp", bgr)},
+        {"bmp grey", testing::encode(".bmp", grey)},
+        {"bmp bgra", testing::encode(".bmp", bgra)},
+    };
+    for (const auto& [name, bytes] : files) {
+      SCOPED_TRACE(name + " " + std::to_string(sz.width) + "x" + std::to_string(sz.height));
+      ASSERT_FALSE(bytes.empty());
+      const cv::Mat want = cv::imdecode(bytes, cv::IMREAD_COLOR);
+      const EncodedImageHeader h = read_image_header(bytes.data(), bytes.size(), name);
+      EXPECT_EQ(h.decoded_width(), want.cols);
+      EXPECT_EQ(h.decoded_height(), want.rows);
+      EXPECT_EQ(h.progressive, name.find("progressive") != std::string::npos);
+      const cv::Mat got = decode_image(bytes.data(), bytes.size(), name);
+      ASSERT_EQ(got.size(), want.size());
+      ASSERT_EQ(got.type(), CV_8UC3);
+      EXPECT_EQ(cv::norm(got, want, cv::NORM_INF), 0.0);
+      ++checked;
+    }
+  }
+  EXPECT_EQ(checked, 5 * 15);
+  // EXIF orientations 1-8 (and invalid 0, 9: ignored), both byte orders, applied as
+  // cv::imdecode applies them.
+  const std::vector<uint8_t> jpeg = testing::encode(".jpg", testing::noise_image(70, 40));
+  for (const bool le : {true, false})
+    for (int o = 0; o <= 9; ++o) {
+      SCOPED_TRACE("orientation " + std::to_string(o) + (le ? " II" : " MM"));
+      const std::vector<uint8_t> b = testing::jpeg_with_orientation(jpeg, o, le);
+      const cv::Mat want = cv::imdecode(b, cv::IMREAD_COLOR);
+      const EncodedImageHeader h = read_image_header(b.data(), b.size(), "exif");
+      EXPECT_EQ(h.orientation, o >= 1 && o <= 8 ? o : 1);
+      EXPECT_EQ(h.decoded_width(), want.cols);
+      const cv::Mat got = decode_image(b.data(), b.size(), "exif");
+      ASSERT_EQ(got.size(), want.size());
+      EXPECT_EQ(cv::norm(got, want, cv::NORM_INF), 0.0);
+    }
+}
+
+// A small file that declares a huge image is refused from its header, before anything
+// is allocated for it; OpenCV would decode (or try to decode) it at full size.
+TEST(DataImage, DecompressionBombsAreRefusedFromTheHeader) {
+  const std::vector<uint8_t> jpeg = testing::encode(".jpg", testing::noise_image(8, 8));
+  const std::vector<uint8_t> png = testing::encode(".png", testing::noise_image(8, 8));
+  const std::vector<uint8_t> bmp = testing::encode(".bmp", testing::noise_image(8, 8));
+  const std::vector<std::pair<std::string, std::vector<uint8_t>>> bombs = {
+      {"rec key 3", testing::jpeg_declaring(jpeg, 30000, 30000)},
+      {"rec key 4", testing::png_declaring(png, 30000, 30000)},
+      {"rec key 5", testing::bmp_declaring(bmp, 30000, 30000)},
+      {"rec key 6", testing::jpeg_declaring(jpeg, 8193, 16)},    // one side over
+      {"rec key 7", testing::png_declaring(png, 4097, 4096)},    // pixels over
+      {"rec key 8", testing::png_declaring(png, 0x80000000u, 1)},  // not a PNG size
+  };
+  for (const auto& [where, bytes] : bombs) {
+    SCOPED_TRACE(where);
+    EXPECT_LT(bytes.size(), 2000u);
+    ::testing::internal::CaptureStderr();
+    const std::string msg = error_of([&] { decode_image(bytes.data(), bytes.size(), where); });
+    EXPECT_EQ(::testing::internal::GetCapturedStderr(), "");
+    EXPECT_EQ(msg.rfind(where + ": ", 0), 0u) << msg;
+    EXPECT_EQ(msg.find('\n'), std::string::npos) << msg;
+    EXPECT_NE(msg.find("declares"), std::string::npos) << msg;
+    EXPECT_EQ(error_of([&] { read_image_header(bytes.data(), bytes.size(), where); }), msg);
+  }
+  EXPECT_NE(error_of([&] { read_image_header(bombs[0].second.data(), bombs[0].second.size(), "x"); })
+                .find("30000x30000 image, more than faceshard decodes (at most 8192 pixels a side and 16777216 pixels in all)"),
+            std::string::npos);
+  // At the limits: accepted by the header reader (the data then fails as truncated).
+  const std::vector<uint8_t> edge = testing::png_declaring(png, 8192, 2048);
+  EXPECT_EQ(read_image_header(edge.data(), edge.size(), "edge").width, 8192);
+  EXPECT_NE(error_of([&] { decode_image(edge.data(), edge.size(), "edge"); }).find("edge: "), std::string::npos);
+}
+
+// A progressive JPEG written by libjpeg with one scan per AC coefficient and component:
+// 191 scans, or 380 with successive approximation (first and refinement scans).
+std::vector<uint8_t> jpeg_with_many_scans(const cv::Mat& bgr, bool refine) {
+  jpeg_compress_struct c;
+  jpeg_error_mgr e;
+  c.err = jpeg_std_error(&e);
+  jpeg_create_compress(&c);
+  unsigned char* out = nullptr;
+  unsigned long size = 0;
+  jpeg_mem_dest(&c, &out, &size);
+  c.image_width = JDIMENSION(bgr.cols);
+  c.image_height = JDIMENSION(bgr.rows);
+  c.input_components = 3;
+  c.in_color_space = JCS_EXT_BGR;
+  jpeg_set_defaults(&c);
+  std::vector<jpeg_scan_info> scans = {{3, {0, 1, 2, 0}, 0, 0, 0, 0}};
+  for (int al : refine ? std::vector<int>{1, 0} : std::vector<int>{0})
+    for (int comp = 0; comp < 3; ++comp)
+      for (int k = 1; k <= 63; ++k) scans.push_back({1, {comp, 0, 0, 0}, k, k, refine && al == 0 ? 1 : 0, al});
+  c.scan_info = scans.data();
+  c.num_scans = int(scans.size());
+  jpeg_start_compress(&c, TRUE);
+  while (c.next_scanline < c.image_height) {
+    JSAMPROW row = const_cast<uint8_t*>(bgr.ptr<uint8_t>(int(c.next_scanline)));
+    jpeg_write_scanlines(&c, &row, 1);
+  }
+  jpeg_finish_compress(&c);
+  jpeg_destroy_compress(&c);
+  std::vector<uint8_t> b(out, out + size);
+  std::free(out);
+  return b;
+}
+
+// A progressive JPEG of many tiny scans takes long to decode for its size: more than 256
+// scans are refused while decoding; 191 decode as OpenCV decodes them.
+TEST(DataImage, ProgressiveJpegScansAreLimited) {
+  const cv::Mat bgr = testing::noise_image(64, 48);
+  const std::vector<uint8_t> ok = jpeg_with_many_scans(bgr, false), many = jpeg_with_many_scans(bgr, true);
+  const cv::Mat want = cv::imdecode(ok, cv::IMREAD_COLOR);
+  ASSERT_EQ(want.size(), bgr.size());
+  EXPECT_EQ(cv::norm(decode_image(ok.data(), ok.size(), "ok"), want, cv::NORM_INF), 0.0);
+  EXPECT_FALSE(cv::imdecode(many, cv::IMREAD_COLOR).empty());  // valid, only slow
+  EXPECT_EQ(error_of([&] { decode_image(many.data(), many.size(), "many"); }),
+            "many: progressive JPEG has more than 256 scans");
+}
+
+// Truncated or corrupt data fails the decode with one line in faceshard's words; nothing
+// from libjpeg, libpng or OpenCV reaches stderr. (cv::imdecode returns the truncated JPEG
+// as an image, silently; the corrupt one only after printing libjpeg's warning.)
+TEST(DataImage, CorruptAndTruncatedImagesFailWithoutLibraryText) {
+  cv::Mat face = testing::noise_image(112, 112);
+  cv::GaussianBlur(face, face, cv::Size(3, 3), 1);
+  const std::vector<uint8_t> jpeg = testing::encode(".jpg", face, {cv::IMWRITE_JPEG_QUALITY, 90});
+  const std::vector<uint8_t> progressive = testing::encode(".jpg", face, {cv::IMWRITE_JPEG_PROGRESSIVE, 1});
+  const std::vector<uint8_t> png = testing::encode(".png", face);
+  std::vector<uint8_t> stray = jpeg, flipped_png = png;
+  for (size_t i = jpeg.size() / 2; i < jpeg.size() / 2 + 100; ++i) stray[i] ^= 0x55;
+  for (size_t i = 100; i < 200; ++i) flipped_png[i] ^= 0x55;
+  ASSERT_FALSE(cv::imdecode(testing::truncated(jpeg, jpeg.size() / 3), cv::IMREAD_COLOR).empty());
+  const std::vector<std::tuple<std::string, std::vector<uint8_t>, std::string>> cases = {
+      {"jpeg third", testing::truncated(jpeg, jpeg.size() / 3), "truncated"},
+      {"jpeg without its end", testing::truncated(jpeg, jpeg.size() - 2), "truncated"},
+      {"progressive third", testing::truncated(progressive, progressive.size() / 3), "truncated"},
+      {"jpeg header only", testing::truncated(jpeg, 200), "JPEG"},
+      {"jpeg stray bytes", stray, "corrupt JPEG data"},
+      {"png third", testing::truncated(png, png.size() / 3), "truncated"},
+      {"png corrupt", flipped_png, "corrupt PNG data"},
+      {"bmp cut", testing::truncated(testing::encode(".bmp", face), 3000), "past the end"},
+      {"text", std::vector<uint8_t>{'h', 'e', 'l', 'l', 'o'}, "not a JPEG, PNG or BMP image"},
+  };
+  for (const auto& [where, bytes, expect] : cases) {
+    SCOPED_TRACE(where);
+    ::testing::internal::CaptureStderr();
+    const std::string msg = error_of([&] { decode_image(bytes.data(), bytes.size(), where); });
+    EXPECT_EQ(::testing::internal::GetCapturedStderr(), "");
+    EXPECT_EQ(msg.rfind(where + ": ", 0), 0u) << msg;
+    EXPECT_NE(msg.find(expect), std::string::npos) << msg;
+    EXPECT_EQ(msg.find('\n'), std::string::npos) << msg;
+    for (const char* lib : {"Corrupt JPEG data:", "Premature end", "libpng", "OpenCV", "Assertion"})
+      EXPECT_EQ(msg.find(lib), std::string::npos) << msg;
+  }
 }
 
 TEST(DataTransform, ExtraAugmentationsAreOffByDefault) {
@@ -441,7 +628,7 @@ TEST(DataLoader, PrefetchQueueIsBoundedForASlowConsumer) {
 // A .rec whose image records 1..n have labels i % classes; `bad` keys hold garbage.
 // `labels` overrides the label of some keys.
 void write_rec_with_bad(const std::string& dir, int n, int classes, const std::set<int>& bad, int size = 112,
-                        const std::map<int, float>& labels = {}) {
+                        const std::map<int, float>& labels = {}, const std::map<int, std::vector<uint8_t>>& images = {}) {
   fs::create_directories(dir);
   const SyntheticFaces faces(0, [&] {
     SynthFaceOptions f;
@@ -453,6 +640,7 @@ void write_rec_with_bad(const std::string& dir, int n, int classes, const std::s
   for (int k = 0; k < n; ++k) {
     std::vector<uint8_t> img = faces.view_jpeg(uint64_t(k % classes), uint64_t(k));
     if (bad.count(k)) img = std::vector<uint8_t>(300, uint8_t(k));
+    if (images.count(k)) img = images.at(k);
     const float label = labels.count(k) ? labels.at(k) : float(k % classes);
     w.write(uint64_t(k), pack_image_record(label, {}, 0, 0, img.data(), img.size()));
   }
@@ -488,6 +676,52 @@ TEST(DataLoader, BadRecordsAreReplacedCountedAndLimited) {
   const std::string msg = error_of([&] { run_epoch(strict, 0); });
   EXPECT_NE(msg.find("max_bad_fraction"), std::string::npos) << msg;
   EXPECT_NE(msg.find("train.rec: key"), std::string::npos) << msg;
+}
+
+// Images that decode with a warning (truncated, corrupt) or declare more than the limits
+// (decompression bombs) are bad records: replaced, counted against max_bad_fraction; the
+// one past the limit stops the run naming the record and why (and no warning line).
+TEST(DataLoader, TruncatedCorruptAndBombImagesAreBadRecords) {
+  const SyntheticFaces faces(0);
+  const std::vector<uint8_t> face = faces.view_jpeg(1, 1);
+  std::vector<uint8_t> corrupt = face;
+  for (size_t i = face.size() / 2; i < face.size() / 2 + 64; ++i) corrupt[i] ^= 0x55;
+  const std::vector<uint8_t> png = testing::encode(".png", testing::noise_image(112, 112));
+  const std::map<int, std::vector<uint8_t>> images = {
+      {4, testing::truncated(face, face.size() / 3)},
+      {9, corrupt},
+      {13, testing::jpeg_declaring(face, 30000, 30000)},
+      {21, testing::png_declaring(png, 30000, 30000)},
+      {33, testing::truncated(png, png.size() / 2)},
+  };
+  TempDir d;
+  write_rec_with_bad(d.path, 40, 4, {}, 112, {}, images);
+  auto ds = open_dataset(d.path);
+  LoaderOptions o;
+  o.batch_size = 10;
+  o.num_workers = 2;
+  o.num_classes = 4;
+  o.max_bad_fraction = 0.15;  // 6 of 40
+  {
+    DataLoader loader(ds, DistributedSampler(40, 1, 0, 1), o);
+    ::testing::internal::CaptureStderr();
+    EXPECT_EQ(run_epoch(loader, 0).size(), 4u);
+    const std::string err = ::testing::internal::GetCapturedStderr();
+    EXPECT_EQ(loader.bad_samples(), 5u);
+    EXPECT_EQ(std::count(err.begin(), err.end(), '\n'), 5) << err;  // one warning per record
+    EXPECT_NE(err.find("train.rec: key 13 "), std::string::npos) << err;
+    EXPECT_NE(err.find("30000x30000"), std::string::npos) << err;
+    for (const char* lib : {"Corrupt JPEG data:", "Premature end", "libpng", "OpenCV"})
+      EXPECT_EQ(err.find(lib), std::string::npos) << err;
+  }
+  o.max_bad_fraction = 0.0;
+  DataLoader strict(ds, DistributedSampler(40, 1, 0, 1), o);
+  ::testing::internal::CaptureStderr();
+  const std::string msg = error_of([&] { run_epoch(strict, 0); });
+  EXPECT_EQ(::testing::internal::GetCapturedStderr(), "");
+  EXPECT_NE(msg.find("max_bad_fraction"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("train.rec: key "), std::string::npos) << msg;
+  EXPECT_EQ(msg.find('\n'), std::string::npos) << msg;
 }
 
 // A label that is not a class index is a mislabelled data set, not a bad image: it stops

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "data/dataset.h"
+#include "data/image_header.h"
 #include "data/image_record.h"
 #include "data/index_check.h"
 #include "data/image_transform.h"
@@ -89,6 +90,17 @@ Args parse(int argc, char** argv, const std::vector<std::string>& with_value, co
   return a;
 }
 
+// An image must be size x size and decode without a warning; the size comes from its
+// header, so an image of another size (or a decompression bomb) is never decoded.
+void check_image(const uint8_t* data, size_t n, int size, const std::string& where) {
+  const faceshard::EncodedImageHeader h = faceshard::read_image_header(data, n, where);
+  if (h.decoded_width() != size || h.decoded_height() != size) {
+    throw faceshard::runtime_error(where, ": image is ", h.decoded_width(), "x", h.decoded_height(), ", expected ", size,
+                                   "x", size);
+  }
+  faceshard::decode_image(data, n, h, where);
+}
+
 void need_positional(const Args& a, size_t lo, size_t hi, const char* cmd) {
   if (a.pos.size() < lo || a.pos.size() > hi) {
     throw usage_error(cmd, ": wrong number of arguments (see --help)");
@@ -105,13 +117,7 @@ int cmd_pack(const Args& a) {
   faceshard::RawSample s;
   for (uint64_t i = 0; i < folder.size(); ++i) {
     folder.read(i, s);
-    if (check) {
-      const cv::Mat m = faceshard::decode_image(s.bytes.data(), s.bytes.size(), folder.path(i));
-      if (m.rows != size || m.cols != size) {
-        throw faceshard::runtime_error(folder.path(i), ": image is ", m.cols, "x", m.rows, ", expected ", size, "x",
-                                       size);
-      }
-    }
+    if (check) check_image(s.bytes.data(), s.bytes.size(), size, folder.path(i));
     writer.add(s.label, s.bytes);
   }
   writer.commit(folder.num_classes());
@@ -202,12 +208,7 @@ int cmd_verify(const Args& a) {
     if (classes > 0 && label >= classes) {
       throw faceshard::runtime_error(where, ": label ", label, " is out of range [0, ", classes, ")");
     }
-    if (decode) {
-      const cv::Mat m = faceshard::decode_image(v.image, v.image_size, where);
-      if (m.rows != size || m.cols != size) {
-        throw faceshard::runtime_error(where, ": image is ", m.cols, "x", m.rows, ", expected ", size, "x", size);
-      }
-    }
+    if (decode) check_image(v.image, v.image_size, size, where);
   }
   std::printf("faceshard-pack: %s: OK: %llu records, %llu indexed, %llu images, %lld identities%s\n", rec.c_str(),
               (unsigned long long)records, (unsigned long long)r.num_entries(),

@@ -11,10 +11,12 @@ TORCH_VERSION="${FACESHARD_TORCH_VERSION:-2.11.0}"
 # the implementation but not those headers); iproute2: network namespaces for the
 # several-hosts tests; clang-14 + libclang-rt-14-dev: the fuzz targets (libFuzzer and the
 # sanitizer runtimes come with clang's compiler-rt, not with g++); zlib1g-dev: CRC-32 of the
-# entries of torch.save files.
+# entries of torch.save files; libjpeg62-turbo-dev + libpng-dev: the image decoders, called
+# directly (strict and silent, unlike cv::imdecode).
 debs=(build-essential cmake ninja-build ccache pkg-config python3 python3-venv
       libyaml-cpp-dev libopencv-core-dev libopencv-imgproc-dev libopencv-imgcodecs-dev
-      libgtest-dev libgloo-dev iproute2 clang-14 libclang-rt-14-dev zlib1g-dev)
+      libgtest-dev libgloo-dev iproute2 clang-14 libclang-rt-14-dev zlib1g-dev
+      libjpeg62-turbo-dev libpng-dev)
 missing=()
 for p in "${debs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
