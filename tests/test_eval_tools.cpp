@@ -5,15 +5,19 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <unistd.h>
+
 #include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <random>
 #include <sstream>
 #include <string>
 #include <vector>
 
+#include <opencv2/imgcodecs.hpp>
 #include <opencv2/imgproc.hpp>
 
 #include "app/io/checkpoint.h"
@@ -509,13 +513,13 @@ TEST(EvalVerification, XNormAndFlipSumFollowInsightfaceInNumpy) {
   VerificationData data;
   data.name = "tiny";
   const int64_t pairs = 20;
-  data.images = torch::rand({2 * pairs, 3, 112, 112}) * 2 - 1;
+  data.pixels = torch::rand({2 * pairs, 3, 112, 112}) * 2 - 1;
   for (int64_t i = 0; i < pairs; ++i) data.issame.push_back(i % 3 == 0);
   at::Tensor plain, mirrored;
   {
     torch::NoGradGuard ng;
-    plain = model->forward(data.images);
-    mirrored = model->forward(data.images.flip({3}));
+    plain = model->forward(data.pixels);
+    mirrored = model->forward(data.pixels.flip({3}));
   }
   const VerificationResult r = evaluate_verification(*model, data, 2 * pairs, torch::kCPU);
   std::ostringstream raw;
@@ -558,6 +562,119 @@ print(' '.join('%.17g' % x for x in np.unique(score)[::-1]))
   for (size_t i = 0; i < want.size(); ++i) EXPECT_NEAR(r.roc.thresholds[i + 1], want[i], 1e-12) << "score " << i;
 }
 
+// A protocol-2 pickle of (images, issame) as insightface writes it, built by hand so that
+// images can be repeated through the pickle memo: `refs[i]` indexes `distinct`.
+std::string memo_bin(const std::vector<std::vector<uint8_t>>& distinct, const std::vector<int>& refs) {
+  std::string b("\x80\x02]q\x00(", 6);
+  std::vector<bool> stored(distinct.size(), false);
+  for (const int r : refs) {
+    if (stored[size_t(r)]) {
+      b += 'h';
+      b += char(r + 1);  // BINGET: memo slot r + 1 (slot 0 is the list)
+      continue;
+    }
+    const std::vector<uint8_t>& img = distinct[size_t(r)];
+    b += 'B';
+    for (int k = 0; k < 4; ++k) b += char((img.size() >> (8 * k)) & 0xff);
+    b.append(img.begin(), img.end());
+    b += 'q';
+    b += char(r + 1);  // BINPUT
+    stored[size_t(r)] = true;
+  }
+  b += "e]q";
+  b += char(distinct.size() + 1);
+  b += '(';
+  for (size_t p = 0; p < refs.size() / 2; ++p) b += p % 2 ? '\x89' : '\x88';
+  b += "e\x86.";
+  return b;
+}
+
+int64_t resident_bytes() {
+  std::ifstream f("/proc/self/statm");
+  int64_t pages = 0, resident = 0;
+  f >> pages >> resident;
+  return resident * ::sysconf(_SC_PAGESIZE);
+}
+
+// A .bin is held as its encoded images (a repeated image is one buffer) and decoded a
+// batch at a time: 16,000 references to one small JPEG cost kilobytes, not the 2.4 GB of
+// their decoded floats. The per-batch decode gives the very embeddings of a whole decode.
+TEST(EvalVerification, SetsHoldEncodedImagesAndDecodePerBatch) {
+  const std::string dir = temp_dir("perbatch");
+  const SyntheticFaces faces(5);
+  const std::vector<uint8_t> tiny = encode_jpeg(cv::Mat(8, 8, CV_8UC3, cv::Scalar(40, 90, 200)), 90);
+  write_text(dir + "/many.bin", memo_bin({tiny}, std::vector<int>(16000, 0)));
+  const int64_t before = resident_bytes();
+  const VerificationData many = load_verification_data(dir + "/many.bin");
+  const int64_t grown = resident_bytes() - before;
+  EXPECT_LT(grown, int64_t(64) << 20) << grown;
+  ASSERT_EQ(many.num_images(), 16000);
+  EXPECT_FALSE(many.pixels.defined());
+  EXPECT_TRUE(many.images[0].shares(many.images[15999]));
+  EXPECT_EQ(many.issame.size(), 8000u);
+
+  // 24 distinct faces (one of them 150x150, resized) as 12 pairs; batches of 3.
+  std::vector<std::vector<uint8_t>> distinct;
+  std::vector<int> refs;
+  for (int i = 0; i < 24; ++i) {
+    distinct.push_back(faces.view_jpeg(uint64_t(i / 3), uint64_t(i)));
+    refs.push_back(i);
+  }
+  cv::Mat big;
+  cv::resize(decode_image(distinct[5].data(), distinct[5].size(), "5"), big, cv::Size(150, 150));
+  distinct[5] = encode_jpeg(big, 90);
+  write_text(dir + "/small.bin", memo_bin(distinct, refs));
+  const VerificationData small = load_verification_data(dir + "/small.bin");
+  EXPECT_EQ(small.name, "small");
+  VerificationData whole;
+  whole.pixels = torch::empty({24, 3, 112, 112});
+  for (int i = 0; i < 24; ++i) {
+    cv::Mat m = cv::imdecode(distinct[size_t(i)], cv::IMREAD_COLOR);
+    if (m.rows != 112) cv::resize(m, m, cv::Size(112, 112), 0, 0, cv::INTER_LINEAR);
+    bgr_to_normalized_chw(m, false, whole.pixels[i].data_ptr<float>());
+  }
+  whole.issame = small.issame;
+  auto model = write_model(dir + "/model", 16);
+  const VerificationResult a = evaluate_verification(*model, small, 3, torch::kCPU);
+  const VerificationResult b = evaluate_verification(*model, whole, 24, torch::kCPU);
+  EXPECT_NEAR(a.xnorm, b.xnorm, 1e-6 * b.xnorm);
+  EXPECT_EQ(a.kfold.accuracy_mean, b.kfold.accuracy_mean);
+  ASSERT_EQ(a.roc.thresholds.size(), b.roc.thresholds.size());
+  for (size_t i = 1; i < a.roc.thresholds.size(); ++i) EXPECT_NEAR(a.roc.thresholds[i], b.roc.thresholds[i], 1e-6);
+  EXPECT_TRUE(torch::allclose(embed_with_flip(*model, small, 5, torch::kCPU), embed_with_flip(*model, whole, 24, torch::kCPU),
+                              1e-5, 1e-6));
+}
+
+// A bad image fails the load (before any model runs), naming the file, the pair and the
+// image: truncated data, a decompression bomb, an image repeated after its first use.
+TEST(EvalVerification, BadImagesNameTheFilePairAndImage) {
+  const std::string dir = temp_dir("badbin");
+  const SyntheticFaces faces(6);
+  const std::vector<uint8_t> face = faces.view_jpeg(0, 0);
+  std::vector<uint8_t> bomb = face;
+  for (size_t i = 2; i + 8 < bomb.size();) {  // SOF0 -> 30000 x 30000
+    const size_t len = size_t(bomb[i + 2]) << 8 | bomb[i + 3];
+    if (bomb[i + 1] == 0xC0) {
+      bomb[i + 5] = bomb[i + 7] = 0x75;
+      bomb[i + 6] = bomb[i + 8] = 0x30;
+      break;
+    }
+    i += 2 + len;
+  }
+  const std::vector<uint8_t> cut(face.begin(), face.begin() + long(face.size() / 3));
+  const std::vector<std::tuple<std::vector<int>, std::string>> cases = {
+      {{0, 0, 0, 0, 0, 0, 0, 1}, "t.bin: pair 3, image 7: JPEG data ends before the image does (truncated)"},
+      {{0, 2, 0, 0, 0, 0, 2, 0}, "t.bin: pair 0, image 1: JPEG header declares a 30000x30000 image"},
+      {{0, 0, 1, 0, 0, 1, 0, 0}, "t.bin: pair 1, image 2: JPEG data ends"},
+  };
+  for (const auto& [refs, expect] : cases) {
+    write_text(dir + "/t.bin", memo_bin({face, cut, bomb}, refs));
+    const std::string msg = error_of([&] { load_verification_data(dir + "/t.bin"); });
+    EXPECT_NE(msg.find(expect), std::string::npos) << msg;
+    EXPECT_EQ(msg.find('\n'), std::string::npos) << msg;
+  }
+}
+
 // ---------------------------------------------------------------------------------------
 // faceshard-extract
 
@@ -569,7 +686,7 @@ TEST(EvalVerification, SmallSetsTakeTheFoldsAskedForAndBadSetsNameTheirFile) {
   torch::manual_seed(5);
   VerificationData data;
   data.name = "eight";
-  data.images = torch::rand({16, 3, 112, 112}) * 2 - 1;
+  data.pixels = torch::rand({16, 3, 112, 112}) * 2 - 1;
   for (int64_t i = 0; i < 8; ++i) data.issame.push_back(i % 2 == 0);
   const VerificationResult two = evaluate_verification(*model, data, 16, torch::kCPU, 2);
   EXPECT_EQ(two.kfold.fold_accuracy.size(), 2u);

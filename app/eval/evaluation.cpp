@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <chrono>
 #include <filesystem>
+#include <unordered_set>
 
 #include <ATen/Parallel.h>
 #include <opencv2/imgproc.hpp>
@@ -14,12 +15,45 @@
 
 namespace faceshard {
 
+namespace {
+
+constexpr int64_t kImageFloats = 3 * 112 * 112;
+
+std::string image_where(const std::string& path, int64_t i) {
+  return detail::concat(path, ": pair ", i / 2, ", image ", i);
+}
+
+void decode_normalized(const ImageBytes& bytes, const std::string& where, float* dst) {
+  cv::Mat bgr = decode_image(bytes.data(), bytes.size(), where);
+  if (bgr.rows != 112 || bgr.cols != 112) cv::resize(bgr, bgr, cv::Size(112, 112), 0, 0, cv::INTER_LINEAR);
+  bgr_to_normalized_chw(bgr, false, dst);
+}
+
+}  // namespace
+
+int64_t VerificationData::num_images() const {
+  return pixels.defined() ? pixels.size(0) : static_cast<int64_t>(images.size());
+}
+
+void VerificationData::fill(int64_t begin, int64_t n, float* dst) const {
+  if (pixels.defined()) {
+    const at::Tensor src = pixels.narrow(0, begin, n).contiguous();
+    std::copy(src.data_ptr<float>(), src.data_ptr<float>() + n * kImageFloats, dst);
+    return;
+  }
+  at::parallel_for(0, n, 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t i = lo; i < hi; ++i)
+      decode_normalized(images[size_t(begin + i)], image_where(path, begin + i), dst + i * kImageFloats);
+  });
+}
+
 VerificationData load_verification_data(const std::string& path) {
   VerificationSet set = read_verification_bin(path);
   VerificationData d;
   d.name = std::filesystem::path(path).stem().string();
   d.path = path;
-  d.issame = set.issame;
+  d.issame = std::move(set.issame);
+  d.images = std::move(set.images);
   // Checked here, where the file is known: the metrics would otherwise fail on it later
   // with a message that names no file.
   const size_t genuine = static_cast<size_t>(std::count(d.issame.begin(), d.issame.end(), true));
@@ -27,30 +61,45 @@ VerificationData load_verification_data(const std::string& path) {
   if (genuine == 0 || genuine == d.issame.size())
     throw runtime_error(path, ": ", d.issame.size(), " pairs, all ", genuine ? "genuine" : "impostor",
                         "; the protocol needs genuine and impostor pairs");
-  const int64_t n = static_cast<int64_t>(set.images.size());
-  d.images = torch::empty({n, 3, 112, 112});
-  float* dst = d.images.data_ptr<float>();
-  for (int64_t i = 0; i < n; ++i) {
-    const auto& bytes = set.images[i];
-    cv::Mat bgr = decode_image(bytes.data(), bytes.size(), path + " image " + std::to_string(i));
-    if (bgr.rows != 112 || bgr.cols != 112) cv::resize(bgr, bgr, cv::Size(112, 112), 0, 0, cv::INTER_LINEAR);
-    bgr_to_normalized_chw(bgr, false, dst + i * 3 * 112 * 112);
-  }
+  // Each distinct image is decoded once here (and dropped): a repeated reference shares
+  // its buffer and its check. The first in file order names a bad one.
+  std::vector<int64_t> distinct;
+  std::unordered_set<const void*> seen;
+  for (size_t i = 0; i < d.images.size(); ++i)
+    if (seen.insert(&d.images[i].bytes()).second) distinct.push_back(int64_t(i));
+  std::vector<std::string> errors(distinct.size());
+  at::parallel_for(0, int64_t(distinct.size()), 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t k = lo; k < hi; ++k) {
+      const int64_t i = distinct[size_t(k)];
+      try {
+        const cv::Mat bgr = decode_image(d.images[size_t(i)].data(), d.images[size_t(i)].size(), image_where(path, i));
+      } catch (const Error& e) {
+        errors[size_t(k)] = e.what();
+      }
+    }
+  });
+  for (const std::string& e : errors)
+    if (!e.empty()) throw runtime_error(e);
   return d;
 }
 
 namespace {
 // The embeddings of the images and of their mirrors, [N, E] each, in double: insightface's
 // verification.py stores each pass in a float64 array and sums them there, so distances
-// near a threshold round as they do there.
-std::pair<at::Tensor, at::Tensor> flip_pass_embeddings(Backbone& model, const at::Tensor& images, int64_t batch,
+// near a threshold round as they do there. The images are decoded a batch at a time into
+// one reused buffer.
+std::pair<at::Tensor, at::Tensor> flip_pass_embeddings(Backbone& model, const VerificationData& data, int64_t batch,
                                                        torch::Device device) {
   torch::NoGradGuard ng;
   const bool was_training = model.is_training();
   model.eval();
+  const int64_t n = data.num_images();
   std::vector<at::Tensor> plain, mirrored;
-  for (int64_t s = 0; s < images.size(0); s += batch) {
-    at::Tensor x = images.narrow(0, s, std::min(batch, images.size(0) - s)).to(device);
+  at::Tensor images = torch::empty({std::min(batch, std::max<int64_t>(n, 1)), 3, 112, 112});
+  for (int64_t s = 0; s < n; s += batch) {
+    const int64_t b = std::min(batch, n - s);
+    data.fill(s, b, images.data_ptr<float>());
+    at::Tensor x = images.narrow(0, 0, b).to(device);
     plain.push_back(model.forward(x).to(torch::kFloat).cpu().to(torch::kDouble));
     mirrored.push_back(model.forward(x.flip({3})).to(torch::kFloat).cpu().to(torch::kDouble));
   }
@@ -98,8 +147,8 @@ at::Tensor embed_images(Backbone& model, int64_t n, const ImageSource& load, int
   return out;
 }
 
-at::Tensor embed_with_flip(Backbone& model, const at::Tensor& images, int64_t batch, torch::Device device) {
-  const auto passes = flip_pass_embeddings(model, images, batch, device);
+at::Tensor embed_with_flip(Backbone& model, const VerificationData& data, int64_t batch, torch::Device device) {
+  const auto passes = flip_pass_embeddings(model, data, batch, device);
   // F::normalize's formula (x / max(|x|, 1e-12)), written out: its options temporary trips a
   // false -Wmaybe-uninitialized in g++ 12 here.
   const at::Tensor sum = passes.first + passes.second;
@@ -118,7 +167,7 @@ void check_verification_folds(const VerificationData& data, int64_t folds) {
 VerificationResult evaluate_verification(Backbone& model, const VerificationData& data, int64_t batch,
                                          torch::Device device, int64_t folds) {
   check_verification_folds(data, folds);
-  const auto passes = flip_pass_embeddings(model, data.images, batch, device);
+  const auto passes = flip_pass_embeddings(model, data, batch, device);
   VerificationResult r;
   // As verification.py: the mean L2 norm over the rows of both passes taken separately
   // (not the norm of their sum, which is about twice as large).
