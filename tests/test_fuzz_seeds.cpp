@@ -1,8 +1,8 @@
 // The fuzz targets' seed corpora: valid files written by the project's own writers
-// (RecordIO, insightface .rec, verification .bin, state_dict) and by Python (pickle,
-// torch.save), the shipped configs and a small IJB meta set, written to
-// <build>/fuzz/seeds/<target>/ for tools/fuzz.sh. Every seed must read back with the
-// project's readers: a valid file the parsers refuse fails here.
+// (RecordIO, insightface .rec, verification .bin, state_dict), by Python (pickle,
+// torch.save) and by OpenCV (JPEG, PNG, BMP), the shipped configs and a small IJB meta
+// set, written to <build>/fuzz/seeds/<target>/ for tools/fuzz.sh. Every seed must read
+// back with the project's readers: a valid file the parsers refuse fails here.
 #include <gtest/gtest.h>
 
 #include <unistd.h>
@@ -13,8 +13,13 @@
 #include <string>
 #include <vector>
 
+#include <opencv2/imgcodecs.hpp>
+#include <opencv2/imgproc.hpp>
+
 #include "app/config/config.h"
 #include "app/eval/ijb_meta.h"
+#include "data/image_header.h"
+#include "data/image_transform.h"
 #include "data/insightface_rec.h"
 #include "data/recordio.h"
 #include "data/verification_bin.h"
@@ -159,6 +164,45 @@ TEST(FuzzSeeds, WrittenByTheProjectAndPython) {
   const std::string pairs = "1 2 0\n1 1 1\n";
   EXPECT_EQ(parse_ijb_meta("IJBC", {"l", lmk}, {"t", tid}, {"p", pairs}).pair_t1.size(), 2u);
   put_seed("ijb_meta", "small", lmk + std::string(1, '\0') + tid + std::string(1, '\0') + pairs);
+  // Images: JPEG (baseline, progressive, greyscale, restart markers, EXIF orientation),
+  // PNG (8/16-bit, grey, alpha), BMP (24/32-bit, 8-bit palette), written by OpenCV.
+  cv::Mat bgr(24, 40, CV_8UC3), grey, bgra, bgr16;
+  cv::randu(bgr, 0, 256);
+  cv::cvtColor(bgr, grey, cv::COLOR_BGR2GRAY);
+  cv::cvtColor(bgr, bgra, cv::COLOR_BGR2BGRA);
+  bgr.convertTo(bgr16, CV_16U, 257);
+  const auto enc = [](const char* ext, const cv::Mat& m, const std::vector<int>& params = {}) {
+    std::vector<uint8_t> b;
+    EXPECT_TRUE(cv::imencode(ext, m, b, params)) << ext;
+    return b;
+  };
+  const std::vector<uint8_t> jpeg = enc(".jpg", bgr);
+  std::vector<uint8_t> exif(jpeg.begin(), jpeg.begin() + 2);
+  const uint8_t app1[] = {0xFF, 0xE1, 0, 34, 'E', 'x', 'i', 'f', 0, 0, 'I', 'I', 42, 0, 8, 0, 0, 0, 1, 0,
+                          0x12, 0x01, 3, 0, 1, 0, 0, 0, 6, 0, 0, 0, 0, 0, 0, 0};
+  exif.insert(exif.end(), app1, app1 + sizeof app1);
+  exif.insert(exif.end(), jpeg.begin() + 2, jpeg.end());
+  const std::vector<std::pair<std::string, std::vector<uint8_t>>> images = {
+      {"baseline.jpg", jpeg},
+      {"progressive.jpg", enc(".jpg", bgr, {cv::IMWRITE_JPEG_PROGRESSIVE, 1})},
+      {"grey.jpg", enc(".jpg", grey)},
+      {"restarts.jpg", enc(".jpg", bgr, {cv::IMWRITE_JPEG_RST_INTERVAL, 2})},
+      {"exif-orientation-6.jpg", exif},
+      {"bgr.png", enc(".png", bgr)},
+      {"grey.png", enc(".png", grey)},
+      {"bgra.png", enc(".png", bgra)},
+      {"bgr16.png", enc(".png", bgr16)},
+      {"bgr.bmp", enc(".bmp", bgr)},
+      {"grey.bmp", enc(".bmp", grey)},
+      {"bgra.bmp", enc(".bmp", bgra)},
+  };
+  for (const auto& [name, b] : images) {
+    const EncodedImageHeader h = read_image_header(b.data(), b.size(), name);
+    EXPECT_EQ(h.decoded_width() * h.decoded_height(), 24 * 40) << name;
+    EXPECT_EQ(decode_image(b.data(), b.size(), name).size(), h.orientation == 6 ? cv::Size(24, 40) : cv::Size(40, 24))
+        << name;
+    put_seed("image_header", name, std::string(b.begin(), b.end()));
+  }
 }
 
 }  // namespace

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs one fuzz target (libFuzzer + AddressSanitizer + UndefinedBehaviorSanitizer) on one core.
 # usage: tools/fuzz.sh TARGET SECONDS [--ci] [libFuzzer options...]
-#   TARGET: recordio | verification_bin | state_dict_pickle | state_dict_zip | config_yaml | ijb_meta
+#   TARGET: recordio | verification_bin | state_dict_pickle | state_dict_zip | config_yaml | ijb_meta | image_header
 #   A long run keeps its corpus in build/fuzz/corpus/TARGET (it grows from run to run),
 #   starting from the seeds (build/fuzz/seeds/TARGET, written by the tests) and the
 #   regression inputs (tests/fuzz/regressions/TARGET). --ci (what ctest runs): a fixed

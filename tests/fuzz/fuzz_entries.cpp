@@ -12,6 +12,8 @@
 
 #include "app/config/config.h"
 #include "app/eval/ijb_meta.h"
+#include "data/image_codec.h"
+#include "data/image_header.h"
 #include "data/image_record.h"
 #include "data/insightface_rec.h"
 #include "data/recordio.h"
@@ -278,10 +280,41 @@ void ijb_meta(const uint8_t* data, size_t size) {
   }
 }
 
+void image_header(const uint8_t* data, size_t size) {
+  EncodedImageHeader h;
+  try {
+    h = read_image_header(data, size, "fuzz.img");
+  } catch (const Error& e) {
+    check_error(e, {"fuzz.img"});
+    return;
+  }
+  if (h.width <= 0 || h.height <= 0 || h.width > kMaxImageSide || h.height > kMaxImageSide ||
+      h.width * h.height > kMaxImagePixels)
+    violated("header outside the limits: " + std::to_string(h.width) + "x" + std::to_string(h.height));
+  if (h.orientation < 1 || h.orientation > 8) violated("orientation " + std::to_string(h.orientation));
+  if (h.channels < 1 || h.channels > 4) violated("channels " + std::to_string(h.channels));
+  if (h.format == ImageFormat::bmp) {
+    const uint64_t stride = (uint64_t(h.width) * uint64_t(h.bit_depth) + 31) / 32 * 4;
+    if (h.bmp_pixel_offset > size || stride * uint64_t(h.height) > size - h.bmp_pixel_offset)
+      violated("BMP pixels past the data");
+    if (h.bmp_palette_entries < 0 || h.bmp_palette_entries > 256 ||
+        h.bmp_palette_offset + uint64_t(h.bmp_palette_entries) * uint64_t(h.bmp_palette_entry_size) > size)
+      violated("BMP palette past the data");
+  }
+  if (h.width * h.height > (int64_t(1) << 18)) return;  // larger decodes: slow, not different
+  std::vector<uint8_t> bgr(size_t(h.width * h.height * 3));
+  try {
+    decode_to_bgr(data, size, h, bgr.data(), size_t(h.width) * 3, "fuzz.img");
+  } catch (const Error& e) {
+    check_error(e, {"fuzz.img"});
+  }
+}
+
 const std::vector<Target>& targets() {
   static const std::vector<Target> t = {{"recordio", recordio},         {"verification_bin", verification_bin},
                                         {"state_dict_pickle", state_dict_pickle}, {"state_dict_zip", state_dict_zip},
-                                        {"config_yaml", config_yaml},   {"ijb_meta", ijb_meta}};
+                                        {"config_yaml", config_yaml},   {"ijb_meta", ijb_meta},
+                                        {"image_header", image_header}};
   return t;
 }
 

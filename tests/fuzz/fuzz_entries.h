@@ -30,6 +30,10 @@ void config_yaml(const uint8_t* data, size_t size);
 // by NUL bytes.
 void ijb_meta(const uint8_t* data, size_t size);
 
+// An encoded image (JPEG, PNG, BMP): its header read and checked against the limits, then,
+// for an image of at most 2^18 pixels, decoded by the strict decoders.
+void image_header(const uint8_t* data, size_t size);
+
 struct Target {
   const char* name;
   void (*run)(const uint8_t*, size_t);
