@@ -5,8 +5,12 @@
 # configs (and bases that fan out to 10^9 files), checkpoints whose values are wrong (a
 # generator state of 7 bytes, a NaN centre, a step the marker does not say), a classifier
 # too big for the machine, IJB meta files that name a file outside loose_crop/ or a
-# faceness of 0, and verification sets with no pairs or fewer pairs than folds. Each must
-# end with ONE error line naming the file (and for YAML the line and key path) and no
+# faceness of 0, verification sets with no pairs or fewer pairs than folds, and hostile
+# images: a .bin that references one tiny JPEG 20,000 times (3 GB as decoded floats),
+# JPEGs and PNGs whose headers declare 30000x30000 (decompression bombs), truncated and
+# corrupt JPEGs, through faceshard-verify, faceshard-pack verify --decode,
+# faceshard-train's loader and faceshard-ijb. Each must end with ONE error line naming the
+# file (and for YAML the line and key path; for images the pair, record or file) and no
 # library text, exit status 1 (runtime) or 2 (config), and a peak resident memory below
 # PEAK_MB (the binaries with LibTorch loaded take about 400-500 MB).
 # usage: hostile_inputs.sh SOURCE_DIR BIN_DIR
@@ -98,6 +102,73 @@ open(d + '/swap/train.idx', 'w').write(''.join('%s\t%s\n' % (k, swap.get(int(k),
 open(d + '/same/train.idx', 'w').write(''.join('%s\t%s\n' % (k, off[1]) for k, v in lines))
 PY
 
+# Hostile images. A tiny JPEG written by hand (8x8 grey, one Huffman code per table), a
+# face from the synthetic set, and the hostile kinds made from them.
+"$bin/faceshard-pack" unpack "$work/data/train.rec" "$work/faces" > /dev/null || { echo "FAIL: faceshard-pack unpack"; exit 1; }
+"$py" - "$work" <<'PY' || exit 1
+import glob, os, struct, sys, zlib
+d = sys.argv[1]
+faces = sorted(glob.glob(d + '/faces/*/*.jpg'))
+face = open(faces[0], 'rb').read()
+def seg(marker, body): return b'\xff' + bytes([marker]) + struct.pack('>H', len(body) + 2) + body
+tiny = (b'\xff\xd8' + seg(0xDB, b'\x00' + b'\x01' * 64) + seg(0xC0, b'\x08\x00\x08\x00\x08\x01\x01\x11\x00')
+        + seg(0xC4, b'\x00' + b'\x01' + b'\x00' * 15 + b'\x00') + seg(0xC4, b'\x10' + b'\x01' + b'\x00' * 15 + b'\x00')
+        + seg(0xDA, b'\x01\x01\x00\x00\x3f\x00') + b'\x3f\xff\xd9')
+def sof_declaring(j, w, h):
+    i = 2
+    while i + 8 < len(j):
+        m, n = j[i + 1], struct.unpack('>H', j[i + 2:i + 4])[0]
+        if 0xC0 <= m <= 0xC2:
+            return j[:i + 5] + struct.pack('>HH', h, w) + j[i + 9:]
+        i += 2 + n
+    raise SystemExit('no SOF')
+def chunk(t, b): return struct.pack('>I', len(b)) + t + b + struct.pack('>I', zlib.crc32(t + b))
+def png(w, h, rows):
+    return b'\x89PNG\r\n\x1a\n' + chunk(b'IHDR', struct.pack('>IIBBBBB', w, h, 8, 2, 0, 0, 0)) + \
+           chunk(b'IDAT', zlib.compress(b''.join(b'\x00' + bytes(3 * w) for _ in range(rows)), 9)) + chunk(b'IEND', b'')
+corrupt = bytearray(face)
+for i in range(len(face) // 2, len(face) // 2 + 64): corrupt[i] ^= 0x55
+imgs = {'tiny.jpg': tiny, 'face.jpg': face, 'bomb.jpg': sof_declaring(face, 30000, 30000),
+        'bomb.png': png(30000, 30000, 8), 'cut.jpg': face[:len(face) // 3], 'corrupt.jpg': bytes(corrupt)}
+for k, v in imgs.items(): open(d + '/' + k, 'wb').write(v)
+# insightface .bin (protocol 2): the images, the first occurrence of each stored once
+# (BINPUT) and repeats as memo references (BINGET); pairs alternate same/different.
+def bin_file(name, refs):
+    out, slot = bytearray(b'\x80\x02]q\x00('), {}
+    for r in refs:
+        if r in slot: out += b'h' + bytes([slot[r]]); continue
+        slot[r] = len(slot) + 1
+        out += b'B' + struct.pack('<I', len(imgs[r])) + imgs[r] + b'q' + bytes([slot[r]])
+    out += b'e]q' + bytes([len(slot) + 1]) + b'(' + b''.join(b'\x88' if p % 2 == 0 else b'\x89' for p in range(len(refs) // 2)) + b'e\x86.'
+    open(d + '/' + name, 'wb').write(bytes(out))
+bin_file('manyref.bin', ['tiny.jpg'] * 19999 + ['cut.jpg'])
+bin_file('bomb-jpeg.bin', ['face.jpg', 'bomb.jpg'])
+bin_file('bomb-png.bin', ['bomb.png', 'face.jpg'])
+bin_file('cut.bin', ['face.jpg', 'face.jpg', 'face.jpg', 'cut.jpg'])
+bin_file('corrupt.bin', ['face.jpg', 'corrupt.jpg'])
+# Image folders for faceshard-pack: 16 faces of 4 identities, the second of identity 2
+# replaced (folder-KIND), or all of them (folder-all-KIND: training fails on its first batch).
+for kind in ('bomb.jpg', 'bomb.png', 'cut.jpg', 'corrupt.jpg'):
+    for folder, bad in (('folder-' + kind, lambda c, i: c == 2 and i == 1), ('folder-all-' + kind, lambda c, i: True)):
+        for c in range(4):
+            os.makedirs('%s/%s/id%d' % (d, folder, c), exist_ok=True)
+            for i in range(4):
+                b = imgs[kind] if bad(c, i) else open(faces[4 * c + i], 'rb').read()
+                open('%s/%s/id%d/%d.jpg' % (d, folder, c, i), 'wb').write(b)
+# IJB: two loose crops (a face and a bomb), one template each, one pair.
+os.makedirs(d + '/ijb/loose_crop'); os.makedirs(d + '/ijb/meta')
+open(d + '/ijb/loose_crop/1.jpg', 'wb').write(face)
+open(d + '/ijb/loose_crop/2.jpg', 'wb').write(imgs['bomb.jpg'])
+lmk = ' 38.3 51.7 73.5 51.5 56.0 71.7 41.5 92.4 70.7 92.2 0.9\n'
+open(d + '/ijb/meta/ijbc_name_5pts_score.txt', 'w').write('1.jpg' + lmk + '2.jpg' + lmk)
+open(d + '/ijb/meta/ijbc_face_tid_mid.txt', 'w').write('1.jpg 1 1\n2.jpg 2 2\n')
+open(d + '/ijb/meta/ijbc_template_pair_label.txt', 'w').write('1 2 0\n1 1 1\n')
+PY
+for kind in bomb.jpg bomb.png cut.jpg corrupt.jpg all-bomb.jpg all-bomb.png all-cut.jpg all-corrupt.jpg; do
+  mkdir -p "$work/rec-$kind"
+  "$bin/faceshard-pack" pack "$work/folder-$kind" "$work/rec-$kind/train" > /dev/null 2>&1 || { echo "FAIL: pack $kind"; exit 1; }
+done
+
 # Runs a command; checks its exit status, one stderr line with every fragment, and its peak RSS.
 check() {  # status name fragments... -- command...
   local want="$1" name="$2"; shift 2
@@ -108,7 +179,10 @@ check() {  # status name fragments... -- command...
   res=$("$py" - "$work/err" "$@" <<'PY'
 import resource, subprocess, sys
 with open(sys.argv[1], 'wb') as err:
-    rc = subprocess.run(sys.argv[2:], stdout=subprocess.DEVNULL, stderr=err).returncode
+    try:  # a hostile file must not keep a binary busy: 120 s, ample on a loaded 2-core machine
+        rc = subprocess.run(sys.argv[2:], stdout=subprocess.DEVNULL, stderr=err, timeout=120).returncode
+    except subprocess.TimeoutExpired:
+        rc = 'timeout'
 print(rc, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss // 1024)
 PY
 )
@@ -119,8 +193,9 @@ PY
   [ "$lines" -eq 1 ] || bad "$name: $lines lines on stderr"
   [ "$peak" -lt "$PEAK_MB" ] || bad "$name: peak RSS $peak MB >= $PEAK_MB MB"
   for f in "${frags[@]}"; do grep -qF -- "$f" "$work/err" || bad "$name: '$f' not in the message"; done
-  # No library text: the message is faceshard's own, not LibTorch's, the C++ runtime's or yaml-cpp's.
-  if grep -qE 'c10::|Exception raised from|at::|std::|terminate called|what\(\)|yaml-cpp|CPUGeneratorImpl|cannot be converted to Scalar|DefaultCPUAllocator' "$work/err"; then
+  # No library text: the message is faceshard's own, not LibTorch's, the C++ runtime's,
+  # yaml-cpp's, libjpeg's, libpng's or OpenCV's.
+  if grep -qE 'c10::|Exception raised from|at::|std::|terminate called|what\(\)|yaml-cpp|CPUGeneratorImpl|cannot be converted to Scalar|DefaultCPUAllocator|Corrupt JPEG data|Premature end|libpng|OpenCV\(|Assertion failed|alloc_cpu' "$work/err"; then
     bad "$name: library text in the message"
   fi
 }
@@ -133,6 +208,44 @@ check 1 memo.bin "memo.bin" "counted with repeats" -- \
   "$bin/faceshard-verify" --model "$work/run" --bin "$work/memo.bin" --device cpu
 check 1 model.init "deep.pt" "nested more than 32 deep" -- \
   "$bin/faceshard-train" --config "$work/tiny.yaml" --set model.init="$work/deep.pt" --set output="$work/run2"
+# Images: memory follows the encoded bytes (the 20,000 references are one buffer, decoded
+# per batch), bombs are refused from their headers, a decoder warning is a failed decode.
+check 1 manyref.bin "manyref.bin: pair 9999, image 19999" "truncated" -- \
+  "$bin/faceshard-verify" --model "$work/run" --bin "$work/manyref.bin" --device cpu
+check 1 bomb-jpeg.bin "bomb-jpeg.bin: pair 0, image 1" "30000x30000" "at most 8192 pixels a side" -- \
+  "$bin/faceshard-verify" --model "$work/run" --bin "$work/bomb-jpeg.bin" --device cpu
+check 1 bomb-png.bin "bomb-png.bin: pair 0, image 0" "PNG header declares a 30000x30000 image" -- \
+  "$bin/faceshard-verify" --model "$work/run" --bin "$work/bomb-png.bin" --device cpu
+check 1 cut.bin "cut.bin: pair 1, image 3" "JPEG data ends before the image does (truncated)" -- \
+  "$bin/faceshard-verify" --model "$work/run" --bin "$work/cut.bin" --device cpu
+check 1 corrupt.bin "corrupt.bin: pair 0, image 1" "corrupt JPEG data" -- \
+  "$bin/faceshard-verify" --model "$work/run" --bin "$work/corrupt.bin" --device cpu
+# faceshard-pack pack stores the bytes as they are; verify --decode finds them (key 10:
+# identity 2's second image, after the header record).
+check 1 "pack verify bomb.jpg" "rec-bomb.jpg/train.rec: key 10" "30000x30000" -- \
+  "$bin/faceshard-pack" verify "$work/rec-bomb.jpg/train.rec" --decode
+check 1 "pack verify bomb.png" "rec-bomb.png/train.rec: key 10" "PNG header declares a 30000x30000 image" -- \
+  "$bin/faceshard-pack" verify "$work/rec-bomb.png/train.rec" --decode
+check 1 "pack verify cut.jpg" "rec-cut.jpg/train.rec: key 10" "truncated" -- \
+  "$bin/faceshard-pack" verify "$work/rec-cut.jpg/train.rec" --decode
+check 1 "pack verify corrupt.jpg" "rec-corrupt.jpg/train.rec: key 10" "corrupt JPEG data" -- \
+  "$bin/faceshard-pack" verify "$work/rec-corrupt.jpg/train.rec" --decode
+# Training: a bad image is a bad record. With max_bad_fraction 0 the first one ends the
+# run (one line naming it, before any step); with 0.1 of 16 samples one bomb is replaced
+# (one warning line) and the two steps of the epoch run (a step of the tiny model peaks at
+# about 1.1 GB, hence its own bound).
+for kind in bomb.jpg bomb.png cut.jpg corrupt.jpg; do
+  reason="declares a 30000x30000 image"
+  case "$kind" in cut.jpg) reason="truncated" ;; corrupt.jpg) reason="corrupt JPEG data" ;; esac
+  check 1 "train $kind" "max_bad_fraction = 0" "rec-all-$kind/train.rec: key " "$reason" -- \
+    "$bin/faceshard-train" --config "$work/tiny.yaml" --set data.rec="$work/rec-all-$kind" --set data.max_bad_fraction=0 \
+    --set output="$work/run-$kind" --set optim.total_steps=2
+done
+PEAK_MB=1300 check 0 "train one bomb" "skipping a bad sample" "rec-bomb.jpg/train.rec: key 10" "30000x30000" -- \
+  "$bin/faceshard-train" --config "$work/tiny.yaml" --set data.rec="$work/rec-bomb.jpg" --set data.max_bad_fraction=0.1 \
+  --set output="$work/run-onebomb" --set optim.total_steps=2
+check 1 "ijb bomb" "loose_crop/2.jpg" "30000x30000" -- \
+  "$bin/faceshard-ijb" --model "$work/run" --root "$work/ijb" --target IJBC --device cpu --output "$work/ijb-out"
 check 2 badkey.yaml "badkey.yaml:13:3" "key 'optim'" "expected a key name, got a list" -- \
   "$bin/faceshard-config" --config "$work/badkey.yaml"
 check 2 deep.yaml "deep.yaml:" "key 'loss.margin'" "nested" -- "$bin/faceshard-config" --config "$work/deep.yaml"
