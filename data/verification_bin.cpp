@@ -11,6 +11,7 @@
 #include <memory>
 #include <sstream>
 #include <unordered_map>
+#include <unordered_set>
 
 #include "partial_fc/runtime/error.h"
 
@@ -422,6 +423,7 @@ VerificationSet parse_verification_bin(const uint8_t* data, size_t size, const s
   // hold much more than the file does, or a small file could make its reader decode (and
   // a caller copy) the same large image millions of times.
   uint64_t referenced = 0;
+  std::unordered_set<const void*> distinct;  // buffers: references to one image share one
   for (size_t i = 0; i < bins.items->size(); ++i) {
     const Value& v = (*bins.items)[i];
     if (v.kind == Value::Bytes) {
@@ -437,6 +439,16 @@ VerificationSet parse_verification_bin(const uint8_t* data, size_t size, const s
                                size, "-byte file plus ", kMaxRepeatedImageBytes >> 20,
                                " MiB (the pickle references the same images over and over)"));
     }
+    distinct.insert(&set.images.back().bytes());
+  }
+  // A repeated reference is 2 bytes of pickle but a decode and a forward pass like any
+  // image: a few thousand references to one tiny JPEG would keep an evaluation busy for
+  // minutes. Pairs that reuse their images a few times pass.
+  const uint64_t repeats = set.images.size() - distinct.size();
+  if (repeats > kMaxRepeatsPerImage * distinct.size() + kRepeatAllowance) {
+    throw bad(detail::concat(set.images.size(), " image references to ", distinct.size(), " distinct images (",
+                             repeats, " repeats, at most ", kMaxRepeatsPerImage, " per distinct image + ",
+                             kRepeatAllowance, "): each repeat would be decoded and evaluated again"));
   }
   set.issame.reserve(same.items->size());
   for (size_t i = 0; i < same.items->size(); ++i) {

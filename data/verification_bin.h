@@ -52,10 +52,14 @@ struct VerificationSet {
 // Bounds: nothing recurses with the input; containers nest two deep at most; the stack,
 // MARKs and memo hold at most 2^20 entries each; an image referenced several times is one
 // shared buffer, and the images counted with repeats may hold at most the input's size
-// plus kMaxRepeatedImageBytes (so whoever decodes them does work proportional to the
-// file). Parsing n bytes allocates at most about n (the image bytes) + 48 bytes per
-// stack entry + 80 bytes per memo entry, under 250 MB beyond the image bytes.
+// plus kMaxRepeatedImageBytes; references beyond an image's first (repeats) may number at
+// most kMaxRepeatsPerImage per distinct image plus kRepeatAllowance (so whoever decodes
+// and evaluates them does work proportional to the file). Parsing n bytes allocates at
+// most about n (the image bytes) + 48 bytes per stack entry + 80 bytes per memo entry,
+// under 250 MB beyond the image bytes.
 constexpr uint64_t kMaxRepeatedImageBytes = uint64_t(16) << 20;
+constexpr uint64_t kMaxRepeatsPerImage = 2;
+constexpr uint64_t kRepeatAllowance = 1024;
 VerificationSet parse_verification_bin(const uint8_t* data, size_t size, const std::string& name);
 VerificationSet read_verification_bin(const std::string& path);
 

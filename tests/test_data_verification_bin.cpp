@@ -327,6 +327,22 @@ TEST(VerificationBinCorrupt, MemoReferencesShareOneImage) {
   EXPECT_EQ(msg.find("memo.bin"), 0u) << msg;
   EXPECT_NE(msg.find("counted with repeats"), std::string::npos) << msg;
   EXPECT_EQ(msg.find('\n'), std::string::npos) << msg;
+  // Repeats (references beyond an image's first) are bounded by the distinct images:
+  // at most 2 per distinct image + 1024. One image: 1026 references pass, 1028 do not.
+  for (const size_t refs : {size_t(1026), size_t(1028), size_t(20000)}) {
+    const auto b = memo_bin(10, refs, 'B');
+    if (refs == 1026) {
+      EXPECT_EQ(parse_verification_bin(b.data(), b.size(), "memo.bin").images.size(), 1026u);
+      continue;
+    }
+    const std::string m = error_of([&] { parse_verification_bin(b.data(), b.size(), "memo.bin"); });
+    EXPECT_EQ(m.rfind("memo.bin: not an insightface verification .bin: " + std::to_string(refs) +
+                          " image references to 1 distinct images (" + std::to_string(refs - 1) +
+                          " repeats, at most 2 per distinct image + 1024)",
+                      0),
+              0u)
+        << m;
+  }
   // STACK_GLOBAL of long names (which GETs could otherwise copy per opcode) is refused.
   std::vector<uint8_t> g = {0x80, 0x04, 0x8d};
   for (int i = 0; i < 8; ++i) g.push_back(i == 0 ? 0x00 : 0);

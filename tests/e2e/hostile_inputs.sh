@@ -6,9 +6,9 @@
 # generator state of 7 bytes, a NaN centre, a step the marker does not say), a classifier
 # too big for the machine, IJB meta files that name a file outside loose_crop/ or a
 # faceness of 0, verification sets with no pairs or fewer pairs than folds, and hostile
-# images: a .bin that references one tiny JPEG 20,000 times (3 GB as decoded floats),
-# JPEGs and PNGs whose headers declare 30000x30000 (decompression bombs), truncated and
-# corrupt JPEGs, through faceshard-verify, faceshard-pack verify --decode,
+# images: .bin files that reference tiny JPEGs 18,000-20,000 times (3 GB as decoded
+# floats), JPEGs and PNGs whose headers declare 30000x30000 (decompression bombs),
+# truncated and corrupt JPEGs, through faceshard-verify, faceshard-pack verify --decode,
 # faceshard-train's loader and faceshard-ijb. Each must end with ONE error line naming the
 # file (and for YAML the line and key path; for images the pair, record or file) and no
 # library text, exit status 1 (runtime) or 2 (config), and a peak resident memory below
@@ -132,20 +132,26 @@ imgs = {'tiny.jpg': tiny, 'face.jpg': face, 'bomb.jpg': sof_declaring(face, 3000
         'bomb.png': png(30000, 30000, 8), 'cut.jpg': face[:len(face) // 3], 'corrupt.jpg': bytes(corrupt)}
 for k, v in imgs.items(): open(d + '/' + k, 'wb').write(v)
 # insightface .bin (protocol 2): the images, the first occurrence of each stored once
-# (BINPUT) and repeats as memo references (BINGET); pairs alternate same/different.
+# (LONG_BINPUT) and repeats as memo references (LONG_BINGET); 'name#k' is another copy
+# of image 'name'; pairs alternate same/different.
 def bin_file(name, refs):
     out, slot = bytearray(b'\x80\x02]q\x00('), {}
     for r in refs:
-        if r in slot: out += b'h' + bytes([slot[r]]); continue
+        if r in slot: out += b'j' + struct.pack('<I', slot[r]); continue
         slot[r] = len(slot) + 1
-        out += b'B' + struct.pack('<I', len(imgs[r])) + imgs[r] + b'q' + bytes([slot[r]])
-    out += b'e]q' + bytes([len(slot) + 1]) + b'(' + b''.join(b'\x88' if p % 2 == 0 else b'\x89' for p in range(len(refs) // 2)) + b'e\x86.'
+        img = imgs[r.split('#')[0]]
+        out += b'B' + struct.pack('<I', len(img)) + img + b'r' + struct.pack('<I', slot[r])
+    out += b'e]r' + struct.pack('<I', len(slot) + 1) + b'(' + b''.join(b'\x88' if p % 2 == 0 else b'\x89' for p in range(len(refs) // 2)) + b'e\x86.'
     open(d + '/' + name, 'wb').write(bytes(out))
-bin_file('manyref.bin', ['tiny.jpg'] * 19999 + ['cut.jpg'])
-bin_file('bomb-jpeg.bin', ['face.jpg', 'bomb.jpg'])
-bin_file('bomb-png.bin', ['bomb.png', 'face.jpg'])
+# 20,000 references to one tiny JPEG (3 GB as decoded floats; refused as repeats), and
+# 18,000 references to 6,000 copies of it (2.7 GB as decoded floats; accepted, held as
+# 0.9 MB of JPEGs) followed by a truncated JPEG.
+bin_file('manyref.bin', ['tiny.jpg'] * 20000)
+bin_file('manycopies.bin', ['tiny.jpg#%d' % (i // 3) for i in range(18000)] + ['face.jpg', 'cut.jpg'])
+bin_file('bomb-jpeg.bin', ['face.jpg', 'bomb.jpg', 'face.jpg', 'face.jpg'])
+bin_file('bomb-png.bin', ['bomb.png', 'face.jpg', 'face.jpg', 'face.jpg'])
 bin_file('cut.bin', ['face.jpg', 'face.jpg', 'face.jpg', 'cut.jpg'])
-bin_file('corrupt.bin', ['face.jpg', 'corrupt.jpg'])
+bin_file('corrupt.bin', ['face.jpg', 'corrupt.jpg', 'face.jpg', 'face.jpg'])
 # Image folders for faceshard-pack: 16 faces of 4 identities, the second of identity 2
 # replaced (folder-KIND), or all of them (folder-all-KIND: training fails on its first batch).
 for kind in ('bomb.jpg', 'bomb.png', 'cut.jpg', 'corrupt.jpg'):
@@ -208,10 +214,14 @@ check 1 memo.bin "memo.bin" "counted with repeats" -- \
   "$bin/faceshard-verify" --model "$work/run" --bin "$work/memo.bin" --device cpu
 check 1 model.init "deep.pt" "nested more than 32 deep" -- \
   "$bin/faceshard-train" --config "$work/tiny.yaml" --set model.init="$work/deep.pt" --set output="$work/run2"
-# Images: memory follows the encoded bytes (the 20,000 references are one buffer, decoded
-# per batch), bombs are refused from their headers, a decoder warning is a failed decode.
-check 1 manyref.bin "manyref.bin: pair 9999, image 19999" "truncated" -- \
+# Images: thousands of references to one image are refused, and memory follows the encoded
+# bytes (the set stays encoded; each distinct image is checked once, batches are decoded
+# as needed); bombs are refused from their headers; a decoder warning is a failed decode.
+check 1 manyref.bin "manyref.bin: not an insightface verification .bin: 20000 image references to 1 distinct images" \
+  "19999 repeats, at most 2 per distinct image + 1024" -- \
   "$bin/faceshard-verify" --model "$work/run" --bin "$work/manyref.bin" --device cpu
+check 1 manycopies.bin "manycopies.bin: pair 9000, image 18001" "truncated" -- \
+  "$bin/faceshard-verify" --model "$work/run" --bin "$work/manycopies.bin" --device cpu
 check 1 bomb-jpeg.bin "bomb-jpeg.bin: pair 0, image 1" "30000x30000" "at most 8192 pixels a side" -- \
   "$bin/faceshard-verify" --model "$work/run" --bin "$work/bomb-jpeg.bin" --device cpu
 check 1 bomb-png.bin "bomb-png.bin: pair 0, image 0" "PNG header declares a 30000x30000 image" -- \

@@ -135,8 +135,14 @@ void verification_bin(const uint8_t* data, size_t size) {
   }
   if (set.images.size() != 2 * set.issame.size()) violated("images are not two per pair");
   uint64_t referenced = 0;
-  for (const ImageBytes& b : set.images) referenced += b.size();
+  std::set<const void*> distinct;
+  for (const ImageBytes& b : set.images) {
+    referenced += b.size();
+    distinct.insert(&b.bytes());
+  }
   if (referenced > size + kMaxRepeatedImageBytes) violated("images hold more than the bound");
+  if (set.images.size() - distinct.size() > kMaxRepeatsPerImage * distinct.size() + kRepeatAllowance)
+    violated("more repeated references than the bound");
   if (referenced > 4 * uint64_t(size) + 4096) return;  // the writer would expand the repeats: slow, not wrong
   const std::vector<uint8_t> again = encode_verification_bin(set);
   const VerificationSet back = parse_verification_bin(again.data(), again.size(), "fuzz-rewritten.bin");
