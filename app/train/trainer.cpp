@@ -55,7 +55,8 @@ int run_training(const TrainRequest& req) {
   Validation validation(j);
   if (req.resume && from.empty()) log_info("--resume: no committed checkpoint under ", checkpoints.root(), ", starting fresh");
   if (!from.empty()) state.load(from);
-  if (!from.empty() && p.step >= j.last_step) {
+  // (An explicit --resume DIR at its last step still saves at once: resharding a checkpoint.)
+  if (!from.empty() && req.resume_from.empty() && p.step >= j.last_step) {
     // A scheduler reran a finished job: nothing to train; the export is written if the
     // run ended between its last checkpoint and the export.
     log_info("resume: the run already finished at step ", p.step, " of ", j.last_step, " (", from, "); nothing to do");
