@@ -35,7 +35,7 @@ TEST(DistEnv, Torchrun) {
   auto d = DistEnv::from_map({{"RANK", "5"}, {"WORLD_SIZE", "8"}, {"LOCAL_RANK", "1"}, {"LOCAL_WORLD_SIZE", "4"},
                               {"GROUP_RANK", "1"}, {"MASTER_ADDR", "10.1.2.3"}, {"MASTER_PORT", "1234"},
                               {"TORCHELASTIC_RUN_ID", "x"}, {"TORCHELASTIC_USE_AGENT_STORE", "True"},
-                              {"TORCHELASTIC_RESTART_COUNT", "2"}});
+                              {"TORCHELASTIC_RESTART_COUNT", "2"}, {"TORCHELASTIC_MAX_RESTARTS", "3"}});
   EXPECT_EQ(d.rank, 5);
   EXPECT_EQ(d.world_size, 8);
   EXPECT_EQ(d.local_rank, 1);
@@ -45,13 +45,17 @@ TEST(DistEnv, Torchrun) {
   EXPECT_EQ(d.master_port, 1234);
   EXPECT_TRUE(d.agent_store);
   EXPECT_EQ(d.restart_count, 2);
+  EXPECT_EQ(d.max_restarts, 3);
   EXPECT_EQ(d.source, "torchrun");
+  EXPECT_NE(d.describe().find("rank 5/8 (local 1/4, node 1) via torchrun (restart 2 of at most 3)"), std::string::npos)
+      << d.describe();
 }
 
 TEST(DistEnv, Slurm) {
   auto d = DistEnv::from_map({{"SLURM_PROCID", "3"}, {"SLURM_NTASKS", "4"}, {"SLURM_LOCALID", "1"},
                               {"SLURM_NTASKS_PER_NODE", "2(x2)"}, {"SLURM_NODEID", "1"},
-                              {"SLURM_JOB_NODELIST", "gpu[07-08]"}, {"SLURM_JOB_ID", "123"}});
+                              {"SLURM_JOB_NODELIST", "gpu[07-08]"}, {"SLURM_JOB_ID", "123"},
+                              {"SLURM_RESTART_COUNT", "1"}});
   EXPECT_EQ(d.rank, 3);
   EXPECT_EQ(d.world_size, 4);
   EXPECT_EQ(d.local_rank, 1);
@@ -59,6 +63,8 @@ TEST(DistEnv, Slurm) {
   EXPECT_EQ(d.master_addr, "gpu07");
   EXPECT_EQ(d.master_port, 20123);
   EXPECT_FALSE(d.agent_store);
+  EXPECT_EQ(d.slurm_restart_count, 1);
+  EXPECT_NE(d.describe().find("via slurm (requeue 1)"), std::string::npos) << d.describe();
 }
 
 TEST(DistEnv, SlurmNodeList) {

@@ -65,6 +65,7 @@ DistEnv DistEnv::from_map(const std::map<std::string, std::string>& m) {
     d.master_port = e.integer("MASTER_PORT", 29500);
     d.agent_store = e.str("TORCHELASTIC_USE_AGENT_STORE") == "True";
     d.restart_count = e.integer("TORCHELASTIC_RESTART_COUNT", 0);
+    d.max_restarts = e.integer("TORCHELASTIC_MAX_RESTARTS", 0);
   } else if (e.has("SLURM_PROCID") && e.has("SLURM_NTASKS")) {
     d.source = "slurm";
     d.rank = e.integer("SLURM_PROCID", 0);
@@ -74,6 +75,7 @@ DistEnv DistEnv::from_map(const std::map<std::string, std::string>& m) {
     std::string per_node = e.str("SLURM_NTASKS_PER_NODE", e.str("SLURM_TASKS_PER_NODE", ""));
     d.local_world_size = per_node.empty() ? d.world_size : std::max(1, std::atoi(per_node.c_str()));
     d.node_rank = e.integer("SLURM_NODEID", 0);
+    d.slurm_restart_count = e.integer("SLURM_RESTART_COUNT", 0);
     if (e.has("MASTER_ADDR")) {
       d.master_addr = e.str("MASTER_ADDR");
     } else if (e.has("SLURM_JOB_NODELIST") || e.has("SLURM_NODELIST")) {
@@ -110,6 +112,9 @@ std::string DistEnv::describe() const {
   std::ostringstream os;
   os << "rank " << rank << "/" << world_size << " (local " << local_rank << "/" << local_world_size
      << ", node " << node_rank << ") via " << source;
+  // An elastic or requeued job restarts its workers: the log says which start this is.
+  if (source == "torchrun") os << " (restart " << restart_count << " of at most " << max_restarts << ")";
+  if (source == "slurm" && slurm_restart_count > 0) os << " (requeue " << slurm_restart_count << ")";
   if (world_size > 1) os << ", store " << master_addr << ":" << master_port << (agent_store ? " (agent)" : "");
   return os.str();
 }

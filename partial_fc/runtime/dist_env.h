@@ -19,6 +19,10 @@ struct DistEnv {
   // connects as a client under the prefix "/worker/attempt_<restart_count>".
   bool agent_store = false;
   int restart_count = 0;
+  int max_restarts = 0;            // TORCHELASTIC_MAX_RESTARTS (logged with the restart count)
+  // SLURM: the job's requeue count (SLURM_RESTART_COUNT), logged so that a requeued job's log
+  // says which run it is.
+  int slurm_restart_count = 0;
   std::string source = "single";  // "torchrun", "slurm", "launch", "single"
 
   // Reads the process environment; throws a usage Error naming the variable when the
