@@ -34,6 +34,7 @@ class MbfDepthWiseImpl : public torch::nn::Module {
  public:
   MbfDepthWiseImpl(int64_t in, int64_t out, bool residual, int64_t stride, int64_t groups);
   torch::Tensor forward(const torch::Tensor& x);
+  bool residual() const { return residual_; }
 
  private:
   bool residual_;

@@ -12,11 +12,12 @@ TORCH_VERSION="${FACESHARD_TORCH_VERSION:-2.11.0}"
 # several-hosts tests; clang-14 + libclang-rt-14-dev: the fuzz targets (libFuzzer and the
 # sanitizer runtimes come with clang's compiler-rt, not with g++); zlib1g-dev: CRC-32 of the
 # entries of torch.save files; libjpeg62-turbo-dev + libpng-dev: the image decoders, called
-# directly (strict and silent, unlike cv::imdecode).
+# directly (strict and silent, unlike cv::imdecode); libgl1 + libglib2.0-0: what the
+# opencv-python wheel (insightface's dependency, tests only) loads.
 debs=(build-essential cmake ninja-build ccache pkg-config python3 python3-venv
       libyaml-cpp-dev libopencv-core-dev libopencv-imgproc-dev libopencv-imgcodecs-dev
       libgtest-dev libgloo-dev iproute2 clang-14 libclang-rt-14-dev zlib1g-dev
-      libjpeg62-turbo-dev libpng-dev)
+      libjpeg62-turbo-dev libpng-dev libgl1 libglib2.0-0)
 missing=()
 for p in "${debs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -44,3 +45,10 @@ if [ "$have" != "$TORCH_VERSION" ]; then
   "$venv/bin/pip" install -q "torch==$TORCH_VERSION" numpy
 fi
 "$venv/bin/python" -c 'import numpy' 2>/dev/null || "$venv/bin/pip" install -q numpy
+# The ONNX export's tests (tests/e2e/onnx_export.py): onnx's checker, onnxruntime, and
+# insightface's own loader (model_zoo.get_model). faceshard itself writes ONNX without them.
+onnx_pins=(onnx==1.23.2 onnxruntime==1.32.0 insightface==2.1)
+"$venv/bin/python" -c 'import onnx, onnxruntime, insightface
+assert (onnx.__version__, onnxruntime.__version__, insightface.__version__) == ("1.23.2", "1.32.0", "2.1")' \
+  2>/dev/null || { echo "[setup] installing ${onnx_pins[*]} into $venv (tests of the ONNX export)";
+                   "$venv/bin/pip" install -q "${onnx_pins[@]}"; }

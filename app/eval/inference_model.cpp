@@ -98,6 +98,7 @@ InferenceModel load_inference_model(const ModelSpec& spec, torch::Device device)
   m.backbone->to(device);
   m.backbone->eval();
   m.weights = weights.string();
+  m.metadata = meta.source;
   m.description = o.name + ", " + std::to_string(o.embedding_size) + "-d, " + precision + ", from " +
                   weights.string() + (meta.source.empty() ? "" : " (metadata: " + meta.source + ")");
   return m;

@@ -22,6 +22,7 @@ struct ModelSpec {
 struct InferenceModel {
   std::shared_ptr<Backbone> backbone;  // in eval mode, on the requested device
   std::string weights;                 // the weights file that was read
+  std::string metadata;                // the model.json or config.yaml read ("" when none)
   std::string description;             // "r50, 512-d, from <file> (<source>)"
 };
 

@@ -2,7 +2,6 @@
 
 #include <unistd.h>
 
-#include <algorithm>
 #include <array>
 #include <cerrno>
 #include <chrono>
@@ -10,6 +9,7 @@
 #include <ctime>
 #include <filesystem>
 
+#include "app/io/protobuf_writer.h"
 #include "partial_fc/runtime/error.h"
 
 namespace faceshard {
@@ -28,45 +28,19 @@ std::array<uint32_t, 256> make_crc32c_table() {
   return table;
 }
 
-// Protobuf wire format, only what Event/Summary/Value need.
-void put_varint(std::string& out, uint64_t v) {
-  while (v >= 0x80) {
-    out.push_back(static_cast<char>((v & 0x7F) | 0x80));
-    v >>= 7;
-  }
-  out.push_back(static_cast<char>(v));
-}
-void put_key(std::string& out, uint32_t field, uint32_t wire_type) { put_varint(out, (field << 3) | wire_type); }
-template <typename T>
-void put_le(std::string& out, T v) {  // fixed32/fixed64 are little-endian
-  unsigned char b[sizeof(T)];
-  std::memcpy(b, &v, sizeof(T));
-#if __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
-  std::reverse(b, b + sizeof(T));
-#endif
-  out.append(reinterpret_cast<const char*>(b), sizeof(T));
-}
-void put_bytes(std::string& out, uint32_t field, const std::string& bytes) {
-  put_key(out, field, 2);
-  put_varint(out, bytes.size());
-  out += bytes;
-}
-
 double now_seconds() {
   return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
 }
 
 // Event{ double wall_time = 1; int64 step = 2; string file_version = 3; Summary summary = 5; }
 std::string encode_event(double wall_time, int64_t step, const std::string* file_version,
-                         const std::string* summary) {
-  std::string e;
-  put_key(e, 1, 1);
-  put_le<double>(e, wall_time);
-  put_key(e, 2, 0);
-  put_varint(e, static_cast<uint64_t>(step));  // negative int64: ten-byte two's complement
-  if (file_version) put_bytes(e, 3, *file_version);
-  if (summary) put_bytes(e, 5, *summary);
-  return e;
+                         const ProtoMessage* summary) {
+  ProtoMessage e;
+  e.add_double(1, wall_time);
+  e.add_int64(2, step);
+  if (file_version) e.add_bytes(3, *file_version);
+  if (summary) e.add_message(5, *summary);
+  return e.str();
 }
 
 }  // namespace
@@ -122,12 +96,11 @@ void TensorBoardWriter::write_record(const std::string& data) {
 
 void TensorBoardWriter::add_scalar(const std::string& tag, double value, int64_t step) {
   // Value{ string tag = 1; float simple_value = 2; }, Summary{ repeated Value value = 1; }
-  std::string v;
-  put_bytes(v, 1, tag);
-  put_key(v, 2, 5);
-  put_le<float>(v, static_cast<float>(value));
-  std::string summary;
-  put_bytes(summary, 1, v);
+  ProtoMessage v;
+  v.add_bytes(1, tag);
+  v.add_float(2, static_cast<float>(value));
+  ProtoMessage summary;
+  summary.add_message(1, v);
   const std::string event = encode_event(now_seconds(), step, nullptr, &summary);
   std::lock_guard<std::mutex> lock(mu_);
   write_record(event);
