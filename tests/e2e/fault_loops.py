@@ -81,7 +81,8 @@ class Job:
         while time.monotonic() < deadline:
             if cond():
                 return True
-            self.poll()
+            if not self.running():
+                return cond()   # every rank has exited: nothing more will come
             time.sleep(0.01)
         return False
 
@@ -257,6 +258,7 @@ def main():
     ap.add_argument("--seed", type=int, default=None)
     ap.add_argument("--keep", action="store_true", help="keep the work folder (logs of every rank)")
     args = ap.parse_args()
+    args.source, args.bin = os.path.abspath(args.source), os.path.abspath(args.bin)
     seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(4), "little")
     print("fault loop %s: seed %d (replay with --seed %d)" % (args.case, seed, seed), flush=True)
     rng = random.Random(seed)
