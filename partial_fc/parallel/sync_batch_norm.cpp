@@ -48,15 +48,20 @@ struct SyncBatchNormFn : public torch::autograd::Function<SyncBatchNormFn> {
       std::tie(mean, invstd) = at::batch_norm_gather_stats_with_counts(
           x, all.narrow(1, 0, C), all.narrow(1, C, C), running_mean, running_var, momentum, eps, count_all);
     } else {
-      // Per-rank mean and sum of squared deviations, merged exactly (Chan et al.): better
-      // conditioned than merging sums of squares.
-      at::Tensor xf = x.to(torch::kFloat);
+      // Per-rank mean and sum of squared deviations in float64, merged exactly (Chan et
+      // al.), and the normalisation in float64: BatchNorm's backward cancels most of the
+      // gradient that reaches it (the batch mean of dy and its projection on x - mean), so
+      // its fp32 rounding, amplified, would depend on how the batch is split over the ranks.
+      // In float64 a step computes the same on any number of ranks to fp32 rounding of its
+      // result (e2e.elastic_invariance).
+      at::Tensor xd = x.to(torch::kDouble);
       auto dims = reduce_dims(x);
-      at::Tensor m = n_local > 0 ? xf.mean(dims) : torch::zeros({C});
-      at::Tensor m2 = n_local > 0 ? (xf - m.view(channel_shape(x))).pow(2).sum(dims) : torch::zeros({C});
-      at::Tensor packed = torch::cat({m, m2, torch::full({1}, static_cast<float>(n_local))}).unsqueeze(0);
-      at::Tensor all = dist->all_gather(packed).to(torch::kDouble);  // [W, 2C+1]
-      at::Tensor n_r = all.select(1, 2 * C).unsqueeze(1);              // [W,1]
+      at::Tensor m = n_local > 0 ? xd.mean(dims) : torch::zeros({C}, torch::kDouble);
+      at::Tensor m2 = n_local > 0 ? (xd - m.view(channel_shape(x))).pow(2).sum(dims) : torch::zeros({C}, torch::kDouble);
+      at::Tensor packed =
+          torch::cat({m, m2, torch::full({1}, static_cast<double>(n_local), torch::kDouble)}).unsqueeze(0);
+      at::Tensor all = dist->world_size() > 1 ? dist->all_gather(packed) : packed;  // [W, 2C+1]
+      at::Tensor n_r = all.select(1, 2 * C).unsqueeze(1);                           // [W,1]
       const double N = n_r.sum().item<double>();
       n_total = static_cast<int64_t>(N);
       TORCH_CHECK(N > 0, "SyncBatchNorm: no rank has any rows in this batch");
@@ -64,15 +69,15 @@ struct SyncBatchNormFn : public torch::autograd::Function<SyncBatchNormFn> {
       at::Tensor gmean = (mean_r * n_r).sum(0) / N;
       at::Tensor gm2 = (m2_r + n_r * (mean_r - gmean).pow(2)).sum(0);
       at::Tensor var = gm2 / N;
-      mean = gmean.to(torch::kFloat);
-      invstd = (var + eps).rsqrt().to(torch::kFloat);
+      mean = gmean;                   // float64 on the CPU path
+      invstd = (var + eps).rsqrt();
       if (running_mean.defined()) {
         torch::NoGradGuard ng;
         running_mean.mul_(1 - momentum).add_(gmean.to(running_mean.scalar_type()), momentum);
         at::Tensor unbiased = N > 1 ? var * (N / (N - 1)) : var;
         running_var.mul_(1 - momentum).add_(unbiased.to(running_var.scalar_type()), momentum);
       }
-      count_all = torch::full({1}, static_cast<float>(N));
+      count_all = torch::full({1}, N, torch::kDouble);
     }
     at::Tensor out;
     if (cuda) {
@@ -80,9 +85,9 @@ struct SyncBatchNormFn : public torch::autograd::Function<SyncBatchNormFn> {
     } else {
       auto cs = channel_shape(x);
       at::Tensor scale = invstd.view(cs);
-      if (weight.defined()) scale = scale * weight.view(cs).to(torch::kFloat);
-      at::Tensor y = (x.to(torch::kFloat) - mean.view(cs)) * scale;
-      if (bias.defined()) y = y + bias.view(cs).to(torch::kFloat);
+      if (weight.defined()) scale = scale * weight.view(cs).to(torch::kDouble);
+      at::Tensor y = (x.to(torch::kDouble) - mean.view(cs)) * scale;
+      if (bias.defined()) y = y + bias.view(cs).to(torch::kDouble);
       out = y.to(x.scalar_type());
     }
     ctx->save_for_backward({x, weight, mean, invstd, count_all});
@@ -124,22 +129,23 @@ struct SyncBatchNormFn : public torch::autograd::Function<SyncBatchNormFn> {
           gx = torch::zeros_like(x);
       }
     } else {
+      // float64, as the forward (see there).
       auto dims = reduce_dims(x);
       auto cs = channel_shape(x);
-      at::Tensor dyf = dy.to(torch::kFloat);
-      at::Tensor xmu = x.to(torch::kFloat) - mean.view(cs);
-      at::Tensor sum_dy = x.numel() > 0 ? dyf.sum(dims) : torch::zeros({C});
-      at::Tensor sum_dy_xmu = x.numel() > 0 ? (dyf * xmu).sum(dims) : torch::zeros({C});
+      at::Tensor dyd = dy.to(torch::kDouble);
+      at::Tensor xmu = x.to(torch::kDouble) - mean.view(cs);
+      at::Tensor sum_dy = x.numel() > 0 ? dyd.sum(dims) : torch::zeros({C}, torch::kDouble);
+      at::Tensor sum_dy_xmu = x.numel() > 0 ? (dyd * xmu).sum(dims) : torch::zeros({C}, torch::kDouble);
       if (need_w) gw = (sum_dy_xmu * invstd).to(weight.scalar_type());
       if (need_b) gb = sum_dy.to(weight.defined() ? weight.scalar_type() : torch::kFloat);
       if (need_x) {
         at::Tensor both = torch::cat({sum_dy, sum_dy_xmu});
-        dist->all_reduce(both);
+        if (dist->world_size() > 1) dist->all_reduce(both);
         at::Tensor mean_dy = both.narrow(0, 0, C) / N;
         at::Tensor mean_dy_xmu = both.narrow(0, C, C) / N;
         at::Tensor scale = invstd;
-        if (weight.defined()) scale = scale * weight.to(torch::kFloat);
-        gx = ((dyf - mean_dy.view(cs) - xmu * (invstd * invstd * mean_dy_xmu).view(cs)) * scale.view(cs))
+        if (weight.defined()) scale = scale * weight.to(torch::kDouble);
+        gx = ((dyd - mean_dy.view(cs) - xmu * (invstd * invstd * mean_dy_xmu).view(cs)) * scale.view(cs))
                  .to(x.scalar_type());
       }
     }
@@ -160,7 +166,9 @@ at::Tensor sync_batch_norm(const at::Tensor& x, const at::Tensor& weight, const 
     torch::NoGradGuard ng;
     num_batches_tracked.add_(1);
   }
-  if (dist.world_size() == 1) {
+  // One rank on a GPU: ATen's own kernels. On the CPU the same float64 path as several
+  // ranks, so that a run computes the same on any number of ranks.
+  if (dist.world_size() == 1 && x.is_cuda()) {
     return torch::batch_norm(x, weight, bias, running_mean, running_var, true, momentum, eps,
                              at::globalContext().userEnabledCuDNN());
   }

@@ -9,6 +9,16 @@
 #                   0) and the run continues on three ranks to its end. The final checkpoint
 #                   is complete and faceshard-verify reads the export. Prints the seconds from
 #                   the kill to the next completed step and the steps lost.
+#   invariance:     SyncBatchNorm, sample rate 1.0, data.global_batch_size 12: the per-step
+#                   losses of 10 steps on 1, 2 and 3 ranks agree to 1e-5 (relative), and a
+#                   run that goes from 3 to 2 ranks at its step-5 checkpoint continues with
+#                   the losses of the run that does not. Then what still differs when the
+#                   run is not made invariant, measured the same way: per-rank BatchNorm
+#                   (sync_bn false) and sampled classes (sample rate 0.5), on 2 vs 3 ranks;
+#                   and a 2-rank run with 2% larger updates: each must differ by more than
+#                   the tolerance (the comparison can tell). lr 1e-4: the ranks' fp32
+#                   summation orders differ, and training amplifies any difference (at lr
+#                   5e-4 to about 1e-4 in 10 steps; README "Elastic and preemptible runs").
 #   slurm_requeue:  srun's variables (SLURM_PROCID, SLURM_NTASKS, SLURM_JOB_NODELIST, ...):
 #                   SIGTERM (preemption) finishes the step, checkpoints and exits 0; the
 #                   requeued job (SLURM_RESTART_COUNT=1, the same command with --resume auto)
@@ -159,6 +169,71 @@ print('host 2 started again at step %s; 3 ranks again, run finished %.1f s later
   grep -h "error:" "$work/agent0.log" "$work/agent1.log" | head -2
   grep -h "$(basename "$work")/data.* accuracy\|accuracy" "$work/verify.log" | head -2
   echo "PASS: torchrun --nnodes 2:3 lost a host and regained it; the run finished on 3 ranks" ;;
+invariance)
+  trap 'rm -rf "$work"' EXIT
+  lr=0.0001
+  cat > "$work/inv.yaml" <<YAML
+base: $root/configs/base.yaml
+output: $work/out
+seed: 11
+data: {rec: $work/data, num_classes: 24, global_batch_size: 12, num_workers: 1}
+model: {backbone: mbf_small, embedding_size: 64, sync_bn: true}
+loss: {margin: [1.0, 0.0, 0.4], scale: 16, sample_rate: 1.0}
+optim: {lr: $lr, epochs: 100, warmup_epochs: 0, total_steps: 10}
+train: {log_every: 1, verify_every: 0, checkpoint_every: 5, keep_checkpoints: 4, tensorboard: false}
+dist: {timeout_s: 60}
+YAML
+  # run NAME NPROC [--set ...]: faceshard-train on NPROC local ranks into $work/NAME.
+  run() {
+    local name="$1" n="$2"; shift 2
+    "$root/tools/launch.sh" --nproc "$n" --grace-s 20 -- "$bin/faceshard-train" --config "$work/inv.yaml" \
+      --set output="$work/$name" "$@" > "$work/$name.log" 2>&1 || { cat "$work/$name.log"; fail "run $name on $n ranks"; }
+  }
+  run w1 1; run w2 2; run w3 3
+  # 3 ranks to the step-5 checkpoint, then the same run continued on 2 ranks.
+  run w3to2 3 --set train.max_steps=5
+  run w3to2 2 --resume auto
+  grep -q "resharded from 3 to 2 ranks" "$work/w3to2.log" || { cat "$work/w3to2.log"; fail "no 3 -> 2 reshard"; }
+  # What is not invariant: per-rank BatchNorm statistics, and the sampled classes.
+  run bn2 2 --set model.sync_bn=false; run bn3 3 --set model.sync_bn=false
+  run sr2 2 --set loss.sample_rate=0.5; run sr3 3 --set loss.sample_rate=0.5
+  # And a 2-rank run whose updates are 2% larger (what a wrong gradient average would do).
+  run lr2 2 --set optim.lr=$(awk -v l="$lr" 'BEGIN { print l * 1.02 }')
+  [ -n "${KEEP:-}" ] && { trap - EXIT; echo "work: $work"; }
+  "$py" - "$work" <<'PY' || exit 1
+import json, os, sys
+work = sys.argv[1]
+def losses(name):
+    got = {}
+    for line in open(os.path.join(work, name, "metrics.jsonl")):
+        row = json.loads(line)
+        if "loss" in row:
+            got[row["step"]] = row["loss"]   # a resumed run appends its steps: the last row counts
+    assert sorted(got) == list(range(1, 11)), (name, sorted(got))
+    return [got[k] for k in range(1, 11)]
+def worst(a, b):
+    return max(abs(x - y) / abs(y) for x, y in zip(a, b))
+tol = 1e-5
+ref = losses("w1")
+print("losses on 1 rank: " + " ".join("%.6f" % x for x in ref))
+bad = []
+for name, what in (("w2", "2 ranks"), ("w3", "3 ranks"), ("w3to2", "3 ranks, then 2 from the step-5 checkpoint")):
+    d = worst(losses(name), ref)
+    print("%-45s max relative difference to 1 rank over 10 steps: %.2e" % (what, d))
+    if d > tol: bad.append(what)
+d = worst(losses("w3to2"), losses("w3"))
+print("%-45s max relative difference to 3 ranks throughout: %.2e" % ("3 -> 2 ranks", d))
+if d > tol: bad.append("3 -> 2 against 3")
+for a, b, what in (("bn2", "bn3", "per-rank BatchNorm (sync_bn false), 3 ranks against 2"),
+                  ("sr2", "sr3", "sample rate 0.5, 3 ranks against 2"),
+                  ("lr2", "w1", "updates 2% larger on 2 ranks, against 1 rank")):
+    d = worst(losses(b), losses(a))
+    print("%-45s max relative difference: %.2e" % (what, d))
+    if d <= tol: bad.append(what + " did not differ: the comparison cannot tell")
+if bad:
+    print("FAIL: " + "; ".join(bad)); sys.exit(1)
+PY
+  echo "PASS: the losses of 10 steps agree on 1, 2 and 3 ranks and across a 3 -> 2 change to 1e-5" ;;
 slurm_requeue)
   trap 'rm -rf "$work"' EXIT
   cat > "$work/tiny.yaml" <<YAML
