@@ -63,15 +63,20 @@ std::vector<std::string> backbone_names() {
   return names;
 }
 
-std::shared_ptr<Backbone> make_backbone(const BackboneOptions& options) {
-  const Entry* entry = nullptr;
+namespace {
+const Entry& find_entry(const std::string& name) {
   for (const auto& e : registry())
-    if (e.name == options.name) entry = &e;
-  if (!entry) {
-    std::ostringstream known;
-    for (const auto& n : backbone_names()) known << (known.tellp() > 0 ? ", " : "") << n;
-    throw option_error("backbone", "'", options.name, "' is not a network faceshard knows; expected one of ", known.str());
-  }
+    if (e.name == name) return e;
+  std::ostringstream known;
+  for (const auto& n : backbone_names()) known << (known.tellp() > 0 ? ", " : "") << n;
+  throw option_error("backbone", "'", name, "' is not a network faceshard knows; expected one of ", known.str());
+}
+}  // namespace
+
+bool backbone_default_checkpointing(const std::string& name) { return find_entry(name).checkpointing; }
+
+std::shared_ptr<Backbone> make_backbone(const BackboneOptions& options) {
+  const Entry* entry = &find_entry(options.name);
   if (options.embedding_size <= 0)
     throw option_error("embedding_size", "of backbone '", options.name, "': embedding size ", options.embedding_size,
                        " must be positive");

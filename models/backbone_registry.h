@@ -18,4 +18,8 @@ std::vector<std::string> backbone_names();
 // checkpointing becomes the network's default). Throws usage_error naming the bad option.
 std::shared_ptr<Backbone> make_backbone(const BackboneOptions& options);
 
+// Whether `name` checkpoints its activations when BackboneOptions::checkpointing is unset
+// (arcface_torch's choice), without building it; option_error("backbone") when unknown.
+bool backbone_default_checkpointing(const std::string& name);
+
 }  // namespace faceshard

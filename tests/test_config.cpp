@@ -207,7 +207,7 @@ TEST(Config, ClassifierMemoryPlanAndItsLimit) {
   EXPECT_EQ(p.global_batch, 32);
   EXPECT_DOUBLE_EQ(p.weight_bytes, 250001.0 * 32 * 4);
   EXPECT_DOUBLE_EQ(p.state_bytes, 250001.0 * 32 * 4);          // SGD momentum
-  EXPECT_DOUBLE_EQ(p.gradient_bytes, 2 * 125000.0 * 32 * 4);   // the sampled rows and their gradient
+  EXPECT_DOUBLE_EQ(p.gradient_bytes, 0.0);  // the chunked step: G' in the logits buffer, one chunk
   EXPECT_DOUBLE_EQ(p.logits_bytes, 32 * 125000.0 * 4);
   po.optimizer.kind = "adamw";
   po.step_all_rows = true;
@@ -215,13 +215,14 @@ TEST(Config, ClassifierMemoryPlanAndItsLimit) {
   p = classifier_memory_plan(po, 4, 3, cfg.data.batch_size);
   EXPECT_EQ(p.rows, 250000);
   EXPECT_DOUBLE_EQ(p.state_bytes, 250000.0 * (2 * 32 * 4 + 8));
-  EXPECT_DOUBLE_EQ(p.gradient_bytes, 2 * 125000.0 * 32 * 4 + 250000.0 * 32 * 4 + 125000.0 * 32 * 2);
+  // step_all_rows: the sampled rows' gradient and the dense one of the shard.
+  EXPECT_DOUBLE_EQ(p.gradient_bytes, 125000.0 * 32 * 4 + 250000.0 * 32 * 4);
   po.sample_rate = 1;
   po.optimizer.kind = "sgd";
   po.gemm_dtype = at::kFloat;
   p = classifier_memory_plan(po, 4, 3, cfg.data.batch_size);
-  EXPECT_DOUBLE_EQ(p.gradient_bytes, 250000.0 * 32 * 4);  // the whole shard's gradient
-  EXPECT_DOUBLE_EQ(p.total_bytes(), 3 * 250000.0 * 32 * 4 + 32 * 250000.0 * 4);
+  EXPECT_DOUBLE_EQ(p.gradient_bytes, 0.0);  // no whole-shard gradient any more
+  EXPECT_DOUBLE_EQ(p.total_bytes(), 2 * 250000.0 * 32 * 4 + 32 * 250000.0 * 4);
   // Fewer classes than ranks: PartialFC's own option error.
   po.num_classes = 3;
   EXPECT_NE(testing::error_of([&] { classifier_memory_plan(po, 4, 0, 8); }).find("at least the number of ranks"),

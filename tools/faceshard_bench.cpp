@@ -8,9 +8,13 @@
 //                       batch) for several worker counts; --data a folder with train.rec/idx
 //                       (default: a synthetic face set written to a temporary folder),
 //                       after a single-threaded "decode+normalise only" baseline (no loader)
+//   --mode activations  each backbone's activation memory per image (forward + backward,
+//                       app/plan/activation_probe.h) for every precision x checkpointing:
+//                       the table faceshard-plan ships (app/plan/activations.json)
 // Reports the median time per step over several timed windows after warm-up, images/s,
-// and peak memory (GPU: the caching allocator's peak; CPU: the process's peak RSS), as a
-// one-line summary and, with --json FILE, a JSON object.
+// and peak memory (GPU: the caching allocator's peak; CPU: the process's peak RSS, and the
+// peak of the tensors' bytes counted at c10's CPU allocator, app/plan/allocation_meter.h),
+// as a one-line summary and, with --json FILE, a JSON object.
 #include <algorithm>
 #include <functional>
 #include <chrono>
@@ -26,12 +30,18 @@
 #include <malloc.h>
 #include <unistd.h>
 
+#include <torch/version.h>
+
 #ifdef FACESHARD_WITH_CUDA
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
 #endif
 
 #include "app/config/config.h"
+#include "app/plan/activation_probe.h"
+#include "app/plan/activation_table.h"
+#include "app/plan/allocation_meter.h"
+#include "models/backbone_registry.h"
 #include "app/train/train_job.h"
 #include "app/train/train_step.h"
 #include "data/dataset.h"
@@ -53,23 +63,29 @@ namespace {
 const char* kUsage =
     "usage: faceshard-bench --mode classifier [--classes-per-shard LIST] [--sample-rate LIST] [--precision LIST]\n"
     "                       [--batch B] [--dim D] [--steps K] [--windows N] [--warmup K]\n"
-    "                       [--heads LIST] [--device cpu|cuda] [--json FILE]\n"
+    "                       [--heads LIST] [--fc-state-dtype LIST] [--device cpu|cuda] [--json FILE]\n"
     "       faceshard-bench --mode step [--network NAME] [--batch B] [--classes C] [--sample-rate R]\n"
     "                       [--precision fp32|bf16|fp16] [--device cpu|cuda] [--config FILE] [--set key=value ...]\n"
     "                       [--steps K] [--windows N] [--warmup K] [--json FILE]\n"
     "       faceshard-bench --mode data [--data DIR] [--workers LIST] [--batch B] [--epochs E]\n"
     "                       [--identities N] [--images-per-identity M] [--json FILE]\n"
     "       faceshard-bench --mode data --open-only --data DIR [--index-cache DIR|off] [--json FILE]\n"
+    "       faceshard-bench --mode activations [--network LIST] [--precision LIST] [--checkpointing LIST]\n"
+    "                       [--batches LIST] [--json FILE]\n"
+    "  --network LIST   (activations) networks, default mbf,mbf_small,r18,r50,vit_t\n"
+    "  --checkpointing LIST  (activations) off,on (default both; MobileFaceNet has none)\n"
+    "  --batches LIST   (activations) batch sizes; the slope between the first and the last (default 2,6)\n"
     "  --open-only      open DIR's train.rec/.idx, look every image key up once, read the\n"
     "                   records at the layout's boundaries; report time and memory\n"
-    "  --workers LIST   comma-separated decoding thread counts; 'all' = every core (default 1,2,all)\n";
+    "  --workers LIST   comma-separated decoding thread counts; 'all' = every core (default 1,2,all)\n"
+    "  --fc-state-dtype LIST  the classifier's optimiser state: fp32, bf16 (default fp32)\n";
 
 struct Args {
   std::string mode = "classifier";
   int64_t batch = 128, dim = 512, steps = 5, windows = 3, warmup = 2;
   double sample_rate = 1.0;
   // --mode classifier: comma-separated lists, every combination is measured
-  std::string classes_list = "100000", rates = "1.0", precisions = "fp32", heads = "combined";
+  std::string classes_list = "100000", rates = "1.0", precisions = "fp32", heads = "combined", states = "fp32";
   std::string device = "cpu", json;
   // --mode data
   std::string data, workers = "1,2,all";
@@ -82,6 +98,8 @@ struct Args {
   bool sample_rate_given = false, device_given = false;
   std::string config;
   std::vector<std::string> overrides;
+  // --mode activations
+  std::string checkpointing = "off,on", batches = "2,6";
 };
 
 int64_t read_status_kb(const char* key) {
@@ -145,9 +163,9 @@ int run_classifier(const Args& a, Distributed& dist) {
   const torch::Device dev = cuda ? torch::Device(torch::kCUDA, dist.local_rank()) : torch::Device(torch::kCPU);
   const auto opts = torch::TensorOptions().device(dev);
   struct Row {
-    std::string head, precision;
+    std::string head, precision, state;
     int64_t classes;
-    double rate, step_ms, gemm_ms, peak_mb;
+    double rate, step_ms, gemm_ms, peak_mb, tensor_mb;
   };
   std::vector<Row> rows;
   auto time_windows = [&](const std::function<void()>& step) {
@@ -170,7 +188,10 @@ int run_classifier(const Args& a, Distributed& dist) {
     for (const std::string& rs : split_list(a.rates)) {
       const double rate = std::atof(rs.c_str());
       if (!(rate > 0 && rate <= 1)) throw usage_error("--sample-rate entries must be in (0, 1], got '", rs, "'");
-      for (const std::string& prec : split_list(a.precisions)) {
+      for (const std::string& prec : split_list(a.precisions))
+      for (const std::string& state : split_list(a.states)) {
+        if (state != "fp32" && state != "bf16")
+          throw usage_error("--fc-state-dtype entries must be fp32 or bf16, got '", state, "'");
         const at::ScalarType dt = prec == "fp32" ? at::kFloat : prec == "bf16" ? at::kBFloat16 : prec == "fp16" ? at::kHalf
                                                                                                  : at::kLong;
         if (dt == at::kLong) throw usage_error("--precision entries must be fp32, bf16 or fp16, got '", prec, "'");
@@ -179,6 +200,8 @@ int run_classifier(const Args& a, Distributed& dist) {
         at::Tensor labels = torch::randint(0, classes, {a.batch}, torch::kLong);
         sync_device(cuda);
         reset_peak(cuda);
+        AllocationMeter::reset_peak();
+        const int64_t tensors_before = AllocationMeter::current_bytes();
         PartialFCOptions o;
         o.num_classes = classes;
         o.embedding_size = a.dim;
@@ -186,6 +209,7 @@ int run_classifier(const Args& a, Distributed& dist) {
         o.margin = CombinedMargin{1.0, 0.5, 0.0};
         o.head.name = head;
         o.gemm_dtype = dt;
+        o.optimizer.state_dtype = state == "bf16" ? at::kBFloat16 : at::kFloat;
         PartialFC fc(dist, o, dev);
         const int64_t sampled = fc.num_sample();
         const double step_ms = time_windows([&] {
@@ -194,6 +218,9 @@ int run_classifier(const Args& a, Distributed& dist) {
           emb.mutable_grad().reset();
         });
         const double peak = peak_bytes(cuda) / 1048576.0;
+        // CPU: the peak of the tensors the classifier allocated (what faceshard-plan plans).
+        const double tensor_peak =
+            cuda ? peak : static_cast<double>(AllocationMeter::peak_bytes() - tensors_before) / 1048576.0;
         // The step's three GEMMs alone, at the same sizes and type: forward N x S x d,
         // grad(W) S x N x d, grad(E) N x S x d.
         const int64_t S = sampled, N = a.batch * dist.world_size();
@@ -204,11 +231,12 @@ int run_classifier(const Args& a, Distributed& dist) {
           at::mm(g.t(), e);
           at::mm(g, w);
         });
-        rows.push_back({head, prec, classes / dist.world_size(), rate, step_ms, gemm_ms, peak});
+        rows.push_back({head, prec, state, classes / dist.world_size(), rate, step_ms, gemm_ms, peak, tensor_peak});
         log_info("classifier: ", head, ", ", classes / dist.world_size(), " classes/shard, rate ", rate, " (", S,
-                 " per step), ", prec, ", batch ", a.batch, "x", dist.world_size(), ", dim ", a.dim, ": ", step_ms,
+                 " per step), ", prec, ", state ", state, ", batch ", a.batch, "x", dist.world_size(), ", dim ", a.dim, ": ", step_ms,
                  " ms/step, GEMMs alone ", gemm_ms, " ms (x", step_ms / gemm_ms, "), peak ", peak, " MB (",
-                 cuda ? "GPU allocated" : "process RSS", ")");
+                 cuda ? "GPU allocated" : "process RSS", ")", cuda ? "" : ", tensors ",
+                 cuda ? "" : std::to_string(tensor_peak), cuda ? "" : " MB");
       }
     }
   }
@@ -219,21 +247,25 @@ int run_classifier(const Args& a, Distributed& dist) {
      << ",\"batch_per_rank\":" << a.batch << ",\"dim\":" << a.dim << ",\"runs\":[";
   for (size_t i = 0; i < rows.size(); ++i)
     js << (i ? "," : "") << "{\"head\":\"" << rows[i].head << "\",\"precision\":\"" << rows[i].precision
-       << "\",\"classes_per_shard\":" << rows[i].classes << ",\"sample_rate\":" << rows[i].rate
+       << "\",\"fc_state_dtype\":\"" << rows[i].state << "\",\"classes_per_shard\":" << rows[i].classes << ",\"sample_rate\":" << rows[i].rate
        << ",\"step_ms\":" << rows[i].step_ms << ",\"gemm_ms\":" << rows[i].gemm_ms
-       << ",\"peak_memory_mb\":" << rows[i].peak_mb << "}";
+       << ",\"peak_memory_mb\":" << rows[i].peak_mb << ",\"peak_tensor_mb\":" << rows[i].tensor_mb << "}";
   js << "],\"bytes_per_class\":[";
   bool first = true;
   for (size_t i = 0; i < rows.size(); ++i)
     for (size_t k = i + 1; k < rows.size(); ++k) {
       const Row &lo = rows[i], &hi = rows[k];
-      if (lo.head != hi.head || lo.precision != hi.precision || lo.rate != hi.rate || hi.classes == lo.classes) continue;
+      if (lo.head != hi.head || lo.precision != hi.precision || lo.state != hi.state || lo.rate != hi.rate ||
+          hi.classes == lo.classes)
+        continue;
       const double slope = (hi.peak_mb - lo.peak_mb) * 1048576.0 / static_cast<double>(hi.classes - lo.classes);
-      log_info("bytes per class, ", lo.head, ", ", lo.precision, " rate ", lo.rate, ": ", slope, " (peak ", lo.peak_mb,
+      const double tensor_slope =
+          (hi.tensor_mb - lo.tensor_mb) * 1048576.0 / static_cast<double>(hi.classes - lo.classes);
+      log_info("bytes per class, ", lo.head, ", ", lo.precision, ", state ", lo.state, " rate ", lo.rate, ": ", slope, " (peak ", lo.peak_mb,
                " MB at ", lo.classes, ", ", hi.peak_mb, " MB at ", hi.classes, " classes/shard)");
       js << (first ? "" : ",") << "{\"head\":\"" << lo.head << "\",\"precision\":\"" << lo.precision
-         << "\",\"sample_rate\":" << lo.rate << ",\"from\":" << lo.classes << ",\"to\":" << hi.classes
-         << ",\"bytes_per_class\":" << slope << "}";
+         << "\",\"fc_state_dtype\":\"" << lo.state << "\",\"sample_rate\":" << lo.rate << ",\"from\":" << lo.classes << ",\"to\":" << hi.classes
+         << ",\"bytes_per_class\":" << slope << ",\"tensor_bytes_per_class\":" << tensor_slope << "}";
       first = false;
     }
   js << "]}";
@@ -272,6 +304,7 @@ int run_step(const Args& a) {
   for (int64_t i = 0; i < a.warmup; ++i) step.run(next, k++);
   sync_device(cuda);
   reset_peak(cuda);
+  AllocationMeter::reset_peak();
   std::vector<double> rate;
   StepTimes sum;
   for (int64_t w = 0; w < a.windows; ++w) {
@@ -288,12 +321,16 @@ int run_step(const Args& a) {
   }
   std::sort(rate.begin(), rate.end());
   const double median = rate[rate.size() / 2], peak = peak_bytes(cuda) / 1048576.0;
+  // CPU: every tensor alive at the peak (parameters, optimiser state, classifier, the
+  // loader's batches...), counted at c10's allocator; on a GPU the allocator's peak is that.
+  const double tensor_peak = cuda ? peak : static_cast<double>(AllocationMeter::peak_bytes()) / 1048576.0;
   const double n = double(a.steps * a.windows), total = sum.total();
   auto pct = [&](double x) { return total > 0 ? 100.0 * x / total : 0.0; };
   log_info("step: ", cfg.model.backbone, ", batch ", cfg.data.batch_size, "x", dist.world_size(), " x ", job.micro,
            " micro-batches, ", cfg.data.num_classes, " classes (", job.fc->num_sample(), " per step on this rank), ",
            cfg.train.precision, " on ", job.device.str(), ": ", median, " images/s (median of ", a.windows,
            " windows of ", a.steps, " steps), peak ", peak, " MB (", cuda ? "GPU allocated" : "process RSS",
+           cuda ? "" : "; tensors ", cuda ? "" : std::to_string(tensor_peak), cuda ? "" : " MB",
            "); per step ", total / n * 1e3, " ms = data ", pct(sum.data), "%, forward ", pct(sum.forward),
            "%, backward ", pct(sum.backward), "%, optimiser ", pct(sum.optimizer), "%");
   std::ostringstream js;
@@ -301,6 +338,7 @@ int run_step(const Args& a) {
      << "\",\"world_size\":" << dist.world_size() << ",\"batch_per_rank\":" << cfg.data.batch_size
      << ",\"micro_batches\":" << job.micro << ",\"classes\":" << cfg.data.num_classes << ",\"precision\":\""
      << cfg.train.precision << "\",\"images_per_s\":" << median << ",\"peak_memory_mb\":" << peak
+     << ",\"peak_tensor_mb\":" << tensor_peak
      << ",\"step_ms\":" << total / n * 1e3 << ",\"split_ms\":{\"data\":" << sum.data / n * 1e3
      << ",\"forward\":" << sum.forward / n * 1e3 << ",\"backward\":" << sum.backward / n * 1e3
      << ",\"optimizer\":" << sum.optimizer / n * 1e3 << "}}";
@@ -473,6 +511,42 @@ int run_data(const Args& a) {
   return 0;
 }
 
+// Each backbone's activation memory per image for every precision x checkpointing asked
+// for (MobileFaceNet has no checkpointing: skipped), on the CPU: the table faceshard-plan
+// ships. --json is rewritten after every measurement, so a long run keeps what it has.
+int run_activations(const Args& a) {
+  if (a.device != "cpu") throw usage_error("--mode activations measures on the CPU (--device cpu)");
+  std::vector<int64_t> batches;
+  for (const std::string& b : split_list(a.batches)) batches.push_back(parse_int("--batches", b));
+  const std::vector<std::string> networks = split_list(a.network.value_or("mbf,mbf_small,r18,r50,vit_t"));
+  const std::vector<std::string> precisions = split_list(a.precision.value_or("fp32,bf16,fp16"));
+  std::vector<bool> checkpointing;
+  for (const std::string& c : split_list(a.checkpointing)) {
+    if (c != "off" && c != "on") throw usage_error("--checkpointing entries must be off or on, got '", c, "'");
+    checkpointing.push_back(c == "on");
+  }
+  for (const std::string& p : precisions) parse_body_precision(p);  // names checked before hours of work
+  for (const std::string& n : networks) backbone_default_checkpointing(n);
+  const std::string measured_on = "cpu, torch " + std::to_string(TORCH_VERSION_MAJOR) + "." +
+                                  std::to_string(TORCH_VERSION_MINOR) + "." + std::to_string(TORCH_VERSION_PATCH);
+  std::vector<ActivationMeasurement> done;
+  for (const std::string& net : networks)
+    for (const std::string& prec : precisions)
+      for (const bool ckpt : checkpointing) {
+        if (ckpt && net.rfind("mbf", 0) == 0) continue;  // no checkpointing in MobileFaceNet
+        const ActivationMeasurement m = measure_activations(net, parse_body_precision(prec), ckpt, batches);
+        std::ostringstream peaks;
+        for (size_t i = 0; i < m.batches.size(); ++i)
+          peaks << (i ? ", " : "") << m.peak_bytes[i] / 1048576.0 << " MB at batch " << m.batches[i];
+        log_info("activations: ", net, ", ", prec, ", checkpointing ", ckpt ? "on" : "off", ": ",
+                 m.bytes_per_image / 1048576.0, " MB per image, fixed ", m.fixed_bytes / 1048576.0, " MB (peak ",
+                 peaks.str(), "), ", m.parameters, " parameters, ", m.seconds, " s");
+        done.push_back(m);
+        write_json(a.json, activation_table_json(done, measured_on));
+      }
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -507,6 +581,9 @@ int main(int argc, char** argv) {
       else if (s == "--classes") a.classes = parse_int(s, value());
       else if (s == "--precision") a.precision = value(), a.precisions = *a.precision;
       else if (s == "--heads") a.heads = value();
+      else if (s == "--fc-state-dtype") a.states = value();
+      else if (s == "--checkpointing") a.checkpointing = value();
+      else if (s == "--batches") a.batches = value();
       else if (s == "--config") a.config = value();
       else if (s == "--set") a.overrides.push_back(value());
       else if (s == "--json") a.json = value();
@@ -515,8 +592,11 @@ int main(int argc, char** argv) {
     if (a.device != "cpu" && a.device != "cuda") throw usage_error("--device must be cpu or cuda");
     if (a.mode != "classifier" && (a.sample_rate <= 0 || a.sample_rate > 1))
       throw usage_error("--sample-rate must be in (0, 1]");
-    if (a.mode != "classifier" && a.mode != "data" && a.mode != "step")
-      throw usage_error("--mode '", a.mode, "' is not known (classifier, step, data)");
+    if (a.mode != "classifier" && a.mode != "data" && a.mode != "step" && a.mode != "activations")
+      throw usage_error("--mode '", a.mode, "' is not known (classifier, step, data, activations)");
+    // CPU memory of tensors counted at c10's allocator (before any tensor of the run exists).
+    if (a.device == "cpu" && a.mode != "data") AllocationMeter::install();
+    if (a.mode == "activations") return run_activations(a);
     // The step mode allocates as faceshard-train does, so that its rate is the trainer's.
     if (a.mode == "step") return run_step(a);
     // Classifier mode: CPU peak memory is read as the process's peak RSS. With a fixed mmap

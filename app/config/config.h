@@ -114,6 +114,10 @@ struct OptimConfig {
   // With loss.sample_rate < 1: "sampled" moves only the sampled rows; "all" steps every row
   // of the shard (zero gradient where unsampled), as arcface_torch's PartialFC_V2.
   std::string fc_update = "sampled";
+  // The classifier's optimiser state (SGD momentum, AdamW's moments): fp32, or bf16 to halve
+  // it (the weight stays fp32 and the update's arithmetic is fp32; each row is rounded to
+  // bf16 when stored back).
+  std::string fc_state_dtype = "fp32";
   int64_t epochs = 20;
   double warmup_epochs = 0;
   std::optional<int64_t> total_steps;   // default: derived from images, global batch and epochs

@@ -66,6 +66,13 @@ bool ReshardedRows::has(const std::string& name) const {
   return std::find(names_.begin(), names_.end(), name) != names_.end();
 }
 
+at::ScalarType ReshardedRows::dtype(const std::string& name) const {
+  if (!has(name) || parts_.empty())
+    throw usage_error("checkpoint '", ckpt_path_, "' has no classifier state '", kRows, name, "'");
+  const StateDictReader& f = *parts_.front().reader;
+  return f.dtype(f.find(kRows + name));
+}
+
 void ReshardedRows::read_into(const std::string& name, const at::Tensor& dst, bool non_negative) const {
   if (!has(name))
     throw usage_error("checkpoint '", ckpt_path_, "' has no classifier state '", kRows, name, "'");

@@ -32,6 +32,10 @@ class ReshardedRows {
   // ("weight", "opt.momentum", ...), in the files' order.
   const std::vector<std::string>& names() const { return names_; }
   bool has(const std::string& name) const;
+  // The dtype rows/<name> was saved in (that of the first saved shard read; has(name) first).
+  // read_into converts to the destination's dtype: an optimiser state saved in bf16 resumes
+  // into an fp32 one and the other way round (optim.fc_state_dtype may change on resume).
+  at::ScalarType dtype(const std::string& name) const;
   // Classes [start, start + count) of rows/<name> into dst ([count, ...] of the saved row
   // shape; any dtype and device). Usage error when the checkpoint lacks the entry, its
   // rows have another shape or another kind of number (floating-point rows for a

@@ -139,10 +139,12 @@ void build_model(TrainJob& j, ClassifierStart start) {
   po.optimizer.beta1 = cfg.optim.betas[0];
   po.optimizer.beta2 = cfg.optim.betas[1];
   po.optimizer.eps = cfg.optim.eps;
+  po.optimizer.state_dtype = cfg.optim.fc_state_dtype == "bf16" ? at::kBFloat16 : at::kFloat;
+  po.grad_accumulation = cfg.optim.grad_accumulation;
   std::vector<std::pair<std::string, std::string>> keys = {
       {"num_classes", "data.num_classes"}, {"sample_rate", "loss.sample_rate"}, {"margin", "loss.margin"},
       {"margin_mode", "loss.margin_mode"}, {"embedding_size", "model.embedding_size"},
-      {"optimizer", "optim.fc_optimizer"}, {"head", "loss.head"}};
+      {"optimizer", "optim.fc_optimizer"}, {"head", "loss.head"}, {"fc_state_dtype", "optim.fc_state_dtype"}};
   for (const auto& [head, params] : margin_head_defaults())
     if (head == cfg.loss.head)
       for (const auto& kv : params) keys.emplace_back(kv.first, "loss." + head + "." + kv.first);

@@ -63,6 +63,24 @@ at::Tensor row_dot(const at::Tensor& x, const at::Tensor& y) {
   return out;
 }
 
+// Columns [j, j + n) of the step: rows of w, through `rows` when sampled.
+at::Tensor columns(const at::Tensor& w, const at::Tensor& rows, int64_t j, int64_t n) {
+  return rows.defined() ? w.index_select(0, rows.narrow(0, j, n)) : w.narrow(0, j, n);
+}
+
+// dL/dE = g [N, S] . W [S, d] (W = the columns o.rows of w when sampled, read in chunks).
+at::Tensor gemm_emb_grad(const at::Tensor& g, const at::Tensor& w, const MarginSoftmaxOptions& o) {
+  if (o.gemm_dtype == at::kFloat && !o.rows.defined()) return at::mm(g, w);
+  at::Tensor out = at::zeros({g.size(0), w.size(1)}, w.options().dtype(at::kFloat));
+  for (int64_t j = 0; j < g.size(1); j += o.chunk_classes) {
+    const int64_t n = std::min(o.chunk_classes, g.size(1) - j);
+    const at::Tensor wc = columns(w, o.rows, j, n);
+    if (o.gemm_dtype == at::kFloat) out.addmm_(g.narrow(1, j, n), wc);
+    else out.add_(mm_low(g.narrow(1, j, n).to(o.gemm_dtype), wc.to(o.gemm_dtype)));
+  }
+  return out;
+}
+
 // Row maxima of a [N, S] buffer into dst [N] (-inf for an empty shard).
 void row_max_into(const at::Tensor& buf, at::Tensor dst) {
   if (buf.size(1) == 0) {
@@ -98,12 +116,27 @@ struct MarginSoftmaxFn : public torch::autograd::Function<MarginSoftmaxFn> {
                                Distributed& dist) {
     MarginHead& head = *o.head;
     const double s = head.scale();
-    const int64_t N = emb.size(0), S = weight.size(0);
+    const int64_t N = emb.size(0), S = o.rows.defined() ? o.rows.size(0) : weight.size(0);
     const at::Tensor e = emb.detach(), w = weight.detach();
-    // 1/max(||w_j||, eps), as torch's normalize divides.
-    const at::Tensor inv_norm = w.norm(2, {1}).clamp_min(1e-12).reciprocal();
     at::Tensor buf = at::empty({N, S}, e.options().dtype(at::kFloat));
-    gemm_forward(e, w, buf, o);
+    at::Tensor inv_norm;
+    if (!o.rows.defined()) {
+      // 1/max(||w_j||, eps), as torch's normalize divides.
+      inv_norm = w.norm(2, {1}).clamp_min(1e-12).reciprocal();
+      gemm_forward(e, w, buf, o);
+    } else {
+      // The sampled columns a chunk at a time: no copy of them exists whole.
+      inv_norm = at::empty({S}, w.options());
+      const at::Tensor e_low = o.gemm_dtype == at::kFloat ? e : e.to(o.gemm_dtype);
+      for (int64_t j = 0; j < S; j += o.chunk_classes) {
+        const int64_t n = std::min(o.chunk_classes, S - j);
+        const at::Tensor wc = columns(w, o.rows, j, n);
+        inv_norm.narrow(0, j, n).copy_(wc.norm(2, {1}).clamp_min(1e-12).reciprocal());
+        at::Tensor dst = buf.narrow(1, j, n);
+        if (o.gemm_dtype == at::kFloat) at::mm_out(dst, e, wc.t());
+        else dst.copy_(mm_low(e_low, wc.to(o.gemm_dtype).t()));
+      }
+    }
     // One pass makes the scaled cosines s * cos: from here on the buffer holds logits, and
     // what is said of cosines is said at that scale.
     buf.mul_((inv_norm * s).unsqueeze(0));
@@ -194,7 +227,11 @@ struct MarginSoftmaxFn : public torch::autograd::Function<MarginSoftmaxFn> {
     const MarginHead& head = *o.head;
     const double s = head.scale();
     const int64_t N = g.size(0), S = g.size(1);
-    if (S == 0) return {torch::zeros_like(e), torch::zeros_like(w), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+    if (S == 0) {
+      if (o.deferred) *o.deferred = DeferredWeightGrad{g, e, inv_norm, o.gemm_dtype};
+      return {torch::zeros_like(e), o.deferred ? at::Tensor() : torch::zeros_like(w), at::Tensor(), at::Tensor(),
+              at::Tensor(), at::Tensor()};
+    }
     // Non-target entries the head changed: d(new)/d(old) from the final logits, which the
     // probabilities give back (log p + the row's log-sum-exp).
     if (codes.defined()) {
@@ -220,6 +257,12 @@ struct MarginSoftmaxFn : public torch::autograd::Function<MarginSoftmaxFn> {
     // g' = dL/dcos_ij / ||w_j||, and through cos_ij = (e_i . w_j) / ||w_j||:
     //   dL/de = g' W,   dL/dw_j = M_j - (w_j . M_j) w_j / ||w_j||^2  with M = g'^T E.
     g.mul_((inv_norm * coef).unsqueeze(0));
+    if (o.deferred) {
+      // dL/dW is the caller's (DeferredWeightGrad::rows, chunk by chunk): keep G', E and
+      // the norms; only dL/dE = G' W flows on.
+      *o.deferred = DeferredWeightGrad{g, e, inv_norm, o.gemm_dtype};
+      return {gemm_emb_grad(g, w, o), at::Tensor(), at::Tensor(), grad_norms, at::Tensor(), at::Tensor()};
+    }
     auto [gw, ge] = gemm_backward(g, e, w, o);
     gw.addcmul_(w, (row_dot(w, gw) * inv_norm.pow(2)).unsqueeze(1), -1.0);
     return {ge, gw, at::Tensor(), grad_norms, at::Tensor(), at::Tensor()};
@@ -227,6 +270,20 @@ struct MarginSoftmaxFn : public torch::autograd::Function<MarginSoftmaxFn> {
 };
 
 }  // namespace
+
+at::Tensor DeferredWeightGrad::rows(int64_t first, int64_t n, const at::Tensor& w) const {
+  torch::NoGradGuard ng;
+  const at::Tensor gc = g.narrow(1, first, n);
+  at::Tensor gw;
+  if (gemm_dtype == at::kFloat) {
+    gw = at::mm(gc.t(), e);
+  } else {
+    gw = mm_low(gc.to(gemm_dtype).t(), e.to(gemm_dtype));
+    if (gw.scalar_type() != at::kFloat) gw = gw.to(at::kFloat);
+  }
+  gw.addcmul_(w, (row_dot(w, gw) * inv_norm.narrow(0, first, n).pow(2)).unsqueeze(1), -1.0);
+  return gw;
+}
 
 at::Tensor margin_softmax_loss(const at::Tensor& emb, const at::Tensor& weight, const at::Tensor& target,
                                const at::Tensor& norms, const MarginSoftmaxOptions& options, Distributed& dist,
@@ -236,6 +293,7 @@ at::Tensor margin_softmax_loss(const at::Tensor& emb, const at::Tensor& weight, 
   TORCH_CHECK(options.chunk_classes > 0 && options.chunk_classes % 4 == 0,
               "margin_softmax_loss: chunk_classes must be a positive multiple of 4");
   TORCH_CHECK(options.head != nullptr, "margin_softmax_loss: no head");
+  TORCH_CHECK(!options.rows.defined() || options.deferred, "margin_softmax_loss: sampled rows need a deferred gradient");
   TORCH_CHECK(!options.head->needs_norms() || (norms.defined() && norms.size(0) == emb.size(0)),
               "margin_softmax_loss: the ", options.head->name(), " head needs the rows' feature norms");
   // An autograd input must be a tensor: heads without norms get an empty one.

@@ -13,13 +13,35 @@
 // is the head's (margin_head.h). Heads that change non-target logits keep a 2-bit code per
 // entry (1/16 of the buffer) so that backward can correct those entries from the
 // probabilities alone. Nothing in either pass reads a device value on the host.
+//
+// The weight's gradient can also be left unmaterialised (PartialFC does): with a
+// DeferredWeightGrad in the options, the weight is not differentiated, and backward keeps
+// G' (the buffer), E and 1/||w|| there, from which the caller computes dL/dW a chunk of
+// rows at a time (DeferredWeightGrad::rows), so that no [S, d] gradient exists whole.
 #pragma once
+#include <memory>
+
 #include <torch/torch.h>
 
 #include "partial_fc/classifier/margin_head.h"
 #include "partial_fc/runtime/distributed.h"
 
 namespace faceshard {
+
+// What backward leaves for the caller's chunked update when the weight's gradient is
+// deferred: dL/dw_j = M_j - (w_j . M_j) w_j / ||w_j||^2 with M = G'^T E, for any columns.
+struct DeferredWeightGrad {
+  at::Tensor g;         // [N, S] fp32: G' = dL/dcos / ||w_j|| per column (the logits buffer)
+  at::Tensor e;         // [N, d] fp32: the normalised embeddings of the forward
+  at::Tensor inv_norm;  // [S] fp32: 1 / max(||w_j||, eps) of the forward
+  at::ScalarType gemm_dtype = at::kFloat;  // the type of the forward's GEMMs
+  // Set by backward: the three tensors above are defined.
+  bool ready() const { return g.defined(); }
+  // dL/dW of columns [first, first + n) [n, d] fp32, given those columns' centres w [n, d]
+  // fp32 (the forward's values: the weight has not moved since). The same arithmetic as the
+  // materialised gradient (G'^T E per chunk, in gemm_dtype when that is reduced).
+  at::Tensor rows(int64_t first, int64_t n, const at::Tensor& w) const;
+};
 
 struct MarginSoftmaxOptions {
   // The head (margin_head.h), owned by the caller and alive until backward has run; its
@@ -35,10 +57,17 @@ struct MarginSoftmaxOptions {
   // Reduced-precision GEMMs convert W and the buffer in chunks of this many classes, so no
   // full-size low-precision copy exists at any time.
   int64_t chunk_classes = 2048;
+  // The columns: rows `rows` of `weight` (sorted local indices), read chunk_classes at a time
+  // in both passes so that no copy of them exists whole; undefined = every row of `weight`.
+  // Only with `deferred` (the weight's gradient is then the caller's business).
+  at::Tensor rows;
+  // When set, the weight's gradient is deferred (see above): backward returns none for it
+  // and fills this in instead.
+  std::shared_ptr<DeferredWeightGrad> deferred;
 };
 
 // emb: [N, d] fp32, rows L2-normalised (differentiable); weight: [S, d] fp32, this rank's
-// (sampled) centres, not normalised (differentiable); target: [N] int64 on the same
+// (sampled) centres, not normalised (differentiable unless options.deferred); target: [N] int64 on the same
 // device, the row's class column in `weight` when this rank owns it, else -1. Returns the
 // mean over the N rows of -log softmax(margin(logits))[target]; `accuracy` (optional)
 // receives the global top-1 accuracy over the classes taking part (0-dim, no host sync).

@@ -33,10 +33,23 @@ at::Generator sampling_generator(const torch::Device& dev, uint64_t seed) {
   return at::make_generator<at::CPUGeneratorImpl>(seed);
 }
 
+// Rows per chunk of the chunked passes (PartialFCOptions::update_chunk_rows; margin_softmax
+// takes it rounded down to a multiple of 4).
+int64_t chunk_rows(const PartialFCOptions& o, const torch::Device& dev) {
+  if (o.update_chunk_rows > 0) return o.update_chunk_rows;
+  if (dev.is_cuda()) return 8192;
+  return std::max<int64_t>(64, ((int64_t(1) << 21) / (4 * o.embedding_size)) / 4 * 4);
+}
+
 const PartialFCOptions& checked(const PartialFCOptions& o) {
   if (!(o.sample_rate >= 0 && o.sample_rate <= 1))
     throw option_error("sample_rate", "must be in [0, 1], got ", o.sample_rate);
   if (o.embedding_size < 1) throw option_error("embedding_size", "must be positive, got ", o.embedding_size);
+  if (o.update_chunk_rows < 0)
+    throw option_error("update_chunk_rows", "must be positive (or 0: chosen for the device), got ", o.update_chunk_rows);
+  if (o.optimizer.state_dtype != at::kFloat && o.optimizer.state_dtype != at::kBFloat16)
+    throw option_error("fc_state_dtype", "the classifier's optimiser state must be fp32 or bf16, got ",
+                       o.optimizer.state_dtype);
   if (o.head.name == "combined") o.margin.validate();
   return o;
 }
@@ -53,10 +66,15 @@ ClassifierMemoryPlan classifier_memory_plan(const PartialFCOptions& o, int world
   const double row = static_cast<double>(o.embedding_size) * 4.0;  // one fp32 row
   const double n = static_cast<double>(p.rows), s = static_cast<double>(p.sampled_rows);
   const bool sampling = p.sampled_rows < p.rows;
+  const double state_row = static_cast<double>(o.embedding_size) * (o.optimizer.state_dtype == at::kBFloat16 ? 2.0 : 4.0);
   p.weight_bytes = n * row;
-  p.state_bytes = o.optimizer.kind == "adamw" ? n * (2 * row + 8) : n * row;
-  p.gradient_bytes = sampling ? 2 * s * row + (o.step_all_rows ? n * row : 0.0) : n * row;
-  if (o.gemm_dtype != at::kFloat) p.gradient_bytes += s * row / 2;
+  p.state_bytes = o.optimizer.kind == "adamw" ? n * (2 * state_row + 8) : n * state_row;
+  // The step's own gradient is G' in the logits buffer and one chunk of rows: nothing per
+  // class. What materialises one (partial_fc.h):
+  p.gradient_bytes = 0;
+  if (sampling && o.step_all_rows) p.gradient_bytes += s * row + n * row;
+  const double k = static_cast<double>(std::max<int64_t>(1, o.grad_accumulation));
+  if (k > 1) p.gradient_bytes += sampling ? 2 * k * s * row + std::min(k * s, n) * row : n * row;
   p.logits_bytes = static_cast<double>(p.global_batch) * s * 4.0;
   return p;
 }
@@ -82,12 +100,7 @@ PartialFC::PartialFC(Distributed& dist, const PartialFCOptions& opts, torch::Dev
                                    : torch::empty({shard_.count, opts.embedding_size}, torch::TensorOptions(device))),
       optimizer_(weight_, opts.optimizer, opts.initialise_rows),
       head_(make_margin_head(opts.head, opts.margin)),
-      rows_ready_(opts.initialise_rows) {
-  if (!samples()) {
-    weight_.requires_grad_(true);
-    sub_weight_ = weight_;
-  }
-}
+      rows_ready_(opts.initialise_rows) {}
 
 PartialFCOutput PartialFC::forward(const at::Tensor& local_emb, const at::Tensor& local_labels) {
   TORCH_CHECK(local_emb.dim() == 2 && local_emb.size(1) == opts_.embedding_size, "PartialFC: embeddings must be [B, ",
@@ -96,6 +109,9 @@ PartialFCOutput PartialFC::forward(const at::Tensor& local_emb, const at::Tensor
     throw runtime_error("PartialFC: the shard's rows were allocated for a checkpoint that has not been loaded");
   const int W = dist_.world_size();
   const torch::Device dev = weight_.device();
+  // Without sampling a second backward before the step adds to the first (autograd's
+  // accumulation into the weight used to): set the last one aside.
+  if (!samples() && grad_ && grad_->ready()) accumulate();
   at::Tensor emb = all_gather_with_grad(dist_, local_emb, GatherGrad::ReduceScatterSum, static_cast<double>(W));
   std::vector<int64_t> counts;
   at::Tensor labels = dist_.all_gather(local_labels.reshape({-1}).to(torch::kCPU, torch::kLong).contiguous(), &counts);
@@ -131,7 +147,6 @@ PartialFCOutput PartialFC::forward(const at::Tensor& local_emb, const at::Tensor
     }
     const at::Tensor local_dev = to_device(local.clamp(0, shard_.count - 1), dev);
     target = torch::where(to_device(mine, dev), torch::searchsorted(index_, local_dev), -1);
-    sub_weight_ = weight_.index_select(0, index_).requires_grad_(true);
   } else {
     target = to_device(torch::where(mine, local, -1), dev);
   }
@@ -145,9 +160,20 @@ PartialFCOutput PartialFC::forward(const at::Tensor& local_emb, const at::Tensor
   mo.seed = opts_.seed;
   mo.forward = forwards_;
   mo.gemm_dtype = opts_.gemm_dtype;
+  // The sampled rows are read from the weight in chunks, and the weight's gradient stays
+  // deferred: backward fills grad_ and step() updates chunk by chunk.
+  if (samples()) {
+    mo.rows = index_;
+    mo.chunk_classes = std::max<int64_t>(4, chunk_rows(opts_, dev) / 4 * 4);
+  }
+  grad_ = std::make_shared<DeferredWeightGrad>();
+  mo.deferred = grad_;
   forwards_++;
   PartialFCOutput out;
-  out.loss = margin_softmax_loss(e, samples() ? sub_weight_ : weight_, target, norms, mo, dist_, &out.accuracy);
+  // The weight enters as a leaf alias (no copy) that requires grad, so that the loss has a
+  // backward even when the embeddings do not; it receives no gradient.
+  const at::Tensor anchor = weight_.detach().requires_grad_(true);
+  out.loss = margin_softmax_loss(e, anchor, target, norms, mo, dist_, &out.accuracy);
   if (at::Tensor extra = head_->extra_loss(norms); extra.defined()) {
     // Every rank computes this term of the global loss from the whole gathered batch, and
     // the gather's backward sums the ranks' embedding gradients: each rank passes 1/W of
@@ -158,58 +184,124 @@ PartialFCOutput PartialFC::forward(const at::Tensor& local_emb, const at::Tensor
   return out;
 }
 
-at::Tensor PartialFC::gradient() const { return sub_weight_.defined() ? sub_weight_.grad() : at::Tensor(); }
+at::Tensor PartialFC::materialise() const {
+  torch::NoGradGuard ng;
+  const int64_t rows = samples() ? index_.size(0) : shard_.count, step = chunk_rows(opts_, weight_.device());
+  at::Tensor out = at::empty({rows, opts_.embedding_size}, weight_.options().requires_grad(false));
+  for (int64_t j = 0; j < rows; j += step) {
+    const int64_t n = std::min(step, rows - j);
+    const at::Tensor w = samples() ? weight_.index_select(0, index_.narrow(0, j, n)) : weight_.narrow(0, j, n);
+    out.narrow(0, j, n).copy_(grad_->rows(j, n, w));
+  }
+  return out;
+}
+
+at::Tensor PartialFC::gradient() const {
+  torch::NoGradGuard ng;
+  if (merged_.defined()) return merged_;
+  const bool current = grad_ && grad_->ready();
+  if (!samples() && !pending_grad_.empty()) return current ? pending_grad_[0] + materialise() : pending_grad_[0];
+  if (!current) return at::Tensor();
+  at::Tensor g = materialise();
+  if (inv_scale_.defined()) g.mul_(inv_scale_);
+  return g;
+}
 
 void PartialFC::accumulate() {
-  if (!samples() || !sub_weight_.defined() || !sub_weight_.grad().defined()) return;
-  pending_index_.push_back(index_);
-  pending_grad_.push_back(sub_weight_.grad());
-  sub_weight_.mutable_grad().reset();
+  if (!grad_ || !grad_->ready()) return;
+  torch::NoGradGuard ng;
+  // Each micro-batch's gradient is materialised here ([sampled, d], or added to the
+  // shard's running [shard, d] sum without sampling): the rows differ per micro-batch, and
+  // G' and E of all micro-batches would cost more than that.
+  if (samples()) {
+    pending_index_.push_back(index_);
+    pending_grad_.push_back(materialise());
+  } else if (pending_grad_.empty()) {
+    pending_index_.push_back(at::Tensor());
+    pending_grad_.push_back(materialise());
+  } else {
+    const int64_t step = chunk_rows(opts_, weight_.device());
+    for (int64_t j = 0; j < shard_.count; j += step) {
+      const int64_t n = std::min(step, shard_.count - j);
+      pending_grad_[0].narrow(0, j, n).add_(grad_->rows(j, n, weight_.narrow(0, j, n)));
+    }
+  }
+  grad_.reset();
 }
 
 void PartialFC::merge_accumulated() {
-  if (pending_index_.empty()) return;
+  if (pending_grad_.empty()) return;
   torch::NoGradGuard ng;
   accumulate();  // the last micro-batch's gradient joins the others
-  at::Tensor index = torch::cat(pending_index_), grad = torch::cat(pending_grad_);
-  auto uniq = at::_unique(index, /*sorted=*/true, /*return_inverse=*/true);
-  at::Tensor rows = std::get<0>(uniq);
-  at::Tensor sum = torch::zeros({rows.size(0), grad.size(1)}, grad.options()).index_add_(0, std::get<1>(uniq), grad);
+  if (samples()) {
+    at::Tensor index = torch::cat(pending_index_), grad = torch::cat(pending_grad_);
+    auto uniq = at::_unique(index, /*sorted=*/true, /*return_inverse=*/true);
+    at::Tensor rows = std::get<0>(uniq);
+    merged_ = torch::zeros({rows.size(0), grad.size(1)}, grad.options()).index_add_(0, std::get<1>(uniq), grad);
+    index_ = rows;
+  } else {
+    merged_ = pending_grad_[0];
+  }
   pending_index_.clear();
   pending_grad_.clear();
-  index_ = rows;
-  sub_weight_ = weight_.index_select(0, index_).requires_grad_(true);
-  sub_weight_.mutable_grad() = sum;
 }
 
 at::Tensor PartialFC::unscale_(const at::Tensor& inv_scale) {
   merge_accumulated();
   at::Tensor found_inf = torch::zeros({1}, weight_.options().requires_grad(false));
-  at::Tensor g = gradient();
-  if (!g.defined()) return found_inf;
   torch::NoGradGuard ng;
-  std::vector<at::Tensor> grads{g};
-  at::_amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale.to(g.device()));
+  if (merged_.defined()) {
+    std::vector<at::Tensor> grads{merged_};
+    at::_amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale.to(merged_.device()));
+  } else if (grad_ && grad_->ready()) {
+    // dW = G'^T E (less its radial part) is non-finite only where G' or E is: the check
+    // needs no gradient (the kernel with a factor of 1 changes no value). The factor itself
+    // is applied to each chunk of dW, as the kernel would have to the whole of it.
+    std::vector<at::Tensor> parts{grad_->g, grad_->e};
+    at::_amp_foreach_non_finite_check_and_unscale_(parts, found_inf, torch::ones({1}, found_inf.options()));
+    inv_scale_ = inv_scale.to(weight_.device(), at::kFloat).clone();
+  }
   return found_inf;
+}
+
+void PartialFC::chunked_step(double lr) {
+  torch::NoGradGuard ng;
+  const int64_t rows = samples() ? index_.size(0) : shard_.count, step = chunk_rows(opts_, weight_.device());
+  for (int64_t j = 0; j < rows; j += step) {
+    const int64_t n = std::min(step, rows - j);
+    const at::Tensor ix = samples() ? index_.narrow(0, j, n) : at::Tensor();
+    // The rows as the forward saw them (nothing has moved them since): a view without
+    // sampling, updated in place; a copy of the sampled rows, written back.
+    const at::Tensor w = samples() ? weight_.index_select(0, ix) : weight_.narrow(0, j, n);
+    at::Tensor g = grad_->rows(j, n, w);
+    if (inv_scale_.defined()) g.mul_(inv_scale_);
+    optimizer_.update_rows(w, g, samples() ? 0 : j, ix, lr);
+    if (samples()) weight_.index_copy_(0, ix, w);
+  }
 }
 
 void PartialFC::step(double lr) {
   merge_accumulated();
-  at::Tensor g = gradient();
-  if (g.defined() && samples() && opts_.step_all_rows) {
-    // The dense gradient arcface_torch's optimiser sees: zero on the unsampled rows.
-    torch::NoGradGuard ng;
+  torch::NoGradGuard ng;
+  const bool deferred = !merged_.defined() && grad_ && grad_->ready();
+  if (samples() && opts_.step_all_rows && (merged_.defined() || deferred)) {
+    // The dense gradient arcface_torch's optimiser sees: zero on the unsampled rows (this
+    // path materialises the sampled rows' gradient and the dense one).
     at::Tensor dense = torch::zeros_like(weight_, weight_.options().requires_grad(false));
-    dense.index_copy_(0, index_, g);
+    dense.index_copy_(0, index_, gradient());
     optimizer_.step(weight_, at::Tensor(), dense, lr);
-  } else if (g.defined()) {
-    optimizer_.step(weight_, samples() ? index_ : at::Tensor(), g, lr);
+  } else if (merged_.defined()) {
+    optimizer_.step(weight_, samples() ? index_ : at::Tensor(), merged_, lr);
+  } else if (deferred) {
+    chunked_step(lr);
   }
   zero_grad();
 }
 
 void PartialFC::zero_grad() {
-  if (sub_weight_.defined() && sub_weight_.grad().defined()) sub_weight_.mutable_grad().reset();
+  grad_.reset();
+  inv_scale_ = at::Tensor();
+  merged_ = at::Tensor();
   pending_index_.clear();
   pending_grad_.clear();
 }

@@ -6,6 +6,16 @@
 // cross-entropy, and returns the global-batch loss. After backward, step() moves the rows
 // that took part (and only those, unless step_all_rows) with the shard's optimiser.
 //
+// The weight's gradient is never materialised whole: backward leaves the logits buffer as
+// G' = dL/dcos / ||w|| together with the normalised embeddings E and the column norms
+// (margin_softmax.h, DeferredWeightGrad), and step() walks the step's rows in chunks of
+// update_chunk_rows: dW_chunk = G'_chunk^T E minus its radial part, then the optimiser on
+// those rows and their state, so a step needs the shard's weight, its optimiser state, the
+// logits buffer and one chunk. What still materialises a gradient (documented where it
+// happens, and counted by classifier_memory_plan): gradient accumulation (each micro-batch's
+// gradient is set aside), step_all_rows with sampling (its dense [shard, d] gradient), and
+// gradient(), which computes it on demand for tests and tools.
+//
 // Gradient convention (DESIGN.md), decided here once: the loss is the mean over the global
 // batch, so the reduce-scatter in the gather's backward gives each rank exactly
 // dL/d(its embeddings); the backbone is replicated and DataParallel AVERAGES its
@@ -25,6 +35,7 @@
 #include "partial_fc/classifier/class_shard.h"
 #include "partial_fc/classifier/margin.h"
 #include "partial_fc/classifier/margin_head.h"
+#include "partial_fc/classifier/margin_softmax.h"
 #include "partial_fc/classifier/shard_optimizer.h"
 #include "partial_fc/runtime/distributed.h"
 
@@ -45,6 +56,16 @@ struct PartialFCOptions {
   // (or AdamW's moments) keep moving them, as arcface_torch's PartialFC_V2 does with a
   // dense optimiser over the whole weight. Costs a [shard, d] gradient per step.
   bool step_all_rows = false;
+  // Rows per chunk of the step's update (the only gradient that exists at once is
+  // [update_chunk_rows, d]; with sampling also the chunk in which forward and backward read
+  // the sampled rows). 0 = chosen for the device: 8192 on a GPU; on the CPU about 2 MiB of
+  // fp32 rows (1024 at d = 512), so that a chunk's temporaries stay below glibc's mmap
+  // threshold and reuse heap memory instead of faulting fresh pages in for every chunk.
+  // Negative values are an "update_chunk_rows" option error.
+  int64_t update_chunk_rows = 0;
+  // Micro-batches per optimiser step (optim.grad_accumulation): only classifier_memory_plan
+  // reads it, to count the set-aside gradients.
+  int64_t grad_accumulation = 1;
   // false: the weight and optimiser rows are allocated but not initialised, because a
   // checkpoint is about to be read into them (fill_state): drawing millions of initial
   // centres only to overwrite them costs seconds, and nothing is written twice. Such a
@@ -65,12 +86,18 @@ using ShardRows = std::vector<std::pair<std::string, at::Tensor>>;
 
 // What one rank's classifier takes in memory, computed from the options alone (before
 // anything is allocated): the shard's rows x embedding x 4 B for the weight, the
-// optimiser's rows (SGD momentum: one more; AdamW: two more and an int64 step per row), the
-// step's gradient (the whole shard without sampling; with sampling the sampled rows and
-// their copy, plus a dense gradient of the shard with step_all_rows; a half-precision
-// copy of them for the GEMM under mixed precision) and the fp32 logits buffer
-// [batch x world, sampled rows]. A lower bound: the softmax's small vectors, the sampling
-// scores and the allocator's rounding come on top. Doubles, so that no size overflows.
+// optimiser's rows (SGD momentum: one more; AdamW: two more and an int64 step per row; the
+// moments at 2 B an element with optimizer.state_dtype bf16), and the fp32 logits buffer
+// [batch x world, sampled rows], which after backward holds the gradient G' that the
+// chunked step turns into the weight's gradient a chunk of rows at a time. The step's
+// gradient (gradient_bytes) is therefore zero per class except where one is materialised:
+// with step_all_rows and sampling, the sampled rows' gradient and a dense [shard, d] one;
+// with grad_accumulation k > 1, the set-aside micro-batch gradients: with sampling k
+// [sampled, d] ones, their concatenation and their per-row sum (at most k sampled rows or
+// the shard), without sampling one [shard, d] running sum. A lower bound: the softmax's
+// small vectors (a few per sampled row), the sampling scores (4 B a row, in forward only),
+// one chunk of the update and the allocator's rounding come on top. Doubles, so that no
+// size overflows.
 struct ClassifierMemoryPlan {
   int64_t rows = 0;          // classes of this rank's shard
   int64_t sampled_rows = 0;  // rows that take part in a step
@@ -99,12 +126,16 @@ class PartialFC {
   // Gradient accumulation: with sampling every forward selects its own rows, so after each
   // micro-batch's backward but the last, accumulate() sets that gradient aside; the step
   // then applies the sum, per row over the union of the rows: the exact gradient of the
-  // summed micro-batch losses. A no-op without sampling (autograd accumulates into the
-  // whole shard).
+  // summed micro-batch losses. Without sampling the gradient joins one running sum of the
+  // shard (a forward after a backward does that itself, as autograd's accumulation did).
+  // Each set-aside gradient is materialised (the cost classifier_memory_plan counts).
   void accumulate();
-  // Mixed precision: multiplies the step's gradient by inv_scale (a 1-element fp32 tensor
-  // on the shard's device) and returns a 1-element fp32 flag there, 1 when the gradient
-  // holds an inf or NaN (torch's AMP unscale kernel; no host sync).
+  // Mixed precision: returns a 1-element fp32 flag on the shard's device, 1 when the step's
+  // weight gradient would hold an inf or NaN, and has the step multiply it by inv_scale (a
+  // 1-element fp32 tensor there). No host sync. For the deferred gradient the flag comes
+  // from G' and E (a non-finite dW needs a non-finite one of them) before any update, and
+  // inv_scale is applied to each chunk in step(); set-aside gradients are unscaled in place
+  // (torch's AMP unscale kernel).
   at::Tensor unscale_(const at::Tensor& inv_scale);
   // Moves the rows that took part in the step (all of them without sampling or with
   // step_all_rows) and drops the gradient. A step without a classifier gradient changes
@@ -143,6 +174,8 @@ class PartialFC {
   const at::Tensor& sampled_index() const { return index_; }
   // The gradient of those rows ([rows, d]; the whole shard without sampling), undefined
   // before backward.
+  // Computed on demand from the deferred gradient (the step never materialises it), times
+  // the inv_scale of unscale_ once that has run; the sum so far under accumulation.
   at::Tensor gradient() const;
 
   // Deterministic initial centres N(0, 0.01) for global classes [start, start+count): the
@@ -151,6 +184,10 @@ class PartialFC {
 
  private:
   void merge_accumulated();
+  // The current micro-batch's dL/dW of the step's rows, materialised ([rows, d]).
+  at::Tensor materialise() const;
+  // The step without materialising: the optimiser chunk by chunk from grad_.
+  void chunked_step(double lr);
 
   Distributed& dist_;
   PartialFCOptions opts_;
@@ -158,10 +195,15 @@ class PartialFC {
   int64_t num_sample_;
   at::Tensor weight_;
   at::Tensor index_;       // sampled rows of the step
-  at::Tensor sub_weight_;  // the autograd leaf of the sampled rows (weight_ itself without sampling)
   ShardOptimizer optimizer_;
   std::unique_ptr<MarginHead> head_;
-  std::vector<at::Tensor> pending_index_, pending_grad_;  // accumulate()
+  // The last forward's deferred weight gradient (ready once backward has run).
+  std::shared_ptr<DeferredWeightGrad> grad_;
+  at::Tensor inv_scale_;  // unscale_'s factor, applied to each chunk of grad_ in the step
+  // accumulate(): with sampling each micro-batch's rows and gradient; without, one running
+  // [shard, d] sum (index undefined).
+  std::vector<at::Tensor> pending_index_, pending_grad_;
+  at::Tensor merged_;  // the set-aside gradients summed over the union of their rows
   int64_t forwards_ = 0;
   bool rows_ready_ = true;  // false from a construction without initialise_rows until filled
 };

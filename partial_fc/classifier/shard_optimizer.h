@@ -18,6 +18,9 @@ struct ShardOptimizerOptions {
   double momentum = 0.9;
   double weight_decay = 5e-4;
   double beta1 = 0.9, beta2 = 0.999, eps = 1e-8;
+  // The dtype of momentum / exp_avg / exp_avg_sq: kFloat or kBFloat16 (row_steps stays
+  // int64). Anything else is an option error naming "fc_state_dtype".
+  at::ScalarType state_dtype = at::kFloat;
 };
 
 class ShardOptimizer {
@@ -27,8 +30,16 @@ class ShardOptimizer {
   ShardOptimizer(const at::Tensor& weight, const ShardOptimizerOptions& opts, bool initialise = true);
 
   // Updates rows `index` (sorted, unique; undefined = every row) of `weight` with `grad`
-  // [index.size(0) or rows, d].
+  // [index.size(0) or rows, d], in chunks of kChunkRows rows.
   void step(at::Tensor& weight, const at::Tensor& index, const at::Tensor& grad, double lr);
+
+  // One chunk of an update: `rows` [n, d] fp32 are weight rows (a view of the weight,
+  // updated in place, or a copy the caller writes back), `grad` [n, d] their gradient;
+  // their state is rows [first, first + n) or, with `index` defined ([n], sorted, unique),
+  // rows `index`. PartialFC's chunked step calls this with the gradient of one chunk.
+  void update_rows(const at::Tensor& rows, const at::Tensor& grad, int64_t first, const at::Tensor& index, double lr);
+
+  static constexpr int64_t kChunkRows = 4096;
 
   // Per-row state tensors, same row order as the weight: "momentum" (sgd) or "exp_avg",
   // "exp_avg_sq", "row_steps" (adamw). The live tensors, not copies.

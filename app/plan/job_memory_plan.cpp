@@ -1,0 +1,173 @@
+#include "app/plan/job_memory_plan.h"
+
+#include <algorithm>
+#include <sstream>
+
+#include "app/config/config.h"
+#include "models/backbone_registry.h"
+#include "partial_fc/runtime/error.h"
+
+namespace faceshard {
+namespace {
+
+constexpr int64_t kMaxClasses = int64_t(1) << 40;  // as data.num_classes
+
+std::string num(double v) {
+  std::ostringstream os;
+  os.precision(12);
+  os << v;
+  return os.str();
+}
+
+}  // namespace
+
+JobPlanInputs job_plan_inputs(const Config& cfg, int world_size) {
+  JobPlanInputs in;
+  in.network = cfg.model.backbone;
+  in.batch_per_rank = cfg.data.batch_size;
+  if (cfg.data.global_batch_size) {
+    const int64_t g = *cfg.data.global_batch_size, parts = int64_t(world_size) * cfg.optim.grad_accumulation;
+    if (g % parts != 0)
+      throw_config_error(cfg, "data.global_batch_size",
+                         detail::concat(g, " cannot be split evenly over ", world_size, " ranks x ",
+                                        cfg.optim.grad_accumulation, " micro-batches (optim.grad_accumulation)"));
+    in.batch_per_rank = g / parts;
+  }
+  in.precision = cfg.train.precision;
+  in.checkpointing = cfg.model.checkpointing;
+  in.num_classes = cfg.data.num_classes;
+  in.world_size = world_size;
+  in.sample_rate = cfg.loss.sample_rate;
+  in.optimizer = cfg.optim.optimizer;
+  in.fc_optimizer = cfg.optim.classifier_optimizer();
+  in.momentum = cfg.optim.momentum;
+  in.fc_update_all = cfg.optim.fc_update == "all";
+  in.fc_state_dtype = cfg.optim.fc_state_dtype;
+  in.grad_accumulation = cfg.optim.grad_accumulation;
+  in.embedding_size = cfg.model.embedding_size;
+  return in;
+}
+
+double JobMemoryPlan::total_bytes() const {
+  double t = 0;
+  for (const auto& p : parts) t += p.bytes;
+  return t;
+}
+
+double JobMemoryPlan::group_bytes(const std::string& group) const {
+  double t = 0;
+  for (const auto& p : parts)
+    if (p.group == group) t += p.bytes;
+  return t;
+}
+
+JobMemoryPlan plan_job_memory(const JobPlanInputs& in, const ActivationTable& table) {
+  if (in.precision != "fp32" && in.precision != "bf16" && in.precision != "fp16")
+    throw option_error("precision", "must be fp32, bf16 or fp16, got '", detail::printable(in.precision), "'");
+  if (in.batch_per_rank < 2)
+    throw option_error("batch", "must be at least 2 images per rank (BatchNorm in training), got ", in.batch_per_rank);
+  if (in.world_size < 1) throw option_error("ranks", "must be at least 1, got ", in.world_size);
+  if (in.num_classes < in.world_size || in.num_classes > kMaxClasses)
+    throw option_error("classes", "must be in [ranks = ", in.world_size, ", 2^40], got ", in.num_classes);
+  const std::string fc_opt = in.fc_optimizer.empty() ? in.optimizer : in.fc_optimizer;
+  for (const std::string* o : {&in.optimizer, &fc_opt})
+    if (*o != "sgd" && *o != "adamw")
+      throw option_error("optimizer", "must be sgd or adamw, got '", detail::printable(*o), "'");
+  if (in.fc_state_dtype != "fp32" && in.fc_state_dtype != "bf16")
+    throw option_error("fc_state_dtype", "must be fp32 or bf16, got '", detail::printable(in.fc_state_dtype), "'");
+  if (in.grad_accumulation < 1)
+    throw option_error("grad_accumulation", "must be at least 1, got ", in.grad_accumulation);
+  if (in.image_size != 112) throw option_error("image_size", "the activation table is measured at 112x112 images");
+  if (in.embedding_size != 512)
+    throw option_error("embedding_size", "the backbones' parameter counts and activations are measured with "
+                                         "embedding 512, got ", in.embedding_size);
+
+  JobMemoryPlan p;
+  p.inputs = in;
+  const bool mbf = in.network.rfind("mbf", 0) == 0;
+  p.checkpointing = in.checkpointing.value_or(backbone_default_checkpointing(in.network));
+  if (p.checkpointing && mbf)
+    throw option_error("checkpointing", "of backbone '", in.network, "': MobileFaceNet does not support activation "
+                                        "checkpointing");
+  const ActivationEntry& act = table.at(in.network, in.precision, p.checkpointing);
+  p.parameters = act.parameters;
+  p.activation_bytes_per_image = act.bytes_per_image;
+  const double P = static_cast<double>(act.parameters), B = static_cast<double>(in.batch_per_rank);
+  const double W = static_cast<double>(in.world_size), d = static_cast<double>(in.embedding_size);
+  const bool mixed = in.precision != "fp32";
+  const std::string params = num(P) + " parameters";
+
+  auto add = [&](const char* group, const std::string& name, double bytes, const std::string& how) {
+    p.parts.push_back({group, name, bytes, how});
+  };
+  add("backbone", "parameters", 4 * P, params + " x 4 B (fp32)");
+  add("backbone", "gradients", 4 * P, params + " x 4 B (fp32, allocated in backward)");
+  if (in.optimizer == "adamw")
+    add("backbone", "optimiser state", 8 * P, params + " x 8 B (AdamW: two fp32 moments)");
+  else
+    add("backbone", "optimiser state", in.momentum != 0 ? 4 * P : 0.0,
+        in.momentum != 0 ? params + " x 4 B (SGD momentum)" : "none (SGD without momentum)");
+  if (mixed)
+    add("backbone", "weight copies (" + in.precision + ")", 2 * P,
+        params + " x 2 B (autocast's copies of the weights, kept for backward)");
+  add("backbone", "activations", act.bytes_per_image * B,
+      num(B) + " images x " + num(act.bytes_per_image) + " B (measured: " + in.network + ", " + in.precision +
+          ", checkpointing " + (p.checkpointing ? "on" : "off") + ")");
+  const double image = 3.0 * static_cast<double>(in.image_size * in.image_size) * 4;
+  add("backbone", "input batch", B * image, num(B) + " x 3 x " + std::to_string(in.image_size) + " x " +
+                                                std::to_string(in.image_size) + " x 4 B");
+
+  PartialFCOptions po;
+  po.num_classes = in.num_classes;
+  po.embedding_size = in.embedding_size;
+  po.sample_rate = in.sample_rate;
+  po.optimizer.kind = fc_opt;
+  po.step_all_rows = in.fc_update_all;
+  po.optimizer.state_dtype = in.fc_state_dtype == "bf16" ? at::kBFloat16 : at::kFloat;
+  po.grad_accumulation = in.grad_accumulation;
+  po.gemm_dtype = in.precision == "bf16" ? at::kBFloat16 : in.precision == "fp16" ? at::kHalf : at::kFloat;
+  // Rank 0 holds the largest shard (the first C % W ranks hold one class more).
+  p.classifier = classifier_memory_plan(po, in.world_size, 0, in.batch_per_rank);
+  const ClassifierMemoryPlan& c = p.classifier;
+  const std::string rows = num(double(c.rows)) + " rows";
+  add("classifier", "rows (centres)", c.weight_bytes, rows + " x " + num(d) + " x 4 B");
+  add("classifier", "optimiser state", c.state_bytes, rows + ", " + fc_opt + ", " + in.fc_state_dtype);
+  add("classifier", "gradient", c.gradient_bytes,
+      c.gradient_bytes == 0 ? "none materialised whole (classifier_memory_plan)"
+                            : num(double(c.sampled_rows)) + " of " + rows + " take part" +
+                                  (in.grad_accumulation > 1 ? ", " + num(double(in.grad_accumulation)) +
+                                                                   " micro-batches set aside"
+                                                             : std::string()) +
+                                  (in.fc_update_all ? ", optim.fc_update all" : ""));
+  add("classifier", "logits buffer", c.logits_bytes,
+      num(double(c.global_batch)) + " x " + num(double(c.sampled_rows)) + " x 4 B (fp32)");
+
+  add("communication", "DDP gradient buckets", 4 * P, params + " x 4 B (flat all-reduce buckets)");
+  add("communication", "embedding all-gather", 4 * B * W * d * 4 + (mixed ? B * W * d * 2 : 0.0),
+      num(B * W) + " x " + num(d) + ": gathered, normalised and their two gradients x 4 B" +
+          (mixed ? std::string(", a ") + in.precision + " copy" : std::string()));
+  return p;
+}
+
+int64_t max_classes_that_fit(JobPlanInputs in, const ActivationTable& table, double budget_bytes) {
+  auto fits = [&](int64_t classes) {
+    in.num_classes = classes;
+    return plan_job_memory(in, table).total_bytes() <= budget_bytes;
+  };
+  int64_t lo = in.world_size;
+  if (!fits(lo)) return 0;
+  int64_t hi = lo;
+  while (true) {  // doubling to a class count that does not fit (or the limit)
+    if (hi >= kMaxClasses) return kMaxClasses;
+    hi = std::min(hi * 2, kMaxClasses);
+    if (!fits(hi)) break;
+    lo = hi;
+  }
+  while (hi - lo > 1) {  // fits(lo), !fits(hi): the plan grows with the class count
+    const int64_t mid = lo + (hi - lo) / 2;
+    (fits(mid) ? lo : hi) = mid;
+  }
+  return lo;
+}
+
+}  // namespace faceshard

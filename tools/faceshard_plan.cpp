@@ -1,0 +1,239 @@
+// faceshard-plan: what one rank of a training job needs in device memory, part by part
+// (backbone parameters, gradients, optimiser state, activations; the classifier shard's rows,
+// optimiser state, gradient and logits; DataParallel's buckets and the embedding all-gather),
+// whether that fits a device, and the largest number of identities that does. The formulas
+// are app/plan/job_memory_plan.h (the classifier's are classifier_memory_plan(), the ones the
+// trainer checks before it allocates); the activations come from the measured table
+// app/plan/activations.json (faceshard-bench --mode activations).
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <map>
+#include <optional>
+#include <sstream>
+#include <string>
+
+#include "app/config/cli.h"
+#include "app/plan/activation_table.h"
+#include "app/plan/job_memory_plan.h"
+#include "partial_fc/runtime/error.h"
+
+using namespace faceshard;
+
+namespace {
+
+const char* kUsage =
+    "usage: faceshard-plan [--config FILE [--set key=value ...]] [--network NAME] [--batch B]\n"
+    "                      [--precision fp32|bf16|fp16] [--checkpointing on|off] [--classes C] [--ranks W]\n"
+    "                      [--sample-rate R] [--optimizer sgd|adamw] [--fc-optimizer sgd|adamw]\n"
+    "                      [--fc-update sampled|all] [--fc-state-dtype fp32|bf16] [--grad-accumulation K]\n"
+    "                      [--device-memory SIZE] [--reserve SIZE] [--activations FILE] [--json FILE]\n"
+    "  --config FILE        a training config gives the settings (model.backbone, data.batch_size or\n"
+    "                       data.global_batch_size, train.precision, model.checkpointing, data.num_classes,\n"
+    "                       loss.sample_rate, optim.*); the flags override it. Defaults: r50, batch 128,\n"
+    "                       fp32, the network's checkpointing, 1 rank, sample rate 1.0, sgd\n"
+    "  --batch B            images per rank (per micro-batch)\n"
+    "  --classes C          identities, e.g. 2059906, 125k, 1.4M, 29M\n"
+    "  --ranks W            ranks (GPUs) the classifier is sharded over (default 1)\n"
+    "  --device-memory SIZE one device's memory, e.g. 80GB (10^9 B), 80GiB (2^30 B), 32510MiB: says whether\n"
+    "                       the job fits and finds the largest number of classes that does\n"
+    "  --reserve SIZE       kept aside for what the plan does not count: CUDA context, NCCL and cuDNN\n"
+    "                       workspaces, allocator fragmentation (default 1GiB)\n"
+    "  --activations FILE   an activations table from faceshard-bench --mode activations --json FILE\n"
+    "                       (default: the one built in, app/plan/activations.json)\n";
+
+// "80GB", "79.6GiB", "32510MiB", "1e9": bytes.
+double parse_size(const std::string& flag, const std::string& v) {
+  static const std::map<std::string, double> units = {
+      {"", 1},        {"B", 1},        {"KB", 1e3},     {"MB", 1e6},      {"GB", 1e9},          {"TB", 1e12},
+      {"KiB", 1024.}, {"MiB", 1048576.}, {"GiB", 1073741824.}, {"TiB", 1099511627776.}};
+  char* end = nullptr;
+  const double x = std::strtod(v.c_str(), &end);
+  const auto u = end ? units.find(std::string(end)) : units.end();
+  if (v.empty() || end == v.c_str() || u == units.end() || !(x >= 0) || !std::isfinite(x))
+    throw usage_error(flag, " '", faceshard::detail::printable(v), "': expected a size such as 80GB, 79.6GiB or 32510MiB");
+  return x * u->second;
+}
+
+// "2059906", "125k", "1.4M", "29M": a whole number.
+int64_t parse_count(const std::string& flag, const std::string& v) {
+  char* end = nullptr;
+  double x = std::strtod(v.c_str(), &end);
+  const std::string unit = end ? end : "";
+  if (unit == "k" || unit == "K") x *= 1e3;
+  else if (unit == "M") x *= 1e6;
+  else if (unit == "G") x *= 1e9;
+  else if (!unit.empty()) x = -1;
+  if (v.empty() || end == v.c_str() || !(x >= 0 && x < 9e15) || std::nearbyint(x) != x)
+    throw usage_error(flag, " '", faceshard::detail::printable(v), "': expected a whole number such as 2059906, 125k or 1.4M");
+  return static_cast<int64_t>(x);
+}
+
+double parse_rate(const std::string& flag, const std::string& v) {
+  char* end = nullptr;
+  const double x = std::strtod(v.c_str(), &end);
+  if (v.empty() || *end || !(x > 0 && x <= 1)) throw usage_error(flag, " '", faceshard::detail::printable(v), "': expected a number in (0, 1]");
+  return x;
+}
+
+std::string choice(const std::string& flag, const std::string& v, std::initializer_list<const char*> allowed) {
+  std::string list;
+  for (const char* a : allowed) {
+    if (v == a) return v;
+    list += (list.empty() ? "" : ", ") + std::string(a);
+  }
+  throw usage_error(flag, " '", faceshard::detail::printable(v), "': expected one of ", list);
+}
+
+// An option error of the plan, in the flag's name.
+[[noreturn]] void rethrow_as_flag(const Error& e) {
+  static const std::map<std::string, std::string> flags = {
+      {"backbone", "--network"},       {"network", "--network"},        {"precision", "--precision"},
+      {"checkpointing", "--checkpointing"}, {"batch", "--batch"},      {"ranks", "--ranks"},
+      {"classes", "--classes"},        {"num_classes", "--classes"},    {"sample_rate", "--sample-rate"},
+      {"optimizer", "--optimizer"},    {"fc_state_dtype", "--fc-state-dtype"},
+      {"grad_accumulation", "--grad-accumulation"}, {"embedding_size", "--embedding (model.embedding_size)"}};
+  const auto f = flags.find(e.option());
+  if (f == flags.end()) throw e;
+  throw usage_error(f->second, ": ", e.detail());
+}
+
+std::string mib(double bytes) {
+  char b[64];
+  std::snprintf(b, sizeof b, "%.1f", bytes / 1048576.0);
+  return b;
+}
+
+std::string json_escape(const std::string& s) {
+  std::string o;
+  for (char c : s) {
+    if (c == '"' || c == '\\') o.push_back('\\');
+    o.push_back(c);
+  }
+  return o;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  return run_main("faceshard-plan", [&] {
+    ConfigArgs args = parse_config_args(argc, argv);
+    if (args.help) {
+      std::fputs(kUsage, stdout);
+      return 0;
+    }
+    // Flags first (the config's batch split needs --ranks), then config < flags.
+    std::map<std::string, std::string> flag;
+    for (size_t i = 0; i < args.rest.size(); ++i) {
+      const std::string& s = args.rest[i];
+      static const char* known[] = {"--network", "--batch", "--precision", "--checkpointing", "--classes",
+                                    "--ranks", "--sample-rate", "--optimizer", "--fc-optimizer", "--fc-update",
+                                    "--fc-state-dtype", "--grad-accumulation", "--device-memory", "--reserve",
+                                    "--activations", "--json"};
+      if (std::find(std::begin(known), std::end(known), s) == std::end(known))
+        throw usage_error("unknown argument '", faceshard::detail::printable(s), "' (see --help)");
+      if (i + 1 >= args.rest.size()) throw usage_error(s, " needs a value");
+      flag[s] = args.rest[++i];
+    }
+    if (args.print_config) throw usage_error("--print-config: use faceshard-config");
+    auto has = [&](const char* f) { return flag.count(f) > 0; };
+    const int ranks = has("--ranks") ? static_cast<int>(std::min<int64_t>(parse_count("--ranks", flag["--ranks"]), 1 << 20)) : 1;
+    JobPlanInputs in;
+    if (!args.config.empty()) in = job_plan_inputs(load_config_from_args(args), ranks);
+    else if (!args.overrides.empty()) throw usage_error("--set needs --config FILE");
+    in.world_size = ranks;
+    if (has("--network")) in.network = flag["--network"];
+    if (has("--batch")) in.batch_per_rank = parse_count("--batch", flag["--batch"]);
+    if (has("--precision")) in.precision = choice("--precision", flag["--precision"], {"fp32", "bf16", "fp16"});
+    if (has("--checkpointing")) in.checkpointing = choice("--checkpointing", flag["--checkpointing"], {"on", "off"}) == "on";
+    if (has("--classes")) in.num_classes = parse_count("--classes", flag["--classes"]);
+    if (has("--sample-rate")) in.sample_rate = parse_rate("--sample-rate", flag["--sample-rate"]);
+    if (has("--optimizer")) {
+      in.optimizer = choice("--optimizer", flag["--optimizer"], {"sgd", "adamw"});
+      if (args.config.empty()) in.fc_optimizer.clear();  // the classifier follows unless told
+    }
+    if (has("--fc-optimizer")) in.fc_optimizer = choice("--fc-optimizer", flag["--fc-optimizer"], {"sgd", "adamw"});
+    if (has("--fc-update")) in.fc_update_all = choice("--fc-update", flag["--fc-update"], {"sampled", "all"}) == "all";
+    if (has("--fc-state-dtype")) in.fc_state_dtype = choice("--fc-state-dtype", flag["--fc-state-dtype"], {"fp32", "bf16"});
+    if (has("--grad-accumulation")) in.grad_accumulation = parse_count("--grad-accumulation", flag["--grad-accumulation"]);
+    if (in.num_classes == 0) throw usage_error("--classes C is required (or a --config with data.num_classes)");
+    const std::optional<double> device = has("--device-memory") ? std::optional<double>(parse_size("--device-memory", flag["--device-memory"])) : std::nullopt;
+    const double reserve = has("--reserve") ? parse_size("--reserve", flag["--reserve"]) : 1073741824.0;
+    const ActivationTable table =
+        has("--activations") ? ActivationTable::from_file(flag["--activations"]) : ActivationTable::shipped();
+
+    JobMemoryPlan plan;
+    int64_t max_classes = -1;
+    try {
+      plan = plan_job_memory(in, table);
+      if (device) max_classes = max_classes_that_fit(in, table, *device - reserve);
+    } catch (const Error& e) {
+      if (!e.option().empty()) rethrow_as_flag(e);
+      throw;
+    }
+    const std::string fc_opt = in.fc_optimizer.empty() ? in.optimizer : in.fc_optimizer;
+    const ClassifierMemoryPlan& c = plan.classifier;
+    std::printf("faceshard-plan: %s, %s, activation checkpointing %s; %lld images per rank x %d ranks%s; %lld classes "
+                "(%lld on rank 0, %lld per step), sample rate %g; optimisers %s (backbone), %s %s (classifier)\n",
+                in.network.c_str(), in.precision.c_str(), plan.checkpointing ? "on" : "off",
+                static_cast<long long>(in.batch_per_rank), in.world_size,
+                in.grad_accumulation > 1 ? (" x " + std::to_string(in.grad_accumulation) + " micro-batches").c_str() : "",
+                static_cast<long long>(in.num_classes), static_cast<long long>(c.rows),
+                static_cast<long long>(c.sampled_rows), in.sample_rate, in.optimizer.c_str(), fc_opt.c_str(),
+                in.fc_state_dtype.c_str());
+    std::printf("per-rank memory (rank 0, the largest shard)          MiB\n");
+    std::string group;
+    for (const PlanPart& p : plan.parts) {
+      std::printf("  %-14s %-26s %11s   %s\n", p.group == group ? "" : p.group.c_str(), p.name.c_str(),
+                  mib(p.bytes).c_str(), p.how.c_str());
+      group = p.group;
+    }
+    for (const char* g : {"backbone", "classifier", "communication"})
+      std::printf("  %-41s %11s\n", (std::string(g) + " in all").c_str(), mib(plan.group_bytes(g)).c_str());
+    std::printf("  %-41s %11s   (%.2f GiB)\n", "total", mib(plan.total_bytes()).c_str(), plan.total_bytes() / 1073741824.0);
+    std::printf("activations: %s (%s)\n", table.measured_on().empty() ? "measured" : ("measured on " + table.measured_on()).c_str(),
+                table.source().c_str());
+    bool fits = true;
+    if (device) {
+      fits = plan.total_bytes() + reserve <= *device;
+      std::printf("device: %s MiB, reserve %s MiB (CUDA context, NCCL and cuDNN workspaces, fragmentation): %s, %s MiB %s\n",
+                  mib(*device).c_str(), mib(reserve).c_str(), fits ? "fits" : "does NOT fit",
+                  mib(std::abs(*device - reserve - plan.total_bytes())).c_str(), fits ? "to spare" : "short");
+      if (max_classes > 0) {
+        JobPlanInputs at = in;
+        at.num_classes = max_classes;
+        const JobMemoryPlan mp = plan_job_memory(at, table);
+        std::printf("largest number of classes that fits: %lld (%lld on rank 0; %s MiB planned)\n",
+                    static_cast<long long>(max_classes), static_cast<long long>(mp.classifier.rows),
+                    mib(mp.total_bytes()).c_str());
+      } else {
+        std::printf("largest number of classes that fits: none (the backbone alone needs more than the device less the "
+                    "reserve)\n");
+      }
+    }
+    if (has("--json")) {
+      std::ostringstream js;
+      js.precision(15);
+      js << "{\"network\":\"" << json_escape(in.network) << "\",\"precision\":\"" << in.precision
+         << "\",\"checkpointing\":" << (plan.checkpointing ? "true" : "false") << ",\"batch_per_rank\":" << in.batch_per_rank
+         << ",\"ranks\":" << in.world_size << ",\"classes\":" << in.num_classes << ",\"sample_rate\":" << in.sample_rate
+         << ",\"optimizer\":\"" << in.optimizer << "\",\"fc_optimizer\":\"" << fc_opt << "\",\"parameters\":"
+         << plan.parameters << ",\"activation_bytes_per_image\":" << plan.activation_bytes_per_image
+         << ",\"shard_rows\":" << c.rows << ",\"sampled_rows\":" << c.sampled_rows << ",\"parts\":[";
+      for (size_t i = 0; i < plan.parts.size(); ++i)
+        js << (i ? "," : "") << "{\"group\":\"" << plan.parts[i].group << "\",\"name\":\""
+           << json_escape(plan.parts[i].name) << "\",\"bytes\":" << plan.parts[i].bytes << "}";
+      js << "],\"backbone_bytes\":" << plan.group_bytes("backbone") << ",\"classifier_bytes\":"
+         << plan.group_bytes("classifier") << ",\"communication_bytes\":" << plan.group_bytes("communication")
+         << ",\"total_bytes\":" << plan.total_bytes();
+      if (device)
+        js << ",\"device_memory_bytes\":" << *device << ",\"reserve_bytes\":" << reserve << ",\"fits\":"
+           << (fits ? "true" : "false") << ",\"max_classes\":" << std::max<int64_t>(0, max_classes);
+      js << "}\n";
+      std::ofstream out(flag["--json"]);
+      if (!(out << js.str())) throw runtime_error(flag["--json"], ": cannot write");
+    }
+    return 0;
+  });
+}
