@@ -1,4 +1,5 @@
 #include "app/config/config.h"
+#include "app/config/limits.h"
 
 #include <yaml-cpp/depthguard.h>
 #include <yaml-cpp/yaml.h>
@@ -682,10 +683,9 @@ void Config::validate_relations() const {
   // Class ids, shard bounds and tensor sizes are int64: with at most 2^40 classes (and
   // 2^20 ranks, 2^16 dimensions) no product of them overflows. Whether the classifier
   // fits in memory is decided by the run, which knows its ranks and devices.
-  constexpr int64_t kMaxClasses = int64_t(1) << 40;
-  if (data.num_classes > kMaxClasses)
+  if (data.num_classes > kMaxNumClasses)
     throw usage_error(origin("data.num_classes"), ": key 'data.num_classes': ", data.num_classes,
-                      " classes is more than the 2^40 = ", kMaxClasses, " a classifier can index");
+                      " classes is more than the 2^40 = ", kMaxNumClasses, " a classifier can index");
   if (optim.total_steps && optim.warmup_steps && *optim.warmup_steps > *optim.total_steps)
     throw usage_error(origin("optim.warmup_steps"), ": key 'optim.warmup_steps' (", *optim.warmup_steps,
                       ") exceeds 'optim.total_steps' (", *optim.total_steps, ")");

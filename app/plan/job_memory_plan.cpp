@@ -4,13 +4,12 @@
 #include <sstream>
 
 #include "app/config/config.h"
+#include "app/config/limits.h"
 #include "models/backbone_registry.h"
 #include "partial_fc/runtime/error.h"
 
 namespace faceshard {
 namespace {
-
-constexpr int64_t kMaxClasses = int64_t(1) << 40;  // as data.num_classes
 
 std::string num(double v) {
   std::ostringstream os;
@@ -67,7 +66,7 @@ JobMemoryPlan plan_job_memory(const JobPlanInputs& in, const ActivationTable& ta
   if (in.batch_per_rank < 2)
     throw option_error("batch", "must be at least 2 images per rank (BatchNorm in training), got ", in.batch_per_rank);
   if (in.world_size < 1) throw option_error("ranks", "must be at least 1, got ", in.world_size);
-  if (in.num_classes < in.world_size || in.num_classes > kMaxClasses)
+  if (in.num_classes < in.world_size || in.num_classes > kMaxNumClasses)
     throw option_error("classes", "must be in [ranks = ", in.world_size, ", 2^40], got ", in.num_classes);
   const std::string fc_opt = in.fc_optimizer.empty() ? in.optimizer : in.fc_optimizer;
   for (const std::string* o : {&in.optimizer, &fc_opt})
@@ -158,8 +157,8 @@ int64_t max_classes_that_fit(JobPlanInputs in, const ActivationTable& table, dou
   if (!fits(lo)) return 0;
   int64_t hi = lo;
   while (true) {  // doubling to a class count that does not fit (or the limit)
-    if (hi >= kMaxClasses) return kMaxClasses;
-    hi = std::min(hi * 2, kMaxClasses);
+    if (hi >= kMaxNumClasses) return kMaxNumClasses;
+    hi = std::min(hi * 2, kMaxNumClasses);
     if (!fits(hi)) break;
     lo = hi;
   }
