@@ -63,7 +63,7 @@ namespace {
 const char* kUsage =
     "usage: faceshard-bench --mode classifier [--classes-per-shard LIST] [--sample-rate LIST] [--precision LIST]\n"
     "                       [--batch B] [--dim D] [--steps K] [--windows N] [--warmup K]\n"
-    "                       [--heads LIST] [--fc-state-dtype LIST] [--device cpu|cuda] [--json FILE]\n"
+    "                       [--heads LIST] [--fc-state-dtype LIST] [--row-update LIST] [--device cpu|cuda] [--json FILE]\n"
     "       faceshard-bench --mode step [--network NAME] [--batch B] [--classes C] [--sample-rate R]\n"
     "                       [--precision fp32|bf16|fp16] [--device cpu|cuda] [--config FILE] [--set key=value ...]\n"
     "                       [--steps K] [--windows N] [--warmup K] [--json FILE]\n"
@@ -78,14 +78,17 @@ const char* kUsage =
     "  --open-only      open DIR's train.rec/.idx, look every image key up once, read the\n"
     "                   records at the layout's boundaries; report time and memory\n"
     "  --workers LIST   comma-separated decoding thread counts; 'all' = every core (default 1,2,all)\n"
-    "  --fc-state-dtype LIST  the classifier's optimiser state: fp32, bf16 (default fp32)\n";
+    "  --fc-state-dtype LIST  the classifier's optimiser state: fp32, bf16 (default fp32)\n"
+    "  --row-update LIST  the step's update of the rows: onepass (SGD on the CPU: one pass over each row\n"
+    "                   where it lives), generic (gather, update, scatter: the path a GPU takes); default onepass\n";
 
 struct Args {
   std::string mode = "classifier";
   int64_t batch = 128, dim = 512, steps = 5, windows = 3, warmup = 2;
   double sample_rate = 1.0;
   // --mode classifier: comma-separated lists, every combination is measured
-  std::string classes_list = "100000", rates = "1.0", precisions = "fp32", heads = "combined", states = "fp32";
+  std::string classes_list = "100000", rates = "1.0", precisions = "fp32", heads = "combined", states = "fp32",
+              updates = "onepass";
   std::string device = "cpu", json;
   // --mode data
   std::string data, workers = "1,2,all";
@@ -163,7 +166,7 @@ int run_classifier(const Args& a, Distributed& dist) {
   const torch::Device dev = cuda ? torch::Device(torch::kCUDA, dist.local_rank()) : torch::Device(torch::kCPU);
   const auto opts = torch::TensorOptions().device(dev);
   struct Row {
-    std::string head, precision, state;
+    std::string head, precision, state, update;
     int64_t classes;
     double rate, step_ms, gemm_ms, peak_mb, tensor_mb;
   };
@@ -189,9 +192,12 @@ int run_classifier(const Args& a, Distributed& dist) {
       const double rate = std::atof(rs.c_str());
       if (!(rate > 0 && rate <= 1)) throw usage_error("--sample-rate entries must be in (0, 1], got '", rs, "'");
       for (const std::string& prec : split_list(a.precisions))
-      for (const std::string& state : split_list(a.states)) {
+      for (const std::string& state : split_list(a.states))
+      for (const std::string& update : split_list(a.updates)) {
         if (state != "fp32" && state != "bf16")
           throw usage_error("--fc-state-dtype entries must be fp32 or bf16, got '", state, "'");
+        if (update != "onepass" && update != "generic")
+          throw usage_error("--row-update entries must be onepass or generic, got '", update, "'");
         const at::ScalarType dt = prec == "fp32" ? at::kFloat : prec == "bf16" ? at::kBFloat16 : prec == "fp16" ? at::kHalf
                                                                                                  : at::kLong;
         if (dt == at::kLong) throw usage_error("--precision entries must be fp32, bf16 or fp16, got '", prec, "'");
@@ -210,6 +216,7 @@ int run_classifier(const Args& a, Distributed& dist) {
         o.head.name = head;
         o.gemm_dtype = dt;
         o.optimizer.state_dtype = state == "bf16" ? at::kBFloat16 : at::kFloat;
+        o.optimizer.fused_cpu_rows = update == "onepass";
         PartialFC fc(dist, o, dev);
         const int64_t sampled = fc.num_sample();
         const double step_ms = time_windows([&] {
@@ -231,9 +238,9 @@ int run_classifier(const Args& a, Distributed& dist) {
           at::mm(g.t(), e);
           at::mm(g, w);
         });
-        rows.push_back({head, prec, state, classes / dist.world_size(), rate, step_ms, gemm_ms, peak, tensor_peak});
+        rows.push_back({head, prec, state, update, classes / dist.world_size(), rate, step_ms, gemm_ms, peak, tensor_peak});
         log_info("classifier: ", head, ", ", classes / dist.world_size(), " classes/shard, rate ", rate, " (", S,
-                 " per step), ", prec, ", state ", state, ", batch ", a.batch, "x", dist.world_size(), ", dim ", a.dim, ": ", step_ms,
+                 " per step), ", prec, ", state ", state, ", ", update, ", batch ", a.batch, "x", dist.world_size(), ", dim ", a.dim, ": ", step_ms,
                  " ms/step, GEMMs alone ", gemm_ms, " ms (x", step_ms / gemm_ms, "), peak ", peak, " MB (",
                  cuda ? "GPU allocated" : "process RSS", ")", cuda ? "" : ", tensors ",
                  cuda ? "" : std::to_string(tensor_peak), cuda ? "" : " MB");
@@ -247,7 +254,8 @@ int run_classifier(const Args& a, Distributed& dist) {
      << ",\"batch_per_rank\":" << a.batch << ",\"dim\":" << a.dim << ",\"runs\":[";
   for (size_t i = 0; i < rows.size(); ++i)
     js << (i ? "," : "") << "{\"head\":\"" << rows[i].head << "\",\"precision\":\"" << rows[i].precision
-       << "\",\"fc_state_dtype\":\"" << rows[i].state << "\",\"classes_per_shard\":" << rows[i].classes << ",\"sample_rate\":" << rows[i].rate
+       << "\",\"fc_state_dtype\":\"" << rows[i].state << "\",\"row_update\":\"" << rows[i].update
+       << "\",\"classes_per_shard\":" << rows[i].classes << ",\"sample_rate\":" << rows[i].rate
        << ",\"step_ms\":" << rows[i].step_ms << ",\"gemm_ms\":" << rows[i].gemm_ms
        << ",\"peak_memory_mb\":" << rows[i].peak_mb << ",\"peak_tensor_mb\":" << rows[i].tensor_mb << "}";
   js << "],\"bytes_per_class\":[";
@@ -255,16 +263,17 @@ int run_classifier(const Args& a, Distributed& dist) {
   for (size_t i = 0; i < rows.size(); ++i)
     for (size_t k = i + 1; k < rows.size(); ++k) {
       const Row &lo = rows[i], &hi = rows[k];
-      if (lo.head != hi.head || lo.precision != hi.precision || lo.state != hi.state || lo.rate != hi.rate ||
+      if (lo.head != hi.head || lo.precision != hi.precision || lo.state != hi.state || lo.update != hi.update || lo.rate != hi.rate ||
           hi.classes == lo.classes)
         continue;
       const double slope = (hi.peak_mb - lo.peak_mb) * 1048576.0 / static_cast<double>(hi.classes - lo.classes);
       const double tensor_slope =
           (hi.tensor_mb - lo.tensor_mb) * 1048576.0 / static_cast<double>(hi.classes - lo.classes);
-      log_info("bytes per class, ", lo.head, ", ", lo.precision, ", state ", lo.state, " rate ", lo.rate, ": ", slope, " (peak ", lo.peak_mb,
+      log_info("bytes per class, ", lo.head, ", ", lo.precision, ", state ", lo.state, ", ", lo.update, " rate ", lo.rate, ": ", slope, " (peak ", lo.peak_mb,
                " MB at ", lo.classes, ", ", hi.peak_mb, " MB at ", hi.classes, " classes/shard)");
       js << (first ? "" : ",") << "{\"head\":\"" << lo.head << "\",\"precision\":\"" << lo.precision
-         << "\",\"fc_state_dtype\":\"" << lo.state << "\",\"sample_rate\":" << lo.rate << ",\"from\":" << lo.classes << ",\"to\":" << hi.classes
+         << "\",\"fc_state_dtype\":\"" << lo.state << "\",\"row_update\":\"" << lo.update
+         << "\",\"sample_rate\":" << lo.rate << ",\"from\":" << lo.classes << ",\"to\":" << hi.classes
          << ",\"bytes_per_class\":" << slope << ",\"tensor_bytes_per_class\":" << tensor_slope << "}";
       first = false;
     }
@@ -587,6 +596,7 @@ int main(int argc, char** argv) {
       else if (s == "--config") a.config = value();
       else if (s == "--set") a.overrides.push_back(value());
       else if (s == "--json") a.json = value();
+      else if (s == "--row-update") a.updates = value();
       else throw usage_error("unknown argument '", s, "' (see --help)");
     }
     if (a.device != "cpu" && a.device != "cuda") throw usage_error("--device must be cpu or cuda");

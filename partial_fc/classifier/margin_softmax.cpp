@@ -271,18 +271,24 @@ struct MarginSoftmaxFn : public torch::autograd::Function<MarginSoftmaxFn> {
 
 }  // namespace
 
-at::Tensor DeferredWeightGrad::rows(int64_t first, int64_t n, const at::Tensor& w) const {
+at::Tensor DeferredWeightGrad::raw_rows(int64_t first, int64_t n) const {
   torch::NoGradGuard ng;
   const at::Tensor gc = g.narrow(1, first, n);
-  at::Tensor gw;
-  if (gemm_dtype == at::kFloat) {
-    gw = at::mm(gc.t(), e);
-  } else {
-    gw = mm_low(gc.to(gemm_dtype).t(), e.to(gemm_dtype));
-    if (gw.scalar_type() != at::kFloat) gw = gw.to(at::kFloat);
-  }
-  gw.addcmul_(w, (row_dot(w, gw) * inv_norm.narrow(0, first, n).pow(2)).unsqueeze(1), -1.0);
+  if (gemm_dtype == at::kFloat) return at::mm(gc.t(), e);
+  at::Tensor gw = mm_low(gc.to(gemm_dtype).t(), e.to(gemm_dtype));
+  return gw.scalar_type() == at::kFloat ? gw : gw.to(at::kFloat);
+}
+
+at::Tensor DeferredWeightGrad::rows(int64_t first, int64_t n, const at::Tensor& w) const {
+  torch::NoGradGuard ng;
+  at::Tensor gw = raw_rows(first, n);
+  remove_radial(gw, first, w);
   return gw;
+}
+
+void DeferredWeightGrad::remove_radial(at::Tensor& raw, int64_t first, const at::Tensor& w) const {
+  torch::NoGradGuard ng;
+  raw.addcmul_(w, (row_dot(w, raw) * inv_norm.narrow(0, first, raw.size(0)).pow(2)).unsqueeze(1), -1.0);
 }
 
 at::Tensor margin_softmax_loss(const at::Tensor& emb, const at::Tensor& weight, const at::Tensor& target,

@@ -41,6 +41,13 @@ struct DeferredWeightGrad {
   // fp32 (the forward's values: the weight has not moved since). The same arithmetic as the
   // materialised gradient (G'^T E per chunk, in gemm_dtype when that is reduced).
   at::Tensor rows(int64_t first, int64_t n, const at::Tensor& w) const;
+  // The product alone, (G'^T E) of columns [first, first + n) [n, d] fp32: rows() less the
+  // radial part, which needs the centres (ShardOptimizer::update_projected_rows forms it
+  // where it reads them anyway).
+  at::Tensor raw_rows(int64_t first, int64_t n) const;
+  // raw_rows' result made the gradient in place, given the columns' centres w [n, d]:
+  // raw - (w . raw) / ||w||^2 * w per row (rows() is raw_rows followed by this).
+  void remove_radial(at::Tensor& raw, int64_t first, const at::Tensor& w) const;
 };
 
 struct MarginSoftmaxOptions {

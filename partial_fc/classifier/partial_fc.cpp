@@ -270,12 +270,17 @@ void PartialFC::chunked_step(double lr) {
   for (int64_t j = 0; j < rows; j += step) {
     const int64_t n = std::min(step, rows - j);
     const at::Tensor ix = samples() ? index_.narrow(0, j, n) : at::Tensor();
+    // Where the optimiser has a one-pass update of the rows in place (SGD on the CPU), the
+    // gradient's radial part is formed there; the factor of loss scaling is linear in it.
+    at::Tensor raw = grad_->raw_rows(j, n);
+    if (inv_scale_.defined()) raw.mul_(inv_scale_);
+    if (optimizer_.update_projected_rows(weight_, raw, grad_->inv_norm.narrow(0, j, n), samples() ? 0 : j, ix, lr))
+      continue;
     // The rows as the forward saw them (nothing has moved them since): a view without
     // sampling, updated in place; a copy of the sampled rows, written back.
     const at::Tensor w = samples() ? weight_.index_select(0, ix) : weight_.narrow(0, j, n);
-    at::Tensor g = grad_->rows(j, n, w);
-    if (inv_scale_.defined()) g.mul_(inv_scale_);
-    optimizer_.update_rows(w, g, samples() ? 0 : j, ix, lr);
+    grad_->remove_radial(raw, j, w);
+    optimizer_.update_rows(w, raw, samples() ? 0 : j, ix, lr);
     if (samples()) weight_.index_copy_(0, ix, w);
   }
 }

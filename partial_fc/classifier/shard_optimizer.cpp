@@ -4,6 +4,7 @@
 
 #include <ATen/ops/_fused_sgd.h>
 
+#include "partial_fc/classifier/row_update_cpu.h"
 #include "partial_fc/runtime/error.h"
 
 namespace faceshard {
@@ -51,6 +52,15 @@ void ShardOptimizer::step(at::Tensor& W, const at::Tensor& idx, const at::Tensor
     update_rows(w, g.narrow(0, j, n), all ? j : 0, ix, lr);
     if (!all) W.index_copy_(0, ix, w);
   }
+}
+
+bool ShardOptimizer::update_projected_rows(at::Tensor& weight, const at::Tensor& raw, const at::Tensor& inv_norm,
+                                           int64_t first, const at::Tensor& index, double lr) {
+  if (opts_.kind != "sgd" || !opts_.fused_cpu_rows || !weight.device().is_cpu() || !weight.is_contiguous()) return false;
+  torch::NoGradGuard ng;
+  sgd_projected_rows_cpu(weight, momentum_, raw.contiguous(), inv_norm.contiguous(), first, index,
+                         RowSgd{lr, opts_.momentum, opts_.weight_decay});
+  return true;
 }
 
 void ShardOptimizer::update_rows(const at::Tensor& w, const at::Tensor& g, int64_t first, const at::Tensor& ix,

@@ -21,6 +21,9 @@ struct ShardOptimizerOptions {
   // The dtype of momentum / exp_avg / exp_avg_sq: kFloat or kBFloat16 (row_steps stays
   // int64). Anything else is an option error naming "fc_state_dtype".
   at::ScalarType state_dtype = at::kFloat;
+  // SGD on the CPU: update_projected_rows runs (one pass per row, row_update_cpu.h). false:
+  // it declines, and the caller takes the generic path a GPU takes (tests run both).
+  bool fused_cpu_rows = true;
 };
 
 class ShardOptimizer {
@@ -38,6 +41,15 @@ class ShardOptimizer {
   // their state is rows [first, first + n) or, with `index` defined ([n], sorted, unique),
   // rows `index`. PartialFC's chunked step calls this with the gradient of one chunk.
   void update_rows(const at::Tensor& rows, const at::Tensor& grad, int64_t first, const at::Tensor& index, double lr);
+
+  // One chunk of the classifier's deferred update in one pass per row: the gradient of rows
+  // `index` (or [first, first + n)) of `weight` is formed from `raw` [n, d] = G'^T E and the
+  // rows themselves (less the radial part, with `inv_norm` [n] = 1 / ||w_j||), and applied
+  // where the rows live. Returns false, having done nothing, where that pass does not exist
+  // (AdamW, a weight off the CPU, fused_cpu_rows off): the caller forms the gradient and
+  // calls update_rows.
+  bool update_projected_rows(at::Tensor& weight, const at::Tensor& raw, const at::Tensor& inv_norm, int64_t first,
+                             const at::Tensor& index, double lr);
 
   static constexpr int64_t kChunkRows = 4096;
 

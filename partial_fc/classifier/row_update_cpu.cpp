@@ -1,0 +1,93 @@
+#include "partial_fc/classifier/row_update_cpu.h"
+
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+
+namespace faceshard {
+namespace {
+
+constexpr int64_t kLanes = 16;
+
+// w . m in fp32 with kLanes partial sums (the order a vector unit adds in).
+float dot(const float* __restrict a, const float* __restrict b, int64_t d) {
+  float acc[kLanes] = {};
+  int64_t k = 0;
+  for (; k + kLanes <= d; k += kLanes)
+    for (int64_t l = 0; l < kLanes; ++l) acc[l] += a[k + l] * b[k + l];
+  float s = 0;
+  for (int64_t l = 0; l < kLanes; ++l) s += acc[l];
+  for (; k < d; ++k) s += a[k] * b[k];
+  return s;
+}
+
+inline float load(float v) { return v; }
+inline float load(c10::BFloat16 v) { return static_cast<float>(v); }
+template <typename T>
+inline T store(float v) {
+  return static_cast<T>(v);
+}
+
+// One row: g' = (g - c w) + wd w; m = momentum m + g'; w -= lr m (without momentum w -=
+// lr g'). Separate, with restrict pointers, so that the loops vectorise.
+void sgd_row(float* __restrict w, const float* __restrict g, int64_t d, float c, float lr, float wd) {
+  for (int64_t k = 0; k < d; ++k) w[k] -= lr * ((g[k] - c * w[k]) + wd * w[k]);
+}
+template <typename S>
+void sgd_row(float* __restrict w, S* __restrict m, const float* __restrict g, int64_t d, float c, float lr, float mom,
+             float wd) {
+  for (int64_t k = 0; k < d; ++k) {
+    const float step = mom * load(m[k]) + ((g[k] - c * w[k]) + wd * w[k]);
+    m[k] = store<S>(step);
+    w[k] -= lr * step;
+  }
+}
+
+template <typename S>
+void rows_loop(float* W, S* M, const float* raw, const float* inv_norm, int64_t first, const int64_t* index, int64_t n,
+               int64_t d, const RowSgd& o) {
+  const float lr = static_cast<float>(o.lr), mom = static_cast<float>(o.momentum),
+              wd = static_cast<float>(o.weight_decay);
+  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const int64_t row = index ? index[r] : first + r;
+      float* w = W + row * d;
+      const float* g = raw + r * d;
+      const float c = dot(w, g, d) * inv_norm[r] * inv_norm[r];
+      if (M == nullptr) sgd_row(w, g, d, c, lr, wd);
+      else sgd_row(w, M + row * d, g, d, c, lr, mom, wd);
+    }
+  });
+}
+
+}  // namespace
+
+void sgd_projected_rows_cpu(at::Tensor& weight, at::Tensor& momentum, const at::Tensor& raw, const at::Tensor& inv_norm,
+                            int64_t first, const at::Tensor& index, const RowSgd& sgd) {
+  TORCH_CHECK(weight.device().is_cpu() && weight.scalar_type() == at::kFloat && weight.is_contiguous(),
+              "sgd_projected_rows_cpu: the weight must be a contiguous fp32 CPU tensor");
+  TORCH_CHECK(raw.scalar_type() == at::kFloat && raw.is_contiguous() && raw.dim() == 2 && raw.size(1) == weight.size(1),
+              "sgd_projected_rows_cpu: raw rows ", raw.sizes(), " do not match the weight ", weight.sizes());
+  TORCH_CHECK(inv_norm.scalar_type() == at::kFloat && inv_norm.is_contiguous() && inv_norm.numel() == raw.size(0),
+              "sgd_projected_rows_cpu: one fp32 inverse norm per row");
+  const int64_t n = raw.size(0), d = raw.size(1);
+  const at::Tensor ix = index.defined() ? index.to(at::kLong).contiguous() : at::Tensor();
+  TORCH_CHECK(!ix.defined() || ix.numel() == n, "sgd_projected_rows_cpu: ", ix.numel(), " indices for ", n, " rows");
+  TORCH_CHECK(ix.defined() || (first >= 0 && first + n <= weight.size(0)), "sgd_projected_rows_cpu: rows out of range");
+  const int64_t* ip = ix.defined() ? ix.data_ptr<int64_t>() : nullptr;
+  float* W = weight.data_ptr<float>();
+  if (sgd.momentum == 0 || !momentum.defined()) {
+    rows_loop<float>(W, nullptr, raw.data_ptr<float>(), inv_norm.data_ptr<float>(), first, ip, n, d, sgd);
+    return;
+  }
+  TORCH_CHECK(momentum.is_contiguous() && momentum.sizes() == weight.sizes(),
+              "sgd_projected_rows_cpu: the momentum must be shaped like the weight");
+  if (momentum.scalar_type() == at::kFloat) {
+    rows_loop(W, momentum.data_ptr<float>(), raw.data_ptr<float>(), inv_norm.data_ptr<float>(), first, ip, n, d, sgd);
+  } else {
+    TORCH_CHECK(momentum.scalar_type() == at::kBFloat16, "sgd_projected_rows_cpu: momentum must be fp32 or bf16");
+    rows_loop(W, momentum.data_ptr<c10::BFloat16>(), raw.data_ptr<float>(), inv_norm.data_ptr<float>(), first, ip, n,
+              d, sgd);
+  }
+}
+
+}  // namespace faceshard
