@@ -22,4 +22,9 @@ std::shared_ptr<Backbone> make_backbone(const BackboneOptions& options);
 // (arcface_torch's choice), without building it; option_error("backbone") when unknown.
 bool backbone_default_checkpointing(const std::string& name);
 
+// Whether `name` trains in channels-last (NHWC) when the config does not say
+// (model.channels_last unset): the convolutional networks do, the ViTs do not;
+// option_error("backbone") when unknown.
+bool backbone_default_channels_last(const std::string& name);
+
 }  // namespace faceshard

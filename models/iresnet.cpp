@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <memory>
 
+#include "models/prelu.h"
 #include "models/checkpoint.h"
 #include "models/model_stats.h"
 
@@ -36,7 +37,7 @@ IBasicBlockImpl::IBasicBlockImpl(int64_t inplanes, int64_t planes, int64_t strid
 torch::Tensor IBasicBlockImpl::forward(const torch::Tensor& x) {
   torch::Tensor out = bn1_->forward(x);
   out = counted_conv(conv1_, out);
-  out = prelu_->forward(bn2_->forward(out));
+  out = faceshard::prelu(bn2_->forward(out), prelu_->weight);
   out = bn3_->forward(counted_conv(conv2_, out));
   // In place: bn3's output is not needed by its backward, so this saves one activation.
   if (down_conv_) return out.add_(down_bn_->forward(counted_conv(down_conv_, x)));
@@ -119,7 +120,7 @@ torch::Tensor IResNet::run_stage(std::vector<IBasicBlock>& stage, int64_t segmen
 
 torch::Tensor IResNet::forward(torch::Tensor images) {
   auto body = [this](torch::Tensor x) {
-    x = prelu_->forward(bn1_->forward(counted_conv(conv1_, x)));
+    x = faceshard::prelu(bn1_->forward(counted_conv(conv1_, x)), prelu_->weight);
     const bool recompute = checkpointing() && is_training();
     for (size_t s = 0; s < stages_.size(); ++s)
       x = run_stage(stages_[s], recompute ? checkpoint_segments(s, static_cast<int64_t>(stages_[s].size())) : 0, x);

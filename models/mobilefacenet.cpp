@@ -1,5 +1,6 @@
 #include "models/mobilefacenet.h"
 
+#include "models/prelu.h"
 #include "models/model_stats.h"
 
 namespace faceshard {
@@ -18,7 +19,7 @@ MbfConvBlockImpl::MbfConvBlockImpl(int64_t in, int64_t out, int64_t kernel, int6
 
 torch::Tensor MbfConvBlockImpl::forward(const torch::Tensor& x) {
   torch::Tensor y = bn_->forward(counted_conv(conv_, x));
-  return prelu_ ? prelu_->forward(y) : y;
+  return prelu_ ? faceshard::prelu(y, prelu_->weight) : y;
 }
 
 MbfDepthWiseImpl::MbfDepthWiseImpl(int64_t in, int64_t out, bool residual, int64_t stride, int64_t groups)

@@ -49,6 +49,7 @@
 #include "data/loader.h"
 #include "data/sampler.h"
 #include "data/synthetic_faces.h"
+#include "partial_fc/runtime/cpu_block_cache.h"
 #include "partial_fc/runtime/dist_env.h"
 #include "partial_fc/runtime/distributed.h"
 #include "partial_fc/runtime/error.h"
@@ -316,6 +317,7 @@ int run_step(const Args& a) {
   AllocationMeter::reset_peak();
   std::vector<double> rate;
   StepTimes sum;
+  const int64_t hits0 = CpuBlockCache::hits(), misses0 = CpuBlockCache::misses();
   for (int64_t w = 0; w < a.windows; ++w) {
     dist.barrier();
     auto t0 = std::chrono::steady_clock::now();
@@ -342,12 +344,18 @@ int run_step(const Args& a) {
            cuda ? "" : "; tensors ", cuda ? "" : std::to_string(tensor_peak), cuda ? "" : " MB",
            "); per step ", total / n * 1e3, " ms = data ", pct(sum.data), "%, forward ", pct(sum.forward),
            "%, backward ", pct(sum.backward), "%, optimiser ", pct(sum.optimizer), "%");
+  const int64_t hits = CpuBlockCache::hits() - hits0, misses = CpuBlockCache::misses() - misses0;
+  if (CpuBlockCache::installed())
+    log_info("CPU block cache (limit ", CpuBlockCache::limit() / 1e9, " GB): ", hits, " blocks reused, ", misses,
+             " from the system while timed; ", CpuBlockCache::cached_bytes() / 1048576.0, " MB kept now");
   std::ostringstream js;
   js << "{\"mode\":\"step\",\"network\":\"" << cfg.model.backbone << "\",\"device\":\"" << job.device.str()
      << "\",\"world_size\":" << dist.world_size() << ",\"batch_per_rank\":" << cfg.data.batch_size
      << ",\"micro_batches\":" << job.micro << ",\"classes\":" << cfg.data.num_classes << ",\"precision\":\""
      << cfg.train.precision << "\",\"images_per_s\":" << median << ",\"peak_memory_mb\":" << peak
-     << ",\"peak_tensor_mb\":" << tensor_peak
+     << ",\"peak_tensor_mb\":" << tensor_peak << ",\"cpu_cache\":{\"installed\":"
+     << (CpuBlockCache::installed() ? "true" : "false") << ",\"limit_bytes\":" << CpuBlockCache::limit()
+     << ",\"reused\":" << hits << ",\"from_system\":" << misses << "}"
      << ",\"step_ms\":" << total / n * 1e3 << ",\"split_ms\":{\"data\":" << sum.data / n * 1e3
      << ",\"forward\":" << sum.forward / n * 1e3 << ",\"backward\":" << sum.backward / n * 1e3
      << ",\"optimizer\":" << sum.optimizer / n * 1e3 << "}}";
@@ -605,6 +613,9 @@ int main(int argc, char** argv) {
     if (a.mode != "classifier" && a.mode != "data" && a.mode != "step" && a.mode != "activations")
       throw usage_error("--mode '", a.mode, "' is not known (classifier, step, data, activations)");
     // CPU memory of tensors counted at c10's allocator (before any tensor of the run exists).
+    // The step allocates as faceshard-train does: on the CPU block cache (its limit from the
+    // job's config), which the meter, installed after it, sits above.
+    if (a.mode == "step") CpuBlockCache::install();
     if (a.device == "cpu" && a.mode != "data") AllocationMeter::install();
     if (a.mode == "activations") return run_activations(a);
     // The step mode allocates as faceshard-train does, so that its rate is the trainer's.

@@ -671,6 +671,7 @@ void Config::visit(FieldVisitor& v) {
   v.field("train.loss_scale_growth_interval", train.loss_scale_growth_interval, at_least(1));
   v.field("train.tensorboard", train.tensorboard, none);
   v.field("train.cudnn_benchmark", train.cudnn_benchmark, none);
+  v.field("train.cpu_cache_gb", train.cpu_cache_gb, at_least(0));
 
   v.field("dist.device", dist.device, choices({"auto", "cpu", "cuda"}));
   v.field("dist.timeout_s", dist.timeout_s, positive());

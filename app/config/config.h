@@ -75,7 +75,9 @@ struct ModelConfig {
   int64_t embedding_size = 512;
   double dropout = 0.0;
   bool sync_bn = false;
-  bool channels_last = false;
+  // NHWC activations and conv weights; unset: the network's default
+  // (backbone_default_channels_last: on for the iresnets and MobileFaceNets).
+  std::optional<bool> channels_last;
   // Recompute activations in backward (ViT blocks, iresnet stages 2-3); unset: the network's
   // default, on for vit_b*, vit_l*, vit_h and r2060 as in arcface_torch.
   std::optional<bool> checkpointing;
@@ -151,6 +153,9 @@ struct TrainConfig {
   int64_t loss_scale_growth_interval = 100;
   bool tensorboard = true;
   bool cudnn_benchmark = true;
+  // Host memory the CPU block cache may keep for reuse (partial_fc/runtime/cpu_block_cache.h),
+  // GB per rank; unset: a quarter of the machine's memory shared by its local ranks; 0: off.
+  std::optional<double> cpu_cache_gb;
 };
 
 struct DistConfig {

@@ -1,5 +1,7 @@
 #include "app/train/train_job.h"
 
+#include <unistd.h>
+
 #ifdef FACESHARD_WITH_CUDA
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
@@ -15,6 +17,7 @@
 #include "app/train/sync_bn.h"
 #include "data/sampler.h"
 #include "models/backbone_registry.h"
+#include "partial_fc/runtime/cpu_block_cache.h"
 #include "partial_fc/runtime/dist_env.h"
 #include "partial_fc/runtime/error.h"
 #include "partial_fc/runtime/log.h"
@@ -95,7 +98,9 @@ void build_model(TrainJob& j, ClassifierStart start) {
   bo.name = cfg.model.backbone;
   bo.embedding_size = cfg.model.embedding_size;
   bo.dropout = cfg.model.dropout;
-  bo.channels_last = cfg.model.channels_last;
+  bo.channels_last = with_config_keys(cfg, {{"backbone", "model.backbone"}}, [&] {
+    return cfg.model.channels_last.value_or(backbone_default_channels_last(cfg.model.backbone));
+  });
   bo.checkpointing = cfg.model.checkpointing;
   bo.precision = parse_body_precision(cfg.train.precision);
   torch::manual_seed(cfg.seed);
@@ -106,7 +111,7 @@ void build_model(TrainJob& j, ClassifierStart start) {
     log_info("activation checkpointing: ", cfg.model.backbone, " recomputes its blocks in backward");
   if (cfg.model.init) load_backbone_weights(*j.backbone, *cfg.model.init);
   j.backbone->to(j.device);
-  if (cfg.model.channels_last) j.backbone->to_channels_last();
+  if (bo.channels_last) j.backbone->to_channels_last();
   if (cfg.model.sync_bn) log_info("SyncBatchNorm: ", convert_sync_batchnorm(*j.backbone, d), " layers");
   DdpOptions ddo;
   ddo.bucket_mb = cfg.dist.bucket_mb;
@@ -265,7 +270,22 @@ TrainJob build_train_job(const Config& cfg, ClassifierStart start) {
   return build_train_job(cfg, std::move(dist), start);
 }
 
+// The CPU block cache's budget (train.cpu_cache_gb; unset: a quarter of the machine's
+// memory, shared by the ranks on it), set before the job allocates anything.
+void configure_cpu_block_cache(const Config& cfg, const DistEnv& env) {
+  double bytes = 0;
+  if (cfg.train.cpu_cache_gb) {
+    bytes = *cfg.train.cpu_cache_gb * 1e9;
+  } else {
+    const long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGESIZE);
+    if (pages > 0 && page > 0) bytes = double(pages) * double(page) / 4 / std::max(1, env.local_world_size);
+  }
+  CpuBlockCache::install();
+  CpuBlockCache::set_limit(static_cast<int64_t>(bytes));
+}
+
 TrainJob build_train_job(const Config& cfg, std::shared_ptr<Distributed> dist, ClassifierStart start) {
+  configure_cpu_block_cache(cfg, DistEnv::from_environment());
   TrainJob j;
   j.cfg = cfg;
   j.device = pick_device(cfg, DistEnv::from_environment());

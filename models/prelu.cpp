@@ -1,0 +1,155 @@
+#include "models/prelu.h"
+
+#include <ATen/Parallel.h>
+#include <ATen/autocast_mode.h>
+#include <ATen/ops/_prelu_kernel_backward.h>
+
+#include <vector>
+
+namespace faceshard {
+namespace {
+
+constexpr int64_t kLanes = 16;
+
+// One contiguous run of n elements with one slope: dx, and the run's sum of dy * x where
+// x <= 0 (kLanes partial sums, so that the loop vectorises).
+float run(const float* __restrict x, const float* __restrict dy, float* __restrict dx, int64_t n, float a) {
+  float acc[kLanes] = {};
+  int64_t k = 0;
+  for (; k + kLanes <= n; k += kLanes)
+    for (int64_t l = 0; l < kLanes; ++l) {
+      const float xv = x[k + l], g = dy[k + l];
+      const bool pos = xv > 0;
+      dx[k + l] = pos ? g : a * g;
+      acc[l] += pos ? 0.0f : g * xv;
+    }
+  float s = 0;
+  for (int64_t l = 0; l < kLanes; ++l) s += acc[l];
+  for (; k < n; ++k) {
+    const bool pos = x[k] > 0;
+    dx[k] = pos ? dy[k] : a * dy[k];
+    s += pos ? 0.0f : dy[k] * x[k];
+  }
+  return s;
+}
+
+// One channels-last row of C elements (slopes a[c]): dx, and acc[c] += dy * x where x <= 0.
+void row(const float* __restrict x, const float* __restrict dy, float* __restrict dx, const float* __restrict a,
+         float* __restrict acc, int64_t C) {
+  for (int64_t c = 0; c < C; ++c) {
+    const float xv = x[c], g = dy[c];
+    const bool pos = xv > 0;
+    dx[c] = pos ? g : a[c] * g;
+    acc[c] += pos ? 0.0f : g * xv;
+  }
+}
+
+bool cpu_pass_applies(const torch::Tensor& dy, const torch::Tensor& x, const torch::Tensor& w) {
+  if (!x.device().is_cpu() || x.scalar_type() != at::kFloat || dy.scalar_type() != at::kFloat ||
+      w.scalar_type() != at::kFloat || x.dim() != 4 || w.numel() != x.size(1))
+    return false;
+  const bool nchw = x.is_contiguous() && dy.is_contiguous();
+  const bool nhwc = x.is_contiguous(at::MemoryFormat::ChannelsLast) && dy.is_contiguous(at::MemoryFormat::ChannelsLast);
+  return nchw || nhwc;
+}
+
+std::tuple<torch::Tensor, torch::Tensor> cpu_backward(const torch::Tensor& dy, const torch::Tensor& x,
+                                                      const torch::Tensor& weight) {
+  const int64_t N = x.size(0), C = x.size(1), HW = x.size(2) * x.size(3);
+  const bool nchw = x.is_contiguous() && dy.is_contiguous();
+  torch::Tensor dx = at::empty_like(x, nchw ? at::MemoryFormat::Contiguous : at::MemoryFormat::ChannelsLast);
+  const torch::Tensor a = weight.contiguous();
+  const float *xp = x.data_ptr<float>(), *gp = dy.data_ptr<float>(), *ap = a.data_ptr<float>();
+  float* dp = dx.data_ptr<float>();
+  std::vector<double> dw(static_cast<size_t>(C), 0.0);
+  if (nchw) {
+    // Each task owns whole channels: its planes over the batch, summed in fp64.
+    at::parallel_for(0, C, 1, [&](int64_t c0, int64_t c1) {
+      for (int64_t c = c0; c < c1; ++c) {
+        double s = 0;
+        for (int64_t n = 0; n < N; ++n) {
+          const int64_t off = (n * C + c) * HW;
+          s += run(xp + off, gp + off, dp + off, HW, ap[c]);
+        }
+        dw[static_cast<size_t>(c)] = s;
+      }
+    });
+  } else {
+    // Rows of C channels: each task sums its rows in fp32 per block of 64 rows, then in fp64
+    // into its own slot; the slots are added at the end.
+    const int64_t rows = N * HW;
+    const int64_t tasks = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), rows / 64));
+    std::vector<std::vector<double>> part(static_cast<size_t>(tasks), std::vector<double>(static_cast<size_t>(C), 0.0));
+    at::parallel_for(0, tasks, 1, [&](int64_t t0, int64_t t1) {
+      std::vector<float> acc(static_cast<size_t>(C));
+      for (int64_t t = t0; t < t1; ++t) {
+        const int64_t r0 = rows * t / tasks, r1 = rows * (t + 1) / tasks;
+        std::vector<double>& mine = part[static_cast<size_t>(t)];
+        for (int64_t b = r0; b < r1; b += 64) {
+          std::fill(acc.begin(), acc.end(), 0.0f);
+          for (int64_t r = b; r < std::min(r1, b + 64); ++r) row(xp + r * C, gp + r * C, dp + r * C, ap, acc.data(), C);
+          for (int64_t c = 0; c < C; ++c) mine[static_cast<size_t>(c)] += acc[static_cast<size_t>(c)];
+        }
+      }
+    });
+    for (const auto& p : part)
+      for (int64_t c = 0; c < C; ++c) dw[static_cast<size_t>(c)] += p[static_cast<size_t>(c)];
+  }
+  torch::Tensor dweight = torch::empty({C}, weight.options());
+  float* wp = dweight.data_ptr<float>();
+  for (int64_t c = 0; c < C; ++c) wp[c] = static_cast<float>(dw[static_cast<size_t>(c)]);
+  return {dx, dweight.view(weight.sizes())};
+}
+
+// The slopes as ATen's kernel takes them: [C] viewed along dimension 1 of x.
+torch::Tensor slopes_for(const torch::Tensor& x, const torch::Tensor& w) {
+  if (x.dim() < 2) return w;
+  std::vector<int64_t> shape(static_cast<size_t>(x.dim()), 1);
+  shape[1] = w.numel();
+  return w.reshape(shape);
+}
+
+struct PReLUFn : public torch::autograd::Function<PReLUFn> {
+  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& x, const torch::Tensor& w) {
+    ctx->save_for_backward({x, w});
+    at::AutoDispatchBelowADInplaceOrView guard;
+    return at::prelu(x, w);
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    auto [dx, dw] = prelu_backward(grads[0], saved[0], saved[1]);
+    return {dx, dw};
+  }
+};
+
+}  // namespace
+
+std::tuple<torch::Tensor, torch::Tensor> prelu_backward(const torch::Tensor& dy, const torch::Tensor& x,
+                                                        const torch::Tensor& weight, bool cpu_pass) {
+  torch::NoGradGuard ng;
+  // dy usually arrives in x's memory format; make it so where it does not.
+  const torch::Tensor g = x.is_contiguous(at::MemoryFormat::ChannelsLast) && x.dim() == 4 && !x.is_contiguous()
+                              ? dy.contiguous(at::MemoryFormat::ChannelsLast)
+                              : dy.contiguous();
+  if (cpu_pass && cpu_pass_applies(g, x, weight)) return cpu_backward(g, x, weight);
+  auto [dx, dw] = at::_prelu_kernel_backward(g, x, slopes_for(x, weight));
+  // ATen's slope gradient has the slopes' viewed shape, summed over all but dimension 1.
+  std::vector<int64_t> dims;
+  for (int64_t d = 0; d < x.dim(); ++d)
+    if (d != 1 || weight.numel() == 1) dims.push_back(d);
+  torch::Tensor dws = dw.dim() == x.dim() && dw.numel() == weight.numel() ? dw : dw.sum(dims, /*keepdim=*/true);
+  return {dx, dws.reshape(weight.sizes())};
+}
+
+torch::Tensor prelu(const torch::Tensor& x, const torch::Tensor& weight) {
+  // ATen's op (and its autograd) wherever the CPU pass would not run: no gradient, another
+  // device or type, and under autocast, which runs prelu in the reduced precision.
+  if (!torch::GradMode::is_enabled() || (!x.requires_grad() && !weight.requires_grad()) || !x.device().is_cpu() ||
+      x.scalar_type() != at::kFloat || weight.scalar_type() != at::kFloat || x.dim() != 4 ||
+      at::autocast::is_autocast_enabled(at::kCPU))
+    return at::prelu(x, weight);
+  return PReLUFn::apply(x, weight);
+}
+
+}  // namespace faceshard

@@ -1,0 +1,125 @@
+// The CPU block cache (partial_fc/runtime/cpu_block_cache.h): freed blocks of 1 MiB or more
+// are handed out again for requests of their size, never more than the limit is kept, small
+// blocks go straight back, and blocks stay with one owner under concurrent use.
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <c10/core/Allocator.h>
+
+#include <cstring>
+#include <random>
+#include <thread>
+#include <vector>
+
+#include "partial_fc/runtime/cpu_block_cache.h"
+
+namespace faceshard {
+namespace {
+
+constexpr size_t kMiB = size_t(1) << 20;
+
+struct Limit {  // the limit for one test, then nothing kept
+  explicit Limit(int64_t bytes) { CpuBlockCache::set_limit(bytes); }
+  ~Limit() { CpuBlockCache::set_limit(0); }
+};
+
+TEST(CpuBlockCache, ReusesAFreedBlockOfItsSize) {
+  c10::Allocator* a = CpuBlockCache::allocator();
+  ASSERT_NE(a, nullptr);
+  Limit limit(int64_t(64) * kMiB);
+  const int64_t hits = CpuBlockCache::hits(), misses = CpuBlockCache::misses();
+  void* first = nullptr;
+  {
+    c10::DataPtr p = a->allocate(4 * kMiB);
+    first = p.get();
+    std::memset(first, 1, 4 * kMiB);
+  }
+  EXPECT_GE(CpuBlockCache::cached_bytes(), int64_t(4 * kMiB));
+  {
+    c10::DataPtr p = a->allocate(4 * kMiB - 1000);  // the same 64 KiB granule: the same block
+    EXPECT_EQ(p.get(), first);
+    EXPECT_EQ(CpuBlockCache::cached_bytes(), 0);
+    c10::DataPtr q = a->allocate(4 * kMiB);  // the block is in use: a new one
+    EXPECT_NE(q.get(), first);
+  }
+  EXPECT_EQ(CpuBlockCache::hits() - hits, 1);
+  EXPECT_EQ(CpuBlockCache::misses() - misses, 2);
+  // A request more than 1/8 smaller than every kept block does not take one.
+  {
+    c10::DataPtr p = a->allocate(2 * kMiB);
+    EXPECT_EQ(CpuBlockCache::hits() - hits, 1);
+  }
+  // Nor a larger one.
+  {
+    c10::DataPtr p = a->allocate(5 * kMiB);
+    EXPECT_EQ(CpuBlockCache::hits() - hits, 1);
+  }
+}
+
+TEST(CpuBlockCache, KeepsNoMoreThanItsLimitAndNoSmallBlocks) {
+  c10::Allocator* a = CpuBlockCache::allocator();
+  Limit limit(int64_t(5) * kMiB);
+  {
+    std::vector<c10::DataPtr> blocks;
+    for (int i = 0; i < 3; ++i) blocks.push_back(a->allocate(2 * kMiB));
+  }
+  EXPECT_GT(CpuBlockCache::cached_bytes(), int64_t(2 * kMiB));
+  EXPECT_LE(CpuBlockCache::cached_bytes(), int64_t(5 * kMiB));
+  const int64_t kept = CpuBlockCache::cached_bytes();
+  { c10::DataPtr small = a->allocate(kMiB / 4); }
+  EXPECT_EQ(CpuBlockCache::cached_bytes(), kept);
+  { c10::DataPtr big = a->allocate(8 * kMiB); }  // larger than the limit: back at once
+  EXPECT_EQ(CpuBlockCache::cached_bytes(), kept);
+  CpuBlockCache::set_limit(int64_t(2) * kMiB + 65536);
+  EXPECT_LE(CpuBlockCache::cached_bytes(), int64_t(2) * kMiB + 65536);
+  CpuBlockCache::release_all();
+  EXPECT_EQ(CpuBlockCache::cached_bytes(), 0);
+  EXPECT_EQ(CpuBlockCache::limit(), int64_t(2) * kMiB + 65536);
+}
+
+// Four threads allocate, fill, check and free blocks of random sizes: a block handed to two
+// owners at once would show the other's pattern.
+TEST(CpuBlockCache, OneOwnerPerBlockUnderConcurrentUse) {
+  c10::Allocator* a = CpuBlockCache::allocator();
+  Limit limit(int64_t(32) * kMiB);
+  std::atomic<int> corrupt{0};
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 4; ++t)
+    threads.emplace_back([&, t] {
+      std::mt19937 rng(t);
+      for (int i = 0; i < 200; ++i) {
+        const size_t n = kMiB + rng() % (3 * kMiB);
+        c10::DataPtr p = a->allocate(n);
+        auto* bytes = static_cast<unsigned char*>(p.get());
+        std::memset(bytes, t + 1, n);
+        std::this_thread::yield();
+        for (size_t k = 0; k < n; k += 4093)
+          if (bytes[k] != t + 1) corrupt++;
+        if (bytes[n - 1] != t + 1) corrupt++;
+      }
+    });
+  for (auto& th : threads) th.join();
+  EXPECT_EQ(corrupt.load(), 0);
+  EXPECT_LE(CpuBlockCache::cached_bytes(), int64_t(32) * kMiB);
+  EXPECT_GT(CpuBlockCache::hits(), 0);
+}
+
+// As c10's CPU allocator (in a process where nothing of a higher priority came first): the
+// tensors of a loop run on the blocks of the first iteration, and compute as without it.
+TEST(CpuBlockCache, TensorsRunOnReusedBlocks) {
+  CpuBlockCache::install();
+  if (!CpuBlockCache::installed()) GTEST_SKIP() << "another CPU allocator of a higher priority is installed";
+  Limit limit(int64_t(256) * kMiB);
+  torch::manual_seed(3);
+  const at::Tensor x = torch::randn({512, 1024});
+  const at::Tensor want = torch::mm(x, x.t()).sum(1);
+  const int64_t hits = CpuBlockCache::hits();
+  for (int i = 0; i < 5; ++i) {
+    const at::Tensor y = torch::mm(x, x.t()).sum(1);  // a 1 MiB product each time
+    EXPECT_TRUE(torch::equal(y, want));
+  }
+  EXPECT_GE(CpuBlockCache::hits() - hits, 4);
+}
+
+}  // namespace
+}  // namespace faceshard

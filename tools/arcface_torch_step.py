@@ -1,0 +1,460 @@
+"""arcface_torch's training step on the CPU: the reference side of `faceshard-bench --mode step`.
+
+Times one whole step of insightface's arcface_torch (recognition/arcface_torch/train_v2.py) on
+the CPU with the gloo backend: the backbone wrapped in DistributedDataParallel exactly as
+train_v2.py wraps it (broadcast_buffers=False, bucket_cap_mb=16, find_unused_parameters=True,
+fp16_compress_hook, _set_static_graph), PartialFC_V2 with CombinedMarginLoss(64, 1.0, 0.5, 0.0)
+(ArcFace), SGD(lr 0.1, momentum 0.9, weight_decay 5e-4) over [backbone, partial fc], gradient
+clipping of the backbone to norm 5, and a per-step LR scheduler; fp32 only. The backbones
+(`r18` = IResNet-18 from backbones/iresnet.py, `mbf` = MobileFaceNet from
+backbones/mobilefacenet.py) and the classifier (partial_fc_v2.py, losses.py) follow
+arcface_torch's definitions layer for layer, with the same initialisation.
+
+Input is random: a few batches of N(0, 1) images [B, 3, 112, 112] and labels uniform in
+[0, classes) are made per rank before timing and used in turn, so no data loading is timed.
+After --warmup steps, --windows windows of --steps steps are timed, each starting after a
+barrier; a window's rate is steps * B * world_size / seconds, and the reported rate is the
+median window (the upper one for an even count, as faceshard-bench takes it), measured on
+rank 0. Thread counts are left as launched (torchrun sets OMP_NUM_THREADS=1 when
+--nproc_per_node > 1).
+
+Run (from the repository root):
+  .venv/bin/torchrun --nproc_per_node 1 --master_port 29611 tools/arcface_torch_step.py \
+      --network mbf --batch 32 --classes 100000 --sample-rate 1.0 --steps 4 --windows 3 --warmup 2
+  .venv/bin/torchrun --nproc_per_node 2 --master_port 29611 tools/arcface_torch_step.py \
+      --network r18 --batch 32 --classes 100000 --sample-rate 0.1 --json step.json
+and compare with
+  build/bin/faceshard-bench --mode step --network mbf --batch 32 --classes 100000 ...
+
+--check runs one step and compares, instead of timing, the PartialFC_V2 loss with a plain
+reference computed on every rank from everything gathered (all embeddings, labels, weight
+shards and sampled classes): ArcFace-margin cross-entropy (F.cross_entropy) over normalised
+embeddings and weights; it also compares the classifier's weight gradient and the backbone
+output's gradient (PartialFC_V2 scales it by the world size) with the reference's.
+"""
+
+import argparse
+import json
+import time
+import warnings
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
+
+
+# ---------------------------------------------------------------- backbones/iresnet.py
+def conv3x3(cin, cout, stride=1):
+    return nn.Conv2d(cin, cout, 3, stride=stride, padding=1, bias=False)
+
+
+class IBasicBlock(nn.Module):
+    def __init__(self, inplanes, planes, stride=1, downsample=None):
+        super().__init__()
+        self.bn1 = nn.BatchNorm2d(inplanes, eps=1e-05)
+        self.conv1 = conv3x3(inplanes, planes)
+        self.bn2 = nn.BatchNorm2d(planes, eps=1e-05)
+        self.prelu = nn.PReLU(planes)
+        self.conv2 = conv3x3(planes, planes, stride)
+        self.bn3 = nn.BatchNorm2d(planes, eps=1e-05)
+        self.downsample = downsample
+
+    def forward(self, x):
+        out = self.bn3(self.conv2(self.prelu(self.bn2(self.conv1(self.bn1(x))))))
+        out += self.downsample(x) if self.downsample is not None else x
+        return out
+
+
+class IResNet(nn.Module):
+    def __init__(self, layers, dropout=0.0, num_features=512):
+        super().__init__()
+        self.inplanes = 64
+        self.conv1 = nn.Conv2d(3, 64, 3, stride=1, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(64, eps=1e-05)
+        self.prelu = nn.PReLU(64)
+        self.layer1 = self._make_layer(64, layers[0], 2)
+        self.layer2 = self._make_layer(128, layers[1], 2)
+        self.layer3 = self._make_layer(256, layers[2], 2)
+        self.layer4 = self._make_layer(512, layers[3], 2)
+        self.bn2 = nn.BatchNorm2d(512, eps=1e-05)
+        self.dropout = nn.Dropout(p=dropout, inplace=True)
+        self.fc = nn.Linear(512 * 7 * 7, num_features)
+        self.features = nn.BatchNorm1d(num_features, eps=1e-05)
+        nn.init.constant_(self.features.weight, 1.0)
+        self.features.weight.requires_grad = False
+        for m in self.modules():
+            if isinstance(m, nn.Conv2d):
+                nn.init.normal_(m.weight, 0, 0.1)
+            elif isinstance(m, (nn.BatchNorm2d, nn.GroupNorm)):
+                nn.init.constant_(m.weight, 1)
+                nn.init.constant_(m.bias, 0)
+
+    def _make_layer(self, planes, blocks, stride):
+        downsample = None
+        if stride != 1 or self.inplanes != planes:
+            downsample = nn.Sequential(nn.Conv2d(self.inplanes, planes, 1, stride=stride, bias=False),
+                                       nn.BatchNorm2d(planes, eps=1e-05))
+        layers = [IBasicBlock(self.inplanes, planes, stride, downsample)]
+        self.inplanes = planes
+        layers += [IBasicBlock(planes, planes) for _ in range(1, blocks)]
+        return nn.Sequential(*layers)
+
+    def forward(self, x):
+        x = self.prelu(self.bn1(self.conv1(x)))
+        x = self.layer4(self.layer3(self.layer2(self.layer1(x))))
+        x = self.dropout(torch.flatten(self.bn2(x), 1))
+        return self.features(self.fc(x))
+
+
+# ---------------------------------------------------------------- backbones/mobilefacenet.py
+def conv_block(cin, cout, kernel=1, stride=1, padding=0, groups=1):  # ConvBlock
+    return nn.Sequential(nn.Conv2d(cin, cout, kernel, groups=groups, stride=stride, padding=padding, bias=False),
+                         nn.BatchNorm2d(cout), nn.PReLU(cout))
+
+
+def linear_block(cin, cout, kernel=1, stride=1, padding=0, groups=1):  # LinearBlock
+    return nn.Sequential(nn.Conv2d(cin, cout, kernel, stride, padding, groups=groups, bias=False),
+                         nn.BatchNorm2d(cout))
+
+
+class DepthWise(nn.Module):
+    def __init__(self, cin, cout, residual=False, kernel=3, stride=2, padding=1, groups=1):
+        super().__init__()
+        self.residual = residual
+        self.layers = nn.Sequential(conv_block(cin, groups),
+                                    conv_block(groups, groups, kernel, stride, padding, groups=groups),
+                                    linear_block(groups, cout))
+
+    def forward(self, x):
+        return x + self.layers(x) if self.residual else self.layers(x)
+
+
+def residual(c, num_block, groups):  # Residual: num_block residual DepthWise, 3x3 stride 1
+    return nn.Sequential(*[DepthWise(c, c, True, 3, 1, 1, groups) for _ in range(num_block)])
+
+
+class MobileFaceNet(nn.Module):
+    def __init__(self, num_features=512, blocks=(1, 4, 6, 2), scale=2):
+        super().__init__()
+        c1, c2 = 64 * scale, 128 * scale
+        layers = [conv_block(3, c1, 3, 2, 1)]
+        layers.append(conv_block(c1, c1, 3, 1, 1, groups=64) if blocks[0] == 1 else residual(c1, blocks[0], 128))
+        layers += [DepthWise(c1, c1, False, 3, 2, 1, groups=128), residual(c1, blocks[1], 128),
+                   DepthWise(c1, c2, False, 3, 2, 1, groups=256), residual(c2, blocks[2], 256),
+                   DepthWise(c2, c2, False, 3, 2, 1, groups=512), residual(c2, blocks[3], 256)]
+        self.layers = nn.ModuleList(layers)
+        self.conv_sep = conv_block(c2, 512)
+        self.features = nn.Sequential(linear_block(512, 512, 7, 1, 0, groups=512), nn.Flatten(),  # GDC
+                                      nn.Linear(512, num_features, bias=False), nn.BatchNorm1d(num_features))
+        for m in self.modules():
+            if isinstance(m, (nn.Conv2d, nn.Linear)):
+                nn.init.kaiming_normal_(m.weight, mode='fan_out', nonlinearity='relu')
+                if m.bias is not None:
+                    m.bias.data.zero_()
+            elif isinstance(m, nn.BatchNorm2d):
+                m.weight.data.fill_(1)
+                m.bias.data.zero_()
+
+    def forward(self, x):
+        for f in self.layers:
+            x = f(x)
+        return self.features(self.conv_sep(x))
+
+
+def get_model(name, num_features=512):
+    if name == "r18":
+        return IResNet([2, 2, 2, 2], dropout=0.0, num_features=num_features)
+    if name == "mbf":
+        return MobileFaceNet(num_features, (1, 4, 6, 2), 2)
+    raise ValueError(f"unknown network {name!r} (r18, mbf)")
+
+
+# ---------------------------------------------------------------- losses.py
+class CombinedMarginLoss(nn.Module):
+    def __init__(self, s, m1, m2, m3, interclass_filtering_threshold=0):
+        super().__init__()
+        self.s, self.m1, self.m2, self.m3 = s, m1, m2, m3
+        assert interclass_filtering_threshold == 0  # train_v2's default; filtering not reproduced
+
+    def forward(self, logits, labels):
+        index_positive = torch.where(labels != -1)[0]
+        target_logit = logits[index_positive, labels[index_positive].view(-1)]
+        if self.m1 == 1.0 and self.m3 == 0.0:  # ArcFace: margin added to the angle, outside autograd
+            with torch.no_grad():
+                target_logit.arccos_()
+                logits.arccos_()
+                logits[index_positive, labels[index_positive].view(-1)] = target_logit + self.m2
+                logits.cos_()
+            return logits * self.s
+        if self.m3 > 0:  # CosFace
+            logits[index_positive, labels[index_positive].view(-1)] = target_logit - self.m3
+            return logits * self.s
+        raise ValueError("only the ArcFace and CosFace branches exist")
+
+
+# ---------------------------------------------------------------- partial_fc_v2.py
+class AllGatherFunc(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor, *gather_list):
+        gather_list = list(gather_list)
+        dist.all_gather(gather_list, tensor)
+        return tuple(gather_list)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        grad_list = list(grads)
+        rank = dist.get_rank()
+        grad_out = grad_list[rank]
+        ops = [dist.reduce(grad_out if i == rank else grad_list[i], i, dist.ReduceOp.SUM, async_op=True)
+               for i in range(dist.get_world_size())]
+        for op in ops:
+            op.wait()
+        grad_out *= len(grad_list)  # "cooperate with distributed loss function"
+        return (grad_out, *[None] * len(grad_list))
+
+
+class DistCrossEntropyFunc(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, label):
+        batch_size = logits.size(0)
+        max_logits, _ = torch.max(logits, dim=1, keepdim=True)
+        dist.all_reduce(max_logits, dist.ReduceOp.MAX)
+        logits.sub_(max_logits)
+        logits.exp_()
+        sum_logits_exp = torch.sum(logits, dim=1, keepdim=True)
+        dist.all_reduce(sum_logits_exp, dist.ReduceOp.SUM)
+        logits.div_(sum_logits_exp)
+        index = torch.where(label != -1)[0]
+        loss = torch.zeros(batch_size, 1, device=logits.device)
+        loss[index] = logits[index].gather(1, label[index])
+        dist.all_reduce(loss, dist.ReduceOp.SUM)
+        ctx.save_for_backward(index, logits, label)
+        return loss.clamp_min_(1e-30).log_().mean() * (-1)
+
+    @staticmethod
+    def backward(ctx, loss_gradient):
+        index, logits, label = ctx.saved_tensors
+        batch_size = logits.size(0)
+        one_hot = torch.zeros(size=[index.size(0), logits.size(1)], device=logits.device)
+        one_hot.scatter_(1, label[index], 1)
+        logits[index] -= one_hot
+        logits.div_(batch_size)
+        return logits * loss_gradient.item(), None
+
+
+class PartialFC_V2(nn.Module):
+    def __init__(self, margin_loss, embedding_size, num_classes, sample_rate=1.0, fp16=False):
+        super().__init__()
+        assert dist.is_initialized()
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.embedding_size, self.sample_rate, self.fp16 = embedding_size, sample_rate, fp16
+        self.num_local = num_classes // self.world_size + int(self.rank < num_classes % self.world_size)
+        self.class_start = num_classes // self.world_size * self.rank + min(self.rank, num_classes % self.world_size)
+        self.num_sample = int(self.sample_rate * self.num_local)
+        self.last_batch_size = 0
+        self.weight = nn.Parameter(torch.normal(0, 0.01, (self.num_local, embedding_size)))
+        self.margin_softmax = margin_loss
+
+    def sample(self, labels, index_positive):
+        with torch.no_grad():
+            positive = torch.unique(labels[index_positive], sorted=True)
+            if self.num_sample - positive.size(0) >= 0:
+                perm = torch.rand(size=[self.num_local])
+                perm[positive] = 2.0
+                index = torch.topk(perm, k=self.num_sample)[1]
+                index = index.sort()[0]
+            else:
+                index = positive
+            self.weight_index = index
+            labels[index_positive] = torch.searchsorted(index, labels[index_positive])
+        return self.weight[self.weight_index]
+
+    def forward(self, local_embeddings, local_labels):
+        local_labels.squeeze_()
+        local_labels = local_labels.long()
+        batch_size = local_embeddings.size(0)
+        if self.last_batch_size == 0:
+            self.last_batch_size = batch_size
+        assert self.last_batch_size == batch_size
+        gather_embeddings = [torch.zeros((batch_size, self.embedding_size)) for _ in range(self.world_size)]
+        gather_labels = [torch.zeros(batch_size).long() for _ in range(self.world_size)]
+        list_embeddings = AllGatherFunc.apply(local_embeddings, *gather_embeddings)
+        dist.all_gather(gather_labels, local_labels)
+        embeddings = torch.cat(list_embeddings)
+        labels = torch.cat(gather_labels).view(-1, 1)
+        index_positive = (self.class_start <= labels) & (labels < self.class_start + self.num_local)
+        labels[~index_positive] = -1
+        labels[index_positive] -= self.class_start
+        weight = self.sample(labels, index_positive) if self.sample_rate < 1 else self.weight
+        logits = F.linear(F.normalize(embeddings), F.normalize(weight))  # fp16 is False in train_v2
+        logits = logits.clamp(-1, 1)
+        logits = self.margin_softmax(logits, labels)
+        return DistCrossEntropyFunc.apply(logits, labels)
+
+
+# ---------------------------------------------------------------- the check (--check)
+def gather_rows(t, sizes):
+    """All ranks' tensors of different first dimensions, concatenated in rank order."""
+    pad = torch.zeros((max(sizes),) + tuple(t.shape[1:]), dtype=t.dtype)
+    pad[:t.size(0)] = t
+    out = [torch.empty_like(pad) for _ in sizes]
+    dist.all_gather(out, pad)
+    return torch.cat([o[:n] for o, n in zip(out, sizes)])
+
+
+def check_step(backbone, pfc, img, lab, classes, s=64.0, m=0.5):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    emb = backbone(img)
+    emb.retain_grad()
+    e_local, w_local = emb.detach().clone(), pfc.weight.detach().clone()
+    loss = pfc(emb, lab.clone())
+    loss.backward()
+    B = img.size(0)
+    sizes = [classes // world + int(r < classes % world) for r in range(world)]
+    E = gather_rows(e_local, [B] * world)
+    Y = gather_rows(lab.long().view(-1), [B] * world)
+    W = gather_rows(w_local, sizes)
+    if pfc.sample_rate < 1:  # the classes each rank sampled, as global ids
+        idx = pfc.weight_index + pfc.class_start
+        n = torch.tensor([idx.numel()])
+        counts = [torch.zeros_like(n) for _ in range(world)]
+        dist.all_gather(counts, n)
+        cols = gather_rows(idx, [int(c) for c in counts])
+    else:
+        cols = torch.arange(classes)
+    Er, Wr = E.clone().requires_grad_(), W.clone().requires_grad_()
+    target = torch.searchsorted(cols, Y)  # cols is sorted and holds every label
+    cos = F.linear(F.normalize(Er), F.normalize(Wr[cols])).clamp(-1, 1)
+    rows = torch.arange(cos.size(0))
+    with torch.no_grad():  # ArcFace margin: cos(theta + m) on the target; arcface_torch keeps it out of autograd
+        delta = torch.zeros_like(cos)
+        t = cos[rows, target]
+        delta[rows, target] = torch.cos(torch.arccos(t) + m) - t
+    ref = F.cross_entropy(s * (cos + delta), target)
+    ref.backward()
+    sl = slice(pfc.class_start, pfc.class_start + pfc.num_local)
+    d_loss = abs(loss.item() - ref.item())
+    d_w = (pfc.weight.grad - Wr.grad[sl]).abs().max().item() / max(Wr.grad[sl].abs().max().item(), 1e-30)
+    ge = Er.grad[rank * B:(rank + 1) * B] * world
+    d_e = (emb.grad - ge).abs().max().item() / max(ge.abs().max().item(), 1e-30)
+    ok = d_loss <= 1e-5 and d_w <= 1e-4 and d_e <= 1e-4
+    res = torch.tensor([float(not ok)])
+    dist.all_reduce(res)  # every rank must agree
+    if rank == 0:
+        print(f"check ({world} rank{'s' if world > 1 else ''}, sample rate {pfc.sample_rate}, {len(cols)} of {classes} "
+              f"classes used): PartialFC_V2 loss {loss.item():.7f}, plain F.cross_entropy {ref.item():.7f}, "
+              f"|diff| {d_loss:.2e} (tol 1e-5); weight grad rel. diff {d_w:.2e}, embedding grad rel. diff "
+              f"{d_e:.2e} (tol 1e-4): {'OK' if res.item() == 0 else 'FAIL'}", flush=True)
+    return res.item() == 0
+
+
+# ---------------------------------------------------------------- the train_v2.py step
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--network", default="mbf", choices=["mbf", "r18"])
+    p.add_argument("--batch", type=int, default=32, help="images per rank")
+    p.add_argument("--classes", type=int, default=100000)
+    p.add_argument("--sample-rate", type=float, default=1.0)
+    p.add_argument("--steps", type=int, default=5, help="steps per timed window")
+    p.add_argument("--windows", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--batches", type=int, default=4, help="random batches made per rank before timing")
+    p.add_argument("--no-fp16-compress", action="store_true", help="leave DDP's fp16_compress_hook out")
+    p.add_argument("--json", default="", help="write the result as JSON to this file (rank 0)")
+    p.add_argument("--check", action="store_true", help="compare one step's loss/gradients with a plain reference")
+    a = p.parse_args()
+
+    # torch's note that _set_static_graph() makes find_unused_parameters=True redundant (train_v2 sets both)
+    warnings.filterwarnings("ignore", message="You passed find_unused_parameters=true")
+    dist.init_process_group("gloo")  # torchrun's environment: MASTER_ADDR/PORT, RANK, WORLD_SIZE
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(2048)  # setup_seed(cfg.seed): the same on every rank before building the models
+
+    backbone = get_model(a.network, 512)
+    backbone = torch.nn.parallel.DistributedDataParallel(
+        module=backbone, broadcast_buffers=False, bucket_cap_mb=16, find_unused_parameters=True)
+    if not a.no_fp16_compress:
+        backbone.register_comm_hook(None, fp16_compress_hook)
+    backbone.train()
+    backbone._set_static_graph()
+    margin_loss = CombinedMarginLoss(64, 1.0, 0.5, 0.0, 0)
+    module_partial_fc = PartialFC_V2(margin_loss, 512, a.classes, a.sample_rate, False)
+    module_partial_fc.train()
+    opt = torch.optim.SGD(params=[{"params": backbone.parameters()}, {"params": module_partial_fc.parameters()}],
+                          lr=0.1, momentum=0.9, weight_decay=5e-4)
+    # PolynomialLRWarmup(power 1) without warm-up, over a horizon far beyond the run: a linear decay
+    total = 10 ** 6
+    lr_scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: 1.0 - min(t, total) / total)
+
+    gen = torch.Generator().manual_seed(1000 + rank)
+    data = [(torch.randn(a.batch, 3, 112, 112, generator=gen),
+             torch.randint(0, a.classes, (a.batch,), generator=gen)) for _ in range(max(1, a.batches))]
+
+    if a.check:
+        ok = check_step(backbone, module_partial_fc, *data[0], a.classes)
+        dist.destroy_process_group()
+        raise SystemExit(0 if ok else 1)
+
+    phase = dict(forward_backbone=0.0, forward_partial_fc=0.0, backward=0.0, optimizer=0.0)
+    k = 0
+
+    def step(timed):
+        nonlocal k
+        img, local_labels = data[k % len(data)]
+        k += 1
+        t0 = time.perf_counter()
+        local_embeddings = backbone(img)
+        t1 = time.perf_counter()
+        loss = module_partial_fc(local_embeddings, local_labels)
+        t2 = time.perf_counter()
+        loss.backward()
+        t3 = time.perf_counter()
+        torch.nn.utils.clip_grad_norm_(backbone.parameters(), 5)
+        opt.step()
+        opt.zero_grad()
+        lr_scheduler.step()
+        t4 = time.perf_counter()
+        if timed:
+            for key, dt in zip(phase, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
+                phase[key] += dt
+        return loss
+
+    for _ in range(a.warmup):
+        loss = step(False)
+    rates = []
+    for _ in range(a.windows):
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(a.steps):
+            loss = step(True)
+        rates.append(a.steps * a.batch * world / (time.perf_counter() - t0))
+    median = sorted(rates)[len(rates) // 2]
+    n = a.steps * a.windows
+    tot = sum(phase.values())
+    pct = {key: 100.0 * v / tot if tot > 0 else 0.0 for key, v in phase.items()}
+    threads = torch.get_num_threads()
+    n_sample = module_partial_fc.num_sample
+    if rank == 0:
+        print(f"arcface_torch step: {a.network}, batch {a.batch}x{world}, {a.classes} classes ({n_sample} sampled "
+              f"per rank), sample rate {a.sample_rate}, threads {threads}: {median:.1f} images/s (median of "
+              f"{a.windows} windows of {a.steps} steps); per step {tot / n * 1e3:.1f} ms = forward "
+              f"{pct['forward_backbone'] + pct['forward_partial_fc']:.0f}% (backbone {pct['forward_backbone']:.0f}%, "
+              f"partial fc {pct['forward_partial_fc']:.0f}%), backward {pct['backward']:.0f}%, optimizer "
+              f"{pct['optimizer']:.0f}%; last loss {loss.item():.4f}"
+              f"{'' if not a.no_fp16_compress else '; no fp16 compress hook'}", flush=True)
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump({"network": a.network, "world_size": world, "batch_per_rank": a.batch,
+                           "classes": a.classes, "sample_rate": a.sample_rate, "num_sample_per_rank": n_sample,
+                           "threads": threads, "fp16_compress_hook": not a.no_fp16_compress,
+                           "images_per_s": median, "windows": rates, "steps_per_window": a.steps,
+                           "warmup": a.warmup, "step_ms": tot / n * 1e3,
+                           "phases": {key + "_ms": v / n * 1e3 for key, v in phase.items()}}, f, indent=1)
+                f.write("\n")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
