@@ -4,6 +4,7 @@
 #include <cstdlib>
 #include <limits>
 #include <sstream>
+#include <vector>
 
 #include <ATen/core/grad_mode.h>
 
@@ -51,7 +52,9 @@ void install_faults(const FaultPlan& plan, int rank, CheckpointManager& checkpoi
       at::NoGradGuard ng;
       for (const auto& p : params)
         if (p.grad().defined()) {
-          p.grad().view({-1})[0].fill_(std::numeric_limits<float>::infinity());
+          // Its first element, whatever the layout (channels-last gradients have no flat view).
+          std::vector<at::indexing::TensorIndex> first(static_cast<size_t>(p.grad().dim()), 0);
+          p.grad().index(first).fill_(std::numeric_limits<float>::infinity());
           return;
         }
     });

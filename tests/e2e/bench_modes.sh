@@ -23,6 +23,11 @@ assert all(split[k] >= 0 for k in ("data", "forward", "backward", "optimizer")),
 from_phases = step["batch_per_rank"] * step["world_size"] * step["micro_batches"] * 1000.0 / sum(split.values())
 assert abs(from_phases - step["images_per_s"]) <= 0.25 * step["images_per_s"], (from_phases, step["images_per_s"])
 assert step["peak_memory_mb"] > 0, step
+# The step runs on the CPU block cache, as faceshard-train does: after warm-up the timed
+# steps reuse the blocks of the first one.
+cache = step["cpu_cache"]
+assert cache["installed"] and cache["limit_bytes"] > 0 and cache["reused"] > 0, cache
+assert cache["from_system"] <= cache["reused"] // 10, cache
 cls = json.load(open(sys.argv[2]))
 runs = cls["runs"]
 combos = {(r["classes_per_shard"], r["sample_rate"], r["precision"]) for r in runs}
