@@ -1,5 +1,6 @@
 #include "models/prelu.h"
 
+#include <ATen/ExpandUtils.h>
 #include <ATen/Parallel.h>
 #include <ATen/autocast_mode.h>
 #include <ATen/ops/_prelu_kernel_backward.h>
@@ -152,17 +153,12 @@ std::tuple<torch::Tensor, torch::Tensor> prelu_backward(const torch::Tensor& dy,
                                                         const torch::Tensor& weight, bool cpu_pass) {
   torch::NoGradGuard ng;
   // dy usually arrives in x's memory format; make it so where it does not.
-  const torch::Tensor g = x.is_contiguous(at::MemoryFormat::ChannelsLast) && x.dim() == 4 && !x.is_contiguous()
-                              ? dy.contiguous(at::MemoryFormat::ChannelsLast)
-                              : dy.contiguous();
+  const torch::Tensor g = dy.contiguous(x.suggest_memory_format());
   if (cpu_pass && cpu_pass_applies(g, x, weight)) return cpu_backward(g, x, weight);
-  auto [dx, dw] = at::_prelu_kernel_backward(g, x, slopes_for(x, weight));
-  // ATen's slope gradient has the slopes' viewed shape, summed over all but dimension 1.
-  std::vector<int64_t> dims;
-  for (int64_t d = 0; d < x.dim(); ++d)
-    if (d != 1 || weight.numel() == 1) dims.push_back(d);
-  torch::Tensor dws = dw.dim() == x.dim() && dw.numel() == weight.numel() ? dw : dw.sum(dims, /*keepdim=*/true);
-  return {dx, dws.reshape(weight.sizes())};
+  const torch::Tensor slopes = slopes_for(x, weight);
+  auto [dx, dw] = at::_prelu_kernel_backward(g, x, slopes);
+  // ATen's slope gradient has x's shape: summed to the slopes' viewed shape.
+  return {dx, at::sum_to(dw, slopes.sizes()).reshape(weight.sizes())};
 }
 
 torch::Tensor prelu(const torch::Tensor& x, const torch::Tensor& weight) {

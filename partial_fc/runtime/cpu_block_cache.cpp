@@ -75,7 +75,7 @@ class CachingAllocator final : public c10::Allocator {
   c10::DataPtr allocate(size_t n) override {
     if (n == 0) return g_base->allocate(0);
     const size_t size = block_size(n);
-    void* block = size >= CpuBlockCache::kMinBytes ? take_cached(size) : nullptr;
+    void* block = size >= CpuBlockCache::kMinBytes && g_limit.load() > 0 ? take_cached(size) : nullptr;
     if (block) {
       g_hits++;
     } else {
