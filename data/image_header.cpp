@@ -196,6 +196,20 @@ EncodedImageHeader read_bmp(const uint8_t* d, size_t n, const std::string& where
   if (bpp != 1 && bpp != 4 && bpp != 8 && bpp != 24 && bpp != 32) {
     throw runtime_error(where, ": BMP has ", bpp, " bits per pixel (faceshard decodes 1, 4, 8, 24 and 32)");
   }
+  // BI_BITFIELDS / BI_ALPHABITFIELDS: uncompressed pixels whose channels are placed by
+  // masks (after a 40-byte header, inside larger ones: at byte 54 either way). 32-bit BGRA
+  // as OpenCV and Windows write it is the only placement taken.
+  if ((compression == 3 || compression == 6) && dib >= 40) {
+    if (bpp != 32 || n < 54 + 12) {
+      throw runtime_error(where, ": BMP with colour masks at ", bpp, " bits per pixel (faceshard decodes 32-bit BGRA masks only)");
+    }
+    const uint32_t r = le32(d + 54), g = le32(d + 58), b = le32(d + 62);
+    if (r != 0x00FF0000u || g != 0x0000FF00u || b != 0x000000FFu) {
+      throw runtime_error(where, ": BMP places its colours by masks other than 8-bit BGR(A) (red ", r, ", green ", g,
+                          ", blue ", b, ")");
+    }
+    compression = 0;
+  }
   if (compression != 0) {
     throw runtime_error(where, ": BMP is compressed (method ", compression, "); faceshard decodes uncompressed BMP only");
   }

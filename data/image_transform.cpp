@@ -3,7 +3,6 @@
 #include <array>
 
 #include <opencv2/core.hpp>
-#include <opencv2/imgcodecs.hpp>
 #include <opencv2/imgproc.hpp>
 
 #include "data/image_codec.h"
@@ -80,14 +79,6 @@ void apply_extra_augment(cv::Mat& bgr, const ExtraAugment& aug, std::mt19937_64&
     cv::cvtColor(bgr, gray, cv::COLOR_BGR2GRAY);
     cv::cvtColor(gray, bgr, cv::COLOR_GRAY2BGR);
   }
-}
-
-std::vector<uint8_t> encode_jpeg(const cv::Mat& bgr, int quality) {
-  std::vector<uint8_t> out;
-  if (!cv::imencode(".jpg", bgr, out, {cv::IMWRITE_JPEG_QUALITY, quality})) {
-    throw runtime_error("JPEG encoding failed");
-  }
-  return out;
 }
 
 }  // namespace faceshard

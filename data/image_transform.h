@@ -39,7 +39,4 @@ struct ExtraAugment {
 };
 void apply_extra_augment(cv::Mat& bgr, const ExtraAugment& aug, std::mt19937_64& rng);
 
-// JPEG-encodes a BGR image (quality 1..100).
-std::vector<uint8_t> encode_jpeg(const cv::Mat& bgr, int quality);
-
 }  // namespace faceshard

@@ -8,6 +8,7 @@
 #include <opencv2/imgproc.hpp>
 
 #include "data/seed_mix.h"
+#include "data/image_encode.h"
 #include "data/image_transform.h"
 #include "data/insightface_rec.h"
 #include "data/verification_bin.h"

@@ -1,4 +1,5 @@
 #include "tests/harness.h"
+#include "tests/test_paths.h"
 
 #include <fcntl.h>
 #include <signal.h>

@@ -1,4 +1,4 @@
-// Small encoded images for the decoder tests: valid ones written by OpenCV, and the
+// Small encoded images for the decoder tests: valid ones written by OpenCV (Python's cv2), and the
 // hostile kinds made from them: headers that declare a huge image (decompression bombs),
 // truncated and corrupted data, an EXIF orientation block.
 #pragma once
@@ -9,14 +9,13 @@
 #include <vector>
 
 #include <opencv2/core.hpp>
-#include <opencv2/imgcodecs.hpp>
+
+#include "tests/cv2_reference.h"
 
 namespace faceshard::testing {
 
 inline std::vector<uint8_t> encode(const char* ext, const cv::Mat& m, const std::vector<int>& params = {}) {
-  std::vector<uint8_t> b;
-  cv::imencode(ext, m, b, params);
-  return b;
+  return cv2_imencode(ext, m, params);
 }
 
 inline cv::Mat noise_image(int width, int height, int type = CV_8UC3, uint64_t seed = 1) {

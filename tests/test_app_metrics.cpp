@@ -21,9 +21,10 @@
 #include <string>
 #include <vector>
 
-#include <opencv2/imgcodecs.hpp>
 #include <torch/torch.h>
 
+#include "tests/cv2_reference.h"
+#include "tests/test_paths.h"
 #include "app/io/metrics_log.h"
 #include "app/io/tensorboard_writer.h"
 #include "app/eval/verification_metrics.h"
@@ -481,7 +482,7 @@ TEST(VerificationMetrics, RocPngHasRequestedSizeAndCurves) {
   const std::vector<std::pair<std::string, RocCurve>> curves = {{"model A (noise 1.1)", a}, {"model B", b}};
 
   write_roc_png(curves, dir + "/roc.png", "ROC test", 640, 480);
-  cv::Mat img = cv::imread(dir + "/roc.png", cv::IMREAD_UNCHANGED);
+  cv::Mat img = testing::cv2_imread(dir + "/roc.png", testing::cv2::IMREAD_UNCHANGED);
   ASSERT_FALSE(img.empty());
   EXPECT_EQ(img.channels(), 3);
   EXPECT_EQ(img.cols, 640);
@@ -497,7 +498,7 @@ TEST(VerificationMetrics, RocPngHasRequestedSizeAndCurves) {
   EXPECT_GT(coloured, 500);
 
   write_roc_png(curves, dir + "/default.png", "ROC default size");
-  cv::Mat def = cv::imread(dir + "/default.png", cv::IMREAD_COLOR);
+  cv::Mat def = testing::cv2_imread(dir + "/default.png", testing::cv2::IMREAD_COLOR);
   ASSERT_FALSE(def.empty());
   EXPECT_EQ(def.cols, 800);
   EXPECT_EQ(def.rows, 600);

@@ -5,6 +5,7 @@
 #include <filesystem>
 #include <fstream>
 
+#include "tests/test_paths.h"
 #include "app/config/config.h"
 #include "app/train/train_job.h"
 #include "models/backbone_registry.h"

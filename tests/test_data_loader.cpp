@@ -27,12 +27,13 @@
 
 #include <jpeglib.h>
 
-#include <opencv2/imgcodecs.hpp>
 #include <opencv2/imgproc.hpp>
 
+#include "tests/test_paths.h"
 #include "app/config/config.h"
 #include "app/eval/verification_metrics.h"
 #include "data/dataset.h"
+#include "data/image_encode.h"
 #include "data/image_header.h"
 #include "data/image_record.h"
 #include "data/image_transform.h"
@@ -135,7 +136,8 @@ TEST(DataTransform, DecodeIsExactForPngAndRejectsGarbage) {
   cv::Mat img(17, 23, CV_8UC3);
   cv::randu(img, 0, 256);
   std::vector<uint8_t> png;
-  ASSERT_TRUE(cv::imencode(".png", img, png));
+  png = testing::cv2_imencode(".png", img);
+  ASSERT_FALSE(png.empty());
   const cv::Mat back = decode_image(png.data(), png.size(), "x.png");
   EXPECT_EQ(cv::norm(back, img, cv::NORM_INF), 0.0);
   std::vector<uint8_t> junk(500, 7);
@@ -162,13 +164,13 @@ TEST(DataImage, HeaderAndPixelsMatchOpenCvForValidFiles) {
     bgr.convertTo(bgr16, CV_16U, 257.3);
     grey.convertTo(grey16, CV_16U, 250.1);
     const std::vector<std::pair<std::string, std::vector<uint8_t>>> files = {
-        {"jpeg q50", testing::encode(".jpg", bgr, {cv::IMWRITE_JPEG_QUALITY, 50})},
-        {"jpeg q95", testing::encode(".jpg", bgr, {cv::IMWRITE_JPEG_QUALITY, 95})},
-        {"jpeg progressive", testing::encode(".jpg", bgr, {cv::IMWRITE_JPEG_PROGRESSIVE, 1})},
-        {"jpeg optimized", testing::encode(".jpg", bgr, {cv::IMWRITE_JPEG_OPTIMIZE, 1})},
-        {"jpeg restarts", testing::encode(".jpg", bgr, {cv::IMWRITE_JPEG_RST_INTERVAL, 3})},
+        {"jpeg q50", testing::encode(".jpg", bgr, {testing::cv2::IMWRITE_JPEG_QUALITY, 50})},
+        {"jpeg q95", testing::encode(".jpg", bgr, {testing::cv2::IMWRITE_JPEG_QUALITY, 95})},
+        {"jpeg progressive", testing::encode(".jpg", bgr, {testing::cv2::IMWRITE_JPEG_PROGRESSIVE, 1})},
+        {"jpeg optimized", testing::encode(".jpg", bgr, {testing::cv2::IMWRITE_JPEG_OPTIMIZE, 1})},
+        {"jpeg restarts", testing::encode(".jpg", bgr, {testing::cv2::IMWRITE_JPEG_RST_INTERVAL, 3})},
         {"jpeg grey", testing::encode(".jpg", grey)},
-        {"jpeg grey progressive", testing::encode(".jpg", grey, {cv::IMWRITE_JPEG_PROGRESSIVE, 1})},
+        {"jpeg grey progressive", testing::encode(".jpg", grey, {testing::cv2::IMWRITE_JPEG_PROGRESSIVE, 1})},
         {"png", testing::encode(".png", bgr)},
         {"png grey", testing::encode(".png", grey)},
         {"png bgra", testing::encode(".png", bgra)},
@@ -181,7 +183,7 @@ TEST(DataImage, HeaderAndPixelsMatchOpenCvForValidFiles) {
     for (const auto& [name, bytes] : files) {
       SCOPED_TRACE(name + " " + std::to_string(sz.width) + "x" + std::to_string(sz.height));
       ASSERT_FALSE(bytes.empty());
-      const cv::Mat want = cv::imdecode(bytes, cv::IMREAD_COLOR);
+      const cv::Mat want = testing::cv2_imdecode(bytes, testing::cv2::IMREAD_COLOR);
       const EncodedImageHeader h = read_image_header(bytes.data(), bytes.size(), name);
       EXPECT_EQ(h.decoded_width(), want.cols);
       EXPECT_EQ(h.decoded_height(), want.rows);
@@ -201,7 +203,7 @@ TEST(DataImage, HeaderAndPixelsMatchOpenCvForValidFiles) {
     for (int o = 0; o <= 9; ++o) {
       SCOPED_TRACE("orientation " + std::to_string(o) + (le ? " II" : " MM"));
       const std::vector<uint8_t> b = testing::jpeg_with_orientation(jpeg, o, le);
-      const cv::Mat want = cv::imdecode(b, cv::IMREAD_COLOR);
+      const cv::Mat want = testing::cv2_imdecode(b, testing::cv2::IMREAD_COLOR);
       const EncodedImageHeader h = read_image_header(b.data(), b.size(), "exif");
       EXPECT_EQ(h.orientation, o >= 1 && o <= 8 ? o : 1);
       EXPECT_EQ(h.decoded_width(), want.cols);
@@ -209,6 +211,129 @@ TEST(DataImage, HeaderAndPixelsMatchOpenCvForValidFiles) {
       ASSERT_EQ(got.size(), want.size());
       EXPECT_EQ(cv::norm(got, want, cv::NORM_INF), 0.0);
     }
+}
+
+// faceshard's own encoders (data/image_encode) write what OpenCV writes: for each JPEG
+// variant the file cv2.imencode writes with the same settings decodes (in cv2) to the same
+// pixels, the markers of the variant are there, and the pixels stay close to the source;
+// PNG round-trips exactly through cv2.imdecode(IMREAD_UNCHANGED) at 8 and 16 bits.
+TEST(DataImage, EncodersWriteWhatOpenCvWrites) {
+  using testing::cv2::IMREAD_COLOR;
+  using testing::cv2::IMREAD_UNCHANGED;
+  auto has_marker = [](const std::vector<uint8_t>& j, uint8_t m) {
+    for (size_t i = 0; i + 1 < j.size(); ++i)
+      if (j[i] == 0xFF && j[i + 1] == m) return true;
+    return false;
+  };
+  int checked = 0;
+  for (const cv::Size sz : {cv::Size(1, 1), cv::Size(7, 13), cv::Size(112, 112), cv::Size(301, 200)}) {
+    // Smooth content with a different pattern in each channel.
+    cv::Mat bgr(sz, CV_8UC3);
+    for (int y = 0; y < sz.height; ++y)
+      for (int x = 0; x < sz.width; ++x)
+        bgr.at<cv::Vec3b>(y, x) = cv::Vec3b(uint8_t(20 + 200 * x / sz.width), uint8_t(230 - 200 * y / sz.height),
+                                            uint8_t(128 + 90 * std::sin(0.05 * (x + y))));
+    cv::Mat grey, bgra, bgr16, grey16;
+    cv::cvtColor(bgr, grey, cv::COLOR_BGR2GRAY);
+    cv::cvtColor(bgr, bgra, cv::COLOR_BGR2BGRA);
+    bgr.convertTo(bgr16, CV_16U, 257.3);
+    grey.convertTo(grey16, CV_16U, 250.1);
+    struct Variant {
+      std::string name;
+      cv::Mat image;
+      JpegEncodeOptions ours;
+      std::vector<int> cv2_params;
+    };
+    auto opt = [](int q, bool prog, bool optim, int rst) {
+      JpegEncodeOptions o;
+      o.quality = q, o.progressive = prog, o.optimize = optim, o.restart_interval = rst;
+      return o;
+    };
+    using namespace testing::cv2;
+    const std::vector<Variant> variants = {
+        {"q95", bgr, opt(95, false, false, 0), {IMWRITE_JPEG_QUALITY, 95}},
+        {"q50", bgr, opt(50, false, false, 0), {IMWRITE_JPEG_QUALITY, 50}},
+        {"progressive", bgr, opt(95, true, false, 0), {IMWRITE_JPEG_QUALITY, 95, IMWRITE_JPEG_PROGRESSIVE, 1}},
+        {"optimized", bgr, opt(95, false, true, 0), {IMWRITE_JPEG_QUALITY, 95, IMWRITE_JPEG_OPTIMIZE, 1}},
+        {"restarts", bgr, opt(95, false, false, 3), {IMWRITE_JPEG_QUALITY, 95, IMWRITE_JPEG_RST_INTERVAL, 3}},
+        {"grey", grey, opt(95, false, false, 0), {IMWRITE_JPEG_QUALITY, 95}},
+        {"grey progressive", grey, opt(90, true, false, 0), {IMWRITE_JPEG_QUALITY, 90, IMWRITE_JPEG_PROGRESSIVE, 1}},
+        {"bgra", bgra, opt(95, false, false, 0), {IMWRITE_JPEG_QUALITY, 95}},
+    };
+    for (const Variant& v : variants) {
+      SCOPED_TRACE("jpeg " + v.name + " " + std::to_string(sz.width) + "x" + std::to_string(sz.height));
+      const std::vector<uint8_t> ours = encode_jpeg(v.image, v.ours);
+      const std::vector<uint8_t> theirs = testing::cv2_imencode(".jpg", v.image, v.cv2_params);
+      const cv::Mat got = testing::cv2_imdecode(ours, IMREAD_UNCHANGED);
+      const cv::Mat want = testing::cv2_imdecode(theirs, IMREAD_UNCHANGED);
+      ASSERT_FALSE(got.empty());
+      ASSERT_EQ(got.size(), sz);
+      ASSERT_EQ(got.type(), want.type());
+      EXPECT_EQ(got.channels(), v.image.channels() == 1 ? 1 : 3);
+      EXPECT_LE(cv::norm(got, want, cv::NORM_INF), 1.0);
+      const EncodedImageHeader h = read_image_header(ours.data(), ours.size(), v.name);
+      EXPECT_EQ(h.progressive, v.ours.progressive);
+      EXPECT_EQ(has_marker(ours, 0xC2), v.ours.progressive);  // SOF2: progressive frame
+      EXPECT_EQ(has_marker(ours, 0xDD), v.ours.restart_interval > 0);  // DRI: restart interval
+      // Close to the source (a channel swap or a wrong stride is far off): mean error in
+      // grey levels at quality 95 / 50.
+      cv::Mat src = v.image;
+      if (src.channels() == 4) cv::cvtColor(src, src, cv::COLOR_BGRA2BGR);
+      const double mean_err = cv::norm(got, src, cv::NORM_L1) / double(src.total() * src.channels());
+      const double bound = v.ours.quality >= 90 ? 3.0 : 6.0;
+      EXPECT_LT(mean_err, bound) << mean_err;
+      if (src.channels() == 3) {  // ... and a channel swap would be far outside that bound
+        cv::Mat swapped;
+        cv::cvtColor(src, swapped, cv::COLOR_BGR2RGB);
+        EXPECT_GT(cv::norm(got, swapped, cv::NORM_L1) / double(src.total() * 3), 4 * bound);
+      }
+      // Our decoder reads it as cv2 does.
+      EXPECT_EQ(cv::norm(decode_image(ours.data(), ours.size(), v.name), testing::cv2_imdecode(ours, IMREAD_COLOR),
+                         cv::NORM_INF), 0.0);
+      ++checked;
+    }
+    for (const cv::Mat& m : {bgr, grey, bgra, bgr16, grey16}) {
+      SCOPED_TRACE("png type " + std::to_string(m.type()) + " " + std::to_string(sz.width));
+      for (int level : {0, 1, 9}) {
+        const std::vector<uint8_t> png = encode_png(m, level);
+        const cv::Mat back = testing::cv2_imdecode(png, IMREAD_UNCHANGED);
+        ASSERT_EQ(back.type(), m.type());
+        ASSERT_EQ(back.size(), m.size());
+        EXPECT_EQ(cv::norm(back, m, cv::NORM_INF), 0.0);
+        ++checked;
+      }
+    }
+  }
+  EXPECT_EQ(checked, 4 * (8 + 5 * 3));
+  // What the encoders refuse, in one line naming it.
+  const cv::Mat img(4, 4, CV_8UC3, cv::Scalar(1, 2, 3));
+  EXPECT_NE(error_of([&] { encode_jpeg(cv::Mat(), 90); }).find("empty"), std::string::npos);
+  EXPECT_NE(error_of([&] { encode_jpeg(img, 0); }).find("quality 0"), std::string::npos);
+  EXPECT_NE(error_of([&] { encode_jpeg(img, 101); }).find("quality 101"), std::string::npos);
+  EXPECT_NE(error_of([&] { encode_jpeg(cv::Mat(4, 4, CV_32FC3), 90); }).find("8-bit"), std::string::npos);
+  EXPECT_NE(error_of([&] { encode_jpeg(cv::Mat(4, 4, CV_8UC2), 90); }).find("channels"), std::string::npos);
+  EXPECT_NE(error_of([&] { encode_png(cv::Mat(4, 4, CV_32FC1)); }).find("16-bit"), std::string::npos);
+  EXPECT_NE(error_of([&] { encode_png(img, 10); }).find("compression 10"), std::string::npos);
+}
+
+// 32-bit BMP with colour masks (BI_BITFIELDS, as OpenCV 5 and Windows write BGRA) decodes
+// when the masks are 8-bit BGR(A); any other placement is refused by name.
+TEST(DataImage, BmpColourMasks) {
+  cv::Mat bgra = testing::noise_image(9, 5, CV_8UC4, 3);
+  std::vector<uint8_t> bmp = testing::encode(".bmp", bgra);
+  ASSERT_GE(bmp.size(), 70u);
+  ASSERT_EQ(bmp[30], 3) << "cv2 no longer writes BI_BITFIELDS: the case below needs another source";
+  cv::Mat bgr;
+  cv::cvtColor(bgra, bgr, cv::COLOR_BGRA2BGR);
+  EXPECT_EQ(cv::norm(decode_image(bmp.data(), bmp.size(), "masks"), bgr, cv::NORM_INF), 0.0);
+  const uint8_t rgb_masks[12] = {0xFF, 0, 0, 0, 0, 0xFF, 0, 0, 0, 0, 0xFF, 0};  // red 0xFF, green 0xFF00, blue 0xFF0000
+  std::copy(rgb_masks, rgb_masks + 12, bmp.begin() + 54);
+  EXPECT_NE(error_of([&] { decode_image(bmp.data(), bmp.size(), "masks"); }).find("masks other than 8-bit BGR(A)"),
+            std::string::npos);
+  std::vector<uint8_t> bmp24 = testing::encode(".bmp", bgr);
+  bmp24[30] = 3;  // BI_BITFIELDS at 24 bits per pixel
+  EXPECT_NE(error_of([&] { decode_image(bmp24.data(), bmp24.size(), "masks"); }).find("32-bit BGRA masks only"),
+            std::string::npos);
 }
 
 // A small file that declares a huge image is refused from its header, before anything
@@ -283,27 +408,26 @@ std::vector<uint8_t> jpeg_with_many_scans(const cv::Mat& bgr, bool refine) {
 TEST(DataImage, ProgressiveJpegScansAreLimited) {
   const cv::Mat bgr = testing::noise_image(64, 48);
   const std::vector<uint8_t> ok = jpeg_with_many_scans(bgr, false), many = jpeg_with_many_scans(bgr, true);
-  const cv::Mat want = cv::imdecode(ok, cv::IMREAD_COLOR);
+  const cv::Mat want = testing::cv2_imdecode(ok, testing::cv2::IMREAD_COLOR);
   ASSERT_EQ(want.size(), bgr.size());
   EXPECT_EQ(cv::norm(decode_image(ok.data(), ok.size(), "ok"), want, cv::NORM_INF), 0.0);
-  EXPECT_FALSE(cv::imdecode(many, cv::IMREAD_COLOR).empty());  // valid, only slow
+  EXPECT_FALSE(testing::cv2_imdecode(many, testing::cv2::IMREAD_COLOR).empty());  // valid, only slow
   EXPECT_EQ(error_of([&] { decode_image(many.data(), many.size(), "many"); }),
             "many: progressive JPEG has more than 256 scans");
 }
 
 // Truncated or corrupt data fails the decode with one line in faceshard's words; nothing
-// from libjpeg, libpng or OpenCV reaches stderr. (cv::imdecode returns the truncated JPEG
-// as an image, silently; the corrupt one only after printing libjpeg's warning.)
+// from libjpeg, libpng or OpenCV reaches stderr. (OpenCV 4's cv::imdecode returned the
+// truncated JPEG as an image, silently; the corrupt one only after printing libjpeg's warning.)
 TEST(DataImage, CorruptAndTruncatedImagesFailWithoutLibraryText) {
   cv::Mat face = testing::noise_image(112, 112);
   cv::GaussianBlur(face, face, cv::Size(3, 3), 1);
-  const std::vector<uint8_t> jpeg = testing::encode(".jpg", face, {cv::IMWRITE_JPEG_QUALITY, 90});
-  const std::vector<uint8_t> progressive = testing::encode(".jpg", face, {cv::IMWRITE_JPEG_PROGRESSIVE, 1});
+  const std::vector<uint8_t> jpeg = testing::encode(".jpg", face, {testing::cv2::IMWRITE_JPEG_QUALITY, 90});
+  const std::vector<uint8_t> progressive = testing::encode(".jpg", face, {testing::cv2::IMWRITE_JPEG_PROGRESSIVE, 1});
   const std::vector<uint8_t> png = testing::encode(".png", face);
   std::vector<uint8_t> stray = jpeg, flipped_png = png;
   for (size_t i = jpeg.size() / 2; i < jpeg.size() / 2 + 100; ++i) stray[i] ^= 0x55;
   for (size_t i = 100; i < 200; ++i) flipped_png[i] ^= 0x55;
-  ASSERT_FALSE(cv::imdecode(testing::truncated(jpeg, jpeg.size() / 3), cv::IMREAD_COLOR).empty());
   const std::vector<std::tuple<std::string, std::vector<uint8_t>, std::string>> cases = {
       {"jpeg third", testing::truncated(jpeg, jpeg.size() / 3), "truncated"},
       {"jpeg without its end", testing::truncated(jpeg, jpeg.size() - 2), "truncated"},
@@ -466,8 +590,7 @@ TEST(DataSynth, WritesInsightFaceRecAndBin) {
 // The expected network input of one record, computed without the loader: decode with
 // OpenCV, BGR->RGB, (x/255 - 0.5)/0.5, CHW.
 torch::Tensor reference_input(const std::vector<uint8_t>& jpeg, bool flip) {
-  cv::Mat bgr = cv::imdecode(cv::Mat(1, int(jpeg.size()), CV_8UC1, const_cast<uint8_t*>(jpeg.data())),
-                             cv::IMREAD_COLOR);
+  cv::Mat bgr = testing::cv2_imdecode(jpeg.data(), jpeg.size(), testing::cv2::IMREAD_COLOR);
   cv::Mat rgb;
   cv::cvtColor(bgr, rgb, cv::COLOR_BGR2RGB);
   if (flip) cv::flip(rgb, rgb, 1);

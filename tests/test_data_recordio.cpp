@@ -18,6 +18,7 @@
 #include <string>
 #include <vector>
 
+#include "tests/test_paths.h"
 #include "data/image_record.h"
 #include "data/insightface_rec.h"
 #include "data/recordio.h"

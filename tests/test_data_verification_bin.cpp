@@ -15,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "tests/test_paths.h"
 #include "data/verification_bin.h"
 #include "partial_fc/runtime/error.h"
 #include "tests/test_errors.h"

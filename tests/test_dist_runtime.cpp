@@ -11,6 +11,7 @@
 
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
+#include "tests/test_paths.h"
 #include "partial_fc/runtime/dist_env.h"
 #include "partial_fc/runtime/distributed.h"
 #include "partial_fc/runtime/error.h"

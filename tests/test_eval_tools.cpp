@@ -17,14 +17,16 @@
 #include <string>
 #include <vector>
 
-#include <opencv2/imgcodecs.hpp>
 #include <opencv2/imgproc.hpp>
 
+#include "tests/cv2_reference.h"
+#include "tests/test_paths.h"
 #include "app/io/checkpoint.h"
 #include "app/eval/evaluation.h"
 #include "app/eval/ijb.h"
 #include "app/eval/inference_model.h"
 #include "app/io/npy.h"
+#include "data/image_encode.h"
 #include "data/image_transform.h"
 #include "data/verification_bin.h"
 #include "data/synthetic_faces.h"
@@ -636,7 +638,7 @@ TEST(EvalVerification, SetsHoldEncodedImagesAndDecodePerBatch) {
   VerificationData whole;
   whole.pixels = torch::empty({24, 3, 112, 112});
   for (int i = 0; i < 24; ++i) {
-    cv::Mat m = cv::imdecode(distinct[size_t(i)], cv::IMREAD_COLOR);
+    cv::Mat m = testing::cv2_imdecode(distinct[size_t(i)], testing::cv2::IMREAD_COLOR);
     if (m.rows != 112) cv::resize(m, m, cv::Size(112, 112), 0, 0, cv::INTER_LINEAR);
     bgr_to_normalized_chw(m, false, whole.pixels[i].data_ptr<float>());
   }

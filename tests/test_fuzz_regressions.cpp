@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "tests/test_paths.h"
 #include "tests/fuzz/fuzz_entries.h"
 #include "tests/test_files.h"
 #include "tests/zip_writer.h"

@@ -16,6 +16,7 @@
 #include <set>
 #include <sstream>
 
+#include "tests/test_paths.h"
 #include "models/backbone.h"
 #include "models/backbone_registry.h"
 #include "models/checkpoint.h"

@@ -16,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "tests/test_paths.h"
 #include "models/pickle_graph.h"
 #include "models/torch_save_format.h"
 #include "models/zip_archive.h"

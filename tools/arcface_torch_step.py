@@ -1,14 +1,17 @@
-"""arcface_torch's training step on the CPU: the reference side of `faceshard-bench --mode step`.
+"""arcface_torch's training step: the reference side of `faceshard-bench --mode step`.
 
 Times one whole step of insightface's arcface_torch (recognition/arcface_torch/train_v2.py) on
-the CPU with the gloo backend: the backbone wrapped in DistributedDataParallel exactly as
+the CPU with the gloo backend (--device cpu, fp32) or on GPUs with NCCL (--device cuda, one
+GPU per rank, fp16 as arcface_torch's configs train: autocast inside the backbone, the
+embedding layer in fp32, GradScaler(growth_interval=100), loss.item() every step): the
+backbone wrapped in DistributedDataParallel exactly as
 train_v2.py wraps it (broadcast_buffers=False, bucket_cap_mb=16, find_unused_parameters=True,
 fp16_compress_hook, _set_static_graph), PartialFC_V2 with CombinedMarginLoss(64, 1.0, 0.5, 0.0)
 (ArcFace), SGD(lr 0.1, momentum 0.9, weight_decay 5e-4) over [backbone, partial fc], gradient
-clipping of the backbone to norm 5, and a per-step LR scheduler; fp32 only. The backbones
-(`r18` = IResNet-18 from backbones/iresnet.py, `mbf` = MobileFaceNet from
-backbones/mobilefacenet.py) and the classifier (partial_fc_v2.py, losses.py) follow
-arcface_torch's definitions layer for layer, with the same initialisation.
+clipping of the backbone to norm 5 (after unscaling, under fp16), and a per-step LR
+scheduler. The backbones (`r18`, `r50`, `r100` = IResNet-18/50/100 from backbones/iresnet.py,
+`mbf` = MobileFaceNet from backbones/mobilefacenet.py) and the classifier (partial_fc_v2.py,
+losses.py) follow arcface_torch's definitions layer for layer, with the same initialisation.
 
 Input is random: a few batches of N(0, 1) images [B, 3, 112, 112] and labels uniform in
 [0, classes) are made per rank before timing and used in turn, so no data loading is timed.
@@ -16,13 +19,16 @@ After --warmup steps, --windows windows of --steps steps are timed, each startin
 barrier; a window's rate is steps * B * world_size / seconds, and the reported rate is the
 median window (the upper one for an even count, as faceshard-bench takes it), measured on
 rank 0. Thread counts are left as launched (torchrun sets OMP_NUM_THREADS=1 when
---nproc_per_node > 1).
+--nproc_per_node > 1). On a GPU the phases are timed with CUDA events and the peak memory is
+the caching allocator's (torch.cuda.max_memory_allocated).
 
 Run (from the repository root):
   .venv/bin/torchrun --nproc_per_node 1 --master_port 29611 tools/arcface_torch_step.py \
       --network mbf --batch 32 --classes 100000 --sample-rate 1.0 --steps 4 --windows 3 --warmup 2
   .venv/bin/torchrun --nproc_per_node 2 --master_port 29611 tools/arcface_torch_step.py \
       --network r18 --batch 32 --classes 100000 --sample-rate 0.1 --json step.json
+  python3 -m torch.distributed.run --nproc_per_node 1 --master_port 29611 tools/arcface_torch_step.py \
+      --device cuda --network r50 --batch 256 --classes 1000000 --sample-rate 0.1
 and compare with
   build/bin/faceshard-bench --mode step --network mbf --batch 32 --classes 100000 ...
 
@@ -35,6 +41,7 @@ output's gradient (PartialFC_V2 scales it by the world size) with the reference'
 
 import argparse
 import json
+import os
 import time
 import warnings
 
@@ -68,8 +75,9 @@ class IBasicBlock(nn.Module):
 
 
 class IResNet(nn.Module):
-    def __init__(self, layers, dropout=0.0, num_features=512):
+    def __init__(self, layers, dropout=0.0, num_features=512, fp16=False):
         super().__init__()
+        self.fp16 = fp16
         self.inplanes = 64
         self.conv1 = nn.Conv2d(3, 64, 3, stride=1, padding=1, bias=False)
         self.bn1 = nn.BatchNorm2d(64, eps=1e-05)
@@ -102,10 +110,11 @@ class IResNet(nn.Module):
         return nn.Sequential(*layers)
 
     def forward(self, x):
-        x = self.prelu(self.bn1(self.conv1(x)))
-        x = self.layer4(self.layer3(self.layer2(self.layer1(x))))
-        x = self.dropout(torch.flatten(self.bn2(x), 1))
-        return self.features(self.fc(x))
+        with torch.autocast("cuda", enabled=self.fp16):  # torch.cuda.amp.autocast(self.fp16)
+            x = self.prelu(self.bn1(self.conv1(x)))
+            x = self.layer4(self.layer3(self.layer2(self.layer1(x))))
+            x = self.dropout(torch.flatten(self.bn2(x), 1))
+        return self.features(self.fc(x.float() if self.fp16 else x))
 
 
 # ---------------------------------------------------------------- backbones/mobilefacenet.py
@@ -136,8 +145,9 @@ def residual(c, num_block, groups):  # Residual: num_block residual DepthWise, 3
 
 
 class MobileFaceNet(nn.Module):
-    def __init__(self, num_features=512, blocks=(1, 4, 6, 2), scale=2):
+    def __init__(self, num_features=512, blocks=(1, 4, 6, 2), scale=2, fp16=False):
         super().__init__()
+        self.fp16 = fp16
         c1, c2 = 64 * scale, 128 * scale
         layers = [conv_block(3, c1, 3, 2, 1)]
         layers.append(conv_block(c1, c1, 3, 1, 1, groups=64) if blocks[0] == 1 else residual(c1, blocks[0], 128))
@@ -158,17 +168,21 @@ class MobileFaceNet(nn.Module):
                 m.bias.data.zero_()
 
     def forward(self, x):
-        for f in self.layers:
-            x = f(x)
-        return self.features(self.conv_sep(x))
+        with torch.autocast("cuda", enabled=self.fp16):
+            for f in self.layers:
+                x = f(x)
+        return self.features(self.conv_sep(x.float() if self.fp16 else x))
 
 
-def get_model(name, num_features=512):
-    if name == "r18":
-        return IResNet([2, 2, 2, 2], dropout=0.0, num_features=num_features)
+IRESNET_LAYERS = {"r18": [2, 2, 2, 2], "r50": [3, 4, 14, 3], "r100": [3, 13, 30, 3]}
+
+
+def get_model(name, num_features=512, fp16=False):
+    if name in IRESNET_LAYERS:
+        return IResNet(IRESNET_LAYERS[name], dropout=0.0, num_features=num_features, fp16=fp16)
     if name == "mbf":
-        return MobileFaceNet(num_features, (1, 4, 6, 2), 2)
-    raise ValueError(f"unknown network {name!r} (r18, mbf)")
+        return MobileFaceNet(num_features, (1, 4, 6, 2), 2, fp16=fp16)
+    raise ValueError(f"unknown network {name!r} (r18, r50, r100, mbf)")
 
 
 # ---------------------------------------------------------------- losses.py
@@ -261,7 +275,7 @@ class PartialFC_V2(nn.Module):
         with torch.no_grad():
             positive = torch.unique(labels[index_positive], sorted=True)
             if self.num_sample - positive.size(0) >= 0:
-                perm = torch.rand(size=[self.num_local])
+                perm = torch.rand(size=[self.num_local]).to(labels.device)  # .cuda() in arcface_torch
                 perm[positive] = 2.0
                 index = torch.topk(perm, k=self.num_sample)[1]
                 index = index.sort()[0]
@@ -278,8 +292,9 @@ class PartialFC_V2(nn.Module):
         if self.last_batch_size == 0:
             self.last_batch_size = batch_size
         assert self.last_batch_size == batch_size
-        gather_embeddings = [torch.zeros((batch_size, self.embedding_size)) for _ in range(self.world_size)]
-        gather_labels = [torch.zeros(batch_size).long() for _ in range(self.world_size)]
+        dev = local_embeddings.device  # arcface_torch: .cuda()
+        gather_embeddings = [torch.zeros((batch_size, self.embedding_size), device=dev) for _ in range(self.world_size)]
+        gather_labels = [torch.zeros(batch_size, device=dev).long() for _ in range(self.world_size)]
         list_embeddings = AllGatherFunc.apply(local_embeddings, *gather_embeddings)
         dist.all_gather(gather_labels, local_labels)
         embeddings = torch.cat(list_embeddings)
@@ -353,7 +368,12 @@ def check_step(backbone, pfc, img, lab, classes, s=64.0, m=0.5):
 # ---------------------------------------------------------------- the train_v2.py step
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--network", default="mbf", choices=["mbf", "r18"])
+    p.add_argument("--network", default="mbf", choices=["mbf", "r18", "r50", "r100"])
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                   help="cpu: gloo, fp32; cuda: NCCL, one GPU per rank (LOCAL_RANK)")
+    p.add_argument("--precision", default="", choices=["", "fp16", "fp32"],
+                   help="fp16: arcface_torch's cfg.fp16 (autocast in the backbone, GradScaler); "
+                        "default fp16 on cuda, fp32 on cpu")
     p.add_argument("--batch", type=int, default=32, help="images per rank")
     p.add_argument("--classes", type=int, default=100000)
     p.add_argument("--sample-rate", type=float, default=1.0)
@@ -365,32 +385,47 @@ def main():
     p.add_argument("--json", default="", help="write the result as JSON to this file (rank 0)")
     p.add_argument("--check", action="store_true", help="compare one step's loss/gradients with a plain reference")
     a = p.parse_args()
+    cuda = a.device == "cuda"
+    fp16 = (a.precision or ("fp16" if cuda else "fp32")) == "fp16"
+    if fp16 and not cuda:
+        p.error("--precision fp16 needs --device cuda (arcface_torch's autocast is CUDA's)")
+    if a.check and cuda:
+        p.error("--check runs on the CPU")
 
     # torch's note that _set_static_graph() makes find_unused_parameters=True redundant (train_v2 sets both)
     warnings.filterwarnings("ignore", message="You passed find_unused_parameters=true")
-    dist.init_process_group("gloo")  # torchrun's environment: MASTER_ADDR/PORT, RANK, WORLD_SIZE
+    if cuda:
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local_rank)
+        dev = torch.device("cuda", local_rank)
+        dist.init_process_group("nccl")
+    else:
+        dev = torch.device("cpu")
+        dist.init_process_group("gloo")  # torchrun's environment: MASTER_ADDR/PORT, RANK, WORLD_SIZE
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(2048)  # setup_seed(cfg.seed): the same on every rank before building the models
 
-    backbone = get_model(a.network, 512)
+    backbone = get_model(a.network, 512, fp16=fp16).to(dev)
     backbone = torch.nn.parallel.DistributedDataParallel(
-        module=backbone, broadcast_buffers=False, bucket_cap_mb=16, find_unused_parameters=True)
+        module=backbone, broadcast_buffers=False, device_ids=[dev.index] if cuda else None,
+        bucket_cap_mb=16, find_unused_parameters=True)
     if not a.no_fp16_compress:
         backbone.register_comm_hook(None, fp16_compress_hook)
     backbone.train()
     backbone._set_static_graph()
     margin_loss = CombinedMarginLoss(64, 1.0, 0.5, 0.0, 0)
     module_partial_fc = PartialFC_V2(margin_loss, 512, a.classes, a.sample_rate, False)
-    module_partial_fc.train()
+    module_partial_fc.train().to(dev)
     opt = torch.optim.SGD(params=[{"params": backbone.parameters()}, {"params": module_partial_fc.parameters()}],
                           lr=0.1, momentum=0.9, weight_decay=5e-4)
     # PolynomialLRWarmup(power 1) without warm-up, over a horizon far beyond the run: a linear decay
     total = 10 ** 6
     lr_scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: 1.0 - min(t, total) / total)
+    amp = torch.amp.GradScaler("cuda", growth_interval=100) if fp16 else None
 
     gen = torch.Generator().manual_seed(1000 + rank)
-    data = [(torch.randn(a.batch, 3, 112, 112, generator=gen),
-             torch.randint(0, a.classes, (a.batch,), generator=gen)) for _ in range(max(1, a.batches))]
+    data = [(torch.randn(a.batch, 3, 112, 112, generator=gen).to(dev),
+             torch.randint(0, a.classes, (a.batch,), generator=gen).to(dev)) for _ in range(max(1, a.batches))]
 
     if a.check:
         ok = check_step(backbone, module_partial_fc, *data[0], a.classes)
@@ -398,59 +433,98 @@ def main():
         raise SystemExit(0 if ok else 1)
 
     phase = dict(forward_backbone=0.0, forward_partial_fc=0.0, backward=0.0, optimizer=0.0)
+    marks = []  # CUDA: the events of each timed step, read after its window
     k = 0
+
+    def mark():
+        if cuda:
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            return e
+        return time.perf_counter()
 
     def step(timed):
         nonlocal k
         img, local_labels = data[k % len(data)]
         k += 1
-        t0 = time.perf_counter()
+        t0 = mark()
         local_embeddings = backbone(img)
-        t1 = time.perf_counter()
+        t1 = mark()
         loss = module_partial_fc(local_embeddings, local_labels)
-        t2 = time.perf_counter()
-        loss.backward()
-        t3 = time.perf_counter()
-        torch.nn.utils.clip_grad_norm_(backbone.parameters(), 5)
-        opt.step()
-        opt.zero_grad()
+        t2 = mark()
+        if fp16:
+            amp.scale(loss).backward()
+            t3 = mark()
+            amp.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(backbone.parameters(), 5)
+            amp.step(opt)
+            amp.update()
+            opt.zero_grad()
+        else:
+            loss.backward()
+            t3 = mark()
+            torch.nn.utils.clip_grad_norm_(backbone.parameters(), 5)
+            opt.step()
+            opt.zero_grad()
         lr_scheduler.step()
-        t4 = time.perf_counter()
+        t4 = mark()
+        loss_value = loss.item()  # train_v2: loss_am.update(loss.item(), 1) every step
         if timed:
-            for key, dt in zip(phase, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
-                phase[key] += dt
-        return loss
+            marks.append((t0, t1, t2, t3, t4))
+        return loss_value
+
+    def collect():
+        if cuda:
+            torch.cuda.synchronize()
+        for t0, t1, t2, t3, t4 in marks:
+            for key, (u, v) in zip(phase, ((t0, t1), (t1, t2), (t2, t3), (t3, t4))):
+                phase[key] += u.elapsed_time(v) / 1e3 if cuda else v - u
+        marks.clear()
 
     for _ in range(a.warmup):
         loss = step(False)
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats(dev)
     rates = []
     for _ in range(a.windows):
         dist.barrier()
+        if cuda:
+            torch.cuda.synchronize()
         t0 = time.perf_counter()
         for _ in range(a.steps):
             loss = step(True)
+        if cuda:
+            torch.cuda.synchronize()
         rates.append(a.steps * a.batch * world / (time.perf_counter() - t0))
+        collect()
     median = sorted(rates)[len(rates) // 2]
     n = a.steps * a.windows
     tot = sum(phase.values())
     pct = {key: 100.0 * v / tot if tot > 0 else 0.0 for key, v in phase.items()}
     threads = torch.get_num_threads()
     n_sample = module_partial_fc.num_sample
+    peak_mb = torch.cuda.max_memory_allocated(dev) / 2 ** 20 if cuda else None
+    precision = "fp16" if fp16 else "fp32"
     if rank == 0:
+        where = torch.cuda.get_device_name(dev) if cuda else f"cpu, threads {threads}"
         print(f"arcface_torch step: {a.network}, batch {a.batch}x{world}, {a.classes} classes ({n_sample} sampled "
-              f"per rank), sample rate {a.sample_rate}, threads {threads}: {median:.1f} images/s (median of "
+              f"per rank), sample rate {a.sample_rate}, {precision}, {where}: {median:.1f} images/s (median of "
               f"{a.windows} windows of {a.steps} steps); per step {tot / n * 1e3:.1f} ms = forward "
               f"{pct['forward_backbone'] + pct['forward_partial_fc']:.0f}% (backbone {pct['forward_backbone']:.0f}%, "
               f"partial fc {pct['forward_partial_fc']:.0f}%), backward {pct['backward']:.0f}%, optimizer "
-              f"{pct['optimizer']:.0f}%; last loss {loss.item():.4f}"
-              f"{'' if not a.no_fp16_compress else '; no fp16 compress hook'}", flush=True)
+              f"{pct['optimizer']:.0f}%{'' if peak_mb is None else f'; peak {peak_mb:.0f} MB (GPU allocated)'}; "
+              f"last loss {loss:.4f}{'' if not a.no_fp16_compress else '; no fp16 compress hook'}", flush=True)
         if a.json:
             with open(a.json, "w") as f:
-                json.dump({"network": a.network, "world_size": world, "batch_per_rank": a.batch,
-                           "classes": a.classes, "sample_rate": a.sample_rate, "num_sample_per_rank": n_sample,
+                json.dump({"who": "arcface_torch", "network": a.network, "device": a.device,
+                           "card": torch.cuda.get_device_name(dev) if cuda else "cpu", "world_size": world,
+                           "batch_per_rank": a.batch, "batch": a.batch, "classes": a.classes,
+                           "sample_rate": a.sample_rate, "precision": precision, "num_sample_per_rank": n_sample,
                            "threads": threads, "fp16_compress_hook": not a.no_fp16_compress,
                            "images_per_s": median, "windows": rates, "steps_per_window": a.steps,
-                           "warmup": a.warmup, "step_ms": tot / n * 1e3,
+                           "warmup": a.warmup, "step_ms": tot / n * 1e3, "peak_memory_mb": peak_mb,
+                           "last_loss": loss,
                            "phases": {key + "_ms": v / n * 1e3 for key, v in phase.items()}}, f, indent=1)
                 f.write("\n")
     dist.destroy_process_group()

@@ -9,7 +9,6 @@
 #include <string>
 #include <vector>
 
-#include <opencv2/imgcodecs.hpp>
 
 #include "app/io/checkpoint.h"
 #include "app/eval/evaluation.h"

@@ -5,7 +5,8 @@ set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 TORCH_VERSION="${FACESHARD_TORCH_VERSION:-2.11.0}"
 
-# yaml-cpp: configs; OpenCV: JPEG decode/encode, resize, affine alignment;
+# yaml-cpp: configs; OpenCV core + imgproc: resize, affine alignment, drawing (images are
+# decoded and encoded by libjpeg-turbo and libpng, so no OpenCV codec module);
 # GoogleTest: tests; ccache + ninja: fast rebuilds; cmake/g++/python3-venv: the build itself;
 # libgloo-dev: gloo's headers, which torch's ProcessGroupGloo.hpp includes (the wheel ships
 # the implementation but not those headers); iproute2: network namespaces for the
@@ -15,7 +16,7 @@ TORCH_VERSION="${FACESHARD_TORCH_VERSION:-2.11.0}"
 # directly (strict and silent, unlike cv::imdecode); libgl1 + libglib2.0-0: what the
 # opencv-python wheel (insightface's dependency, tests only) loads.
 debs=(build-essential cmake ninja-build ccache pkg-config python3 python3-venv
-      libyaml-cpp-dev libopencv-core-dev libopencv-imgproc-dev libopencv-imgcodecs-dev
+      libyaml-cpp-dev libopencv-core-dev libopencv-imgproc-dev
       libgtest-dev libgloo-dev iproute2 clang-14 libclang-rt-14-dev zlib1g-dev
       libjpeg62-turbo-dev libpng-dev libgl1 libglib2.0-0)
 missing=()
@@ -47,8 +48,9 @@ fi
 "$venv/bin/python" -c 'import numpy' 2>/dev/null || "$venv/bin/pip" install -q numpy
 # The ONNX export's tests (tests/e2e/onnx_export.py): onnx's checker, onnxruntime, and
 # insightface's own loader (model_zoo.get_model). faceshard itself writes ONNX without them.
-onnx_pins=(onnx==1.23.2 onnxruntime==1.32.0 insightface==2.1)
-"$venv/bin/python" -c 'import onnx, onnxruntime, insightface
-assert (onnx.__version__, onnxruntime.__version__, insightface.__version__) == ("1.23.2", "1.32.0", "2.1")' \
-  2>/dev/null || { echo "[setup] installing ${onnx_pins[*]} into $venv (tests of the ONNX export)";
+# opencv-python: OpenCV's own codecs, the image tests' reference (tests/cv2_reference.h).
+onnx_pins=(onnx==1.23.2 onnxruntime==1.32.0 insightface==2.1 opencv-python==5.0.0.93)
+"$venv/bin/python" -c 'import onnx, onnxruntime, insightface, cv2
+assert (onnx.__version__, onnxruntime.__version__, insightface.__version__, cv2.__version__) == ("1.23.2", "1.32.0", "2.1", "5.0.0")' \
+  2>/dev/null || { echo "[setup] installing ${onnx_pins[*]} into $venv (tests of the ONNX export and the image codecs)";
                    "$venv/bin/pip" install -q "${onnx_pins[@]}"; }

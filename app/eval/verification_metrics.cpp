@@ -10,9 +10,9 @@
 #include <numeric>
 
 #include <opencv2/core.hpp>
-#include <opencv2/imgcodecs.hpp>
 #include <opencv2/imgproc.hpp>
 
+#include "data/image_encode.h"
 #include "partial_fc/runtime/error.h"
 
 namespace faceshard {
@@ -341,13 +341,12 @@ void write_roc_png(const std::vector<std::pair<std::string, RocCurve>>& curves, 
   }
 
   make_parent_dirs(path);
-  // imwrite picks the encoder from the extension, so the temporary name ends in .png.
+  const std::vector<uint8_t> png = encode_png(img);
   const std::string tmp = temp_name(path, ".png");
   bool ok = false;
-  try {
-    ok = cv::imwrite(tmp, img);
-  } catch (const cv::Exception&) {
-    ok = false;
+  if (std::FILE* f = std::fopen(tmp.c_str(), "wb")) {
+    ok = std::fwrite(png.data(), 1, png.size(), f) == png.size();
+    ok = std::fclose(f) == 0 && ok;
   }
   if (!ok) {
     std::error_code ec;
