@@ -4,6 +4,8 @@
 
 #include <cmath>
 
+#include <ATen/CPUGeneratorImpl.h>
+
 #include "partial_fc/classifier/class_shard.h"
 #include "partial_fc/parallel/ddp.h"
 #include "partial_fc/runtime/error.h"
@@ -15,6 +17,29 @@ namespace faceshard {
 namespace {
 
 namespace F = torch::nn::functional;
+
+// The initial centres: block b of 1024 classes is N(0, 0.01) from its own generator seeded
+// by (seed, b), so any range of rows, drawn with any number of threads, is the same rows.
+TEST(PartialFCInit, RowsDependOnClassAndSeedOnly) {
+  const int64_t C = 5000, D = 16;
+  const uint64_t seed = 2048;
+  at::Tensor want = torch::empty({C, D});
+  for (int64_t b = 0; b * 1024 < C; ++b) {
+    auto gen = at::make_generator<at::CPUGeneratorImpl>(seed * 1000003ULL + static_cast<uint64_t>(b));
+    const int64_t n = std::min<int64_t>(1024, C - b * 1024);
+    want.narrow(0, b * 1024, n).copy_(at::normal(0.0, 0.01, {1024, D}, gen).narrow(0, 0, n));
+  }
+  const int threads = at::get_num_threads();
+  for (int t : {1, 3}) {
+    at::set_num_threads(t);
+    EXPECT_TRUE(torch::equal(PartialFC::initial_rows(0, C, D, seed), want)) << t << " threads";
+    EXPECT_TRUE(torch::equal(PartialFC::initial_rows(1500, 2000, D, seed), want.narrow(0, 1500, 2000))) << t;
+    EXPECT_TRUE(torch::equal(PartialFC::initial_rows(4999, 1, D, seed), want.narrow(0, 4999, 1))) << t;
+  }
+  at::set_num_threads(threads);
+  EXPECT_FALSE(torch::equal(PartialFC::initial_rows(0, C, D, seed + 1), want));
+  EXPECT_NEAR(want.std().item<double>(), 0.01, 5e-4);
+}
 
 TEST(ClassShard, ContiguousRangesFirstRanksOneMore) {
   for (int W = 1; W <= 5; ++W) {

@@ -31,8 +31,9 @@ const std::map<std::string, std::string>& paths_file() {
       const size_t eq = line.find('=');
       if (line.empty() || line[0] == '#' || eq == std::string::npos) continue;
       std::string key = line.substr(0, eq), value = line.substr(eq + 1);
-      if (!value.empty() && value[0] != '/' && value.find('/') != std::string::npos) value = dir + "/" + value;
-      if (value == ".") value = dir;
+      // Relative folders are the file's; python may also be a bare command (PATH lookup).
+      const bool command = key == "python" && value.find('/') == std::string::npos;
+      if (!value.empty() && value[0] != '/' && !command) value = fs::path(dir + "/" + value).lexically_normal().string();
       m[key] = value;
     }
     return m;

@@ -4,7 +4,7 @@
 // FACESHARD_TEST_PYTHON, FACESHARD_TEST_FUZZ_SEEDS_DIR), then the file faceshard_tests.paths
 // beside the binary (key=value lines: source, bin, python, fuzz_seeds), which CMake writes in
 // a build tree and bundle.sh in a bundle. A relative path there is taken from the file's
-// folder; a bare command name (python=python3) is looked up on the PATH when it runs.
+// folder, except a bare command name for python (python=python3): looked up on the PATH.
 #pragma once
 
 namespace faceshard::testing {

@@ -352,7 +352,10 @@ int run_step(const Args& a) {
   js << "{\"mode\":\"step\",\"network\":\"" << cfg.model.backbone << "\",\"device\":\"" << job.device.str()
      << "\",\"world_size\":" << dist.world_size() << ",\"batch_per_rank\":" << cfg.data.batch_size
      << ",\"micro_batches\":" << job.micro << ",\"classes\":" << cfg.data.num_classes << ",\"precision\":\""
-     << cfg.train.precision << "\",\"images_per_s\":" << median << ",\"peak_memory_mb\":" << peak
+     << cfg.train.precision << "\",\"sample_rate\":" << cfg.loss.sample_rate
+     << ",\"channels_last\":"
+     << (cfg.model.channels_last.value_or(backbone_default_channels_last(cfg.model.backbone)) ? "true" : "false")
+     << ",\"images_per_s\":" << median << ",\"peak_memory_mb\":" << peak
      << ",\"peak_tensor_mb\":" << tensor_peak << ",\"cpu_cache\":{\"installed\":"
      << (CpuBlockCache::installed() ? "true" : "false") << ",\"limit_bytes\":" << CpuBlockCache::limit()
      << ",\"reused\":" << hits << ",\"from_system\":" << misses << "}"

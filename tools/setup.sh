@@ -14,11 +14,11 @@ TORCH_VERSION="${FACESHARD_TORCH_VERSION:-2.11.0}"
 # sanitizer runtimes come with clang's compiler-rt, not with g++); zlib1g-dev: CRC-32 of the
 # entries of torch.save files; libjpeg62-turbo-dev + libpng-dev: the image decoders, called
 # directly (strict and silent, unlike cv::imdecode); libgl1 + libglib2.0-0: what the
-# opencv-python wheel (insightface's dependency, tests only) loads.
+# opencv-python wheel (tests only) loads; patchelf + xz-utils: tools/bundle.sh (RUNPATH, .tar.xz).
 debs=(build-essential cmake ninja-build ccache pkg-config python3 python3-venv
       libyaml-cpp-dev libopencv-core-dev libopencv-imgproc-dev
       libgtest-dev libgloo-dev iproute2 clang-14 libclang-rt-14-dev zlib1g-dev
-      libjpeg62-turbo-dev libpng-dev libgl1 libglib2.0-0)
+      libjpeg62-turbo-dev libpng-dev libgl1 libglib2.0-0 patchelf xz-utils)
 missing=()
 for p in "${debs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -1,5 +1,7 @@
 #include "partial_fc/classifier/partial_fc.h"
 
+#include <ATen/Parallel.h>
+
 #include <ATen/ops/_amp_foreach_non_finite_check_and_unscale.h>
 #ifdef FACESHARD_WITH_CUDA
 #include <ATen/cuda/CUDAGeneratorImpl.h>
@@ -82,12 +84,16 @@ ClassifierMemoryPlan classifier_memory_plan(const PartialFCOptions& o, int world
 at::Tensor PartialFC::initial_rows(int64_t start, int64_t count, int64_t dim, uint64_t seed) {
   at::Tensor out = torch::empty({count, dim});
   if (count == 0) return out;
-  for (int64_t b = start / kInitBlock; b <= (start + count - 1) / kInitBlock; ++b) {
-    auto gen = at::make_generator<at::CPUGeneratorImpl>(seed * 1000003ULL + static_cast<uint64_t>(b));
-    at::Tensor block = at::normal(0.0, 0.01, {kInitBlock, dim}, gen);
-    const int64_t lo = std::max(start, b * kInitBlock), hi = std::min(start + count, (b + 1) * kInitBlock);
-    out.narrow(0, lo - start, hi - lo).copy_(block.narrow(0, lo - b * kInitBlock, hi - lo));
-  }
+  // Each block of classes has its own generator, so the blocks are drawn in parallel and the
+  // rows do not depend on the thread count (millions of classes take seconds, not minutes).
+  at::parallel_for(start / kInitBlock, (start + count - 1) / kInitBlock + 1, 1, [&](int64_t first, int64_t last) {
+    for (int64_t b = first; b < last; ++b) {
+      auto gen = at::make_generator<at::CPUGeneratorImpl>(seed * 1000003ULL + static_cast<uint64_t>(b));
+      at::Tensor block = at::normal(0.0, 0.01, {kInitBlock, dim}, gen);
+      const int64_t lo = std::max(start, b * kInitBlock), hi = std::min(start + count, (b + 1) * kInitBlock);
+      out.narrow(0, lo - start, hi - lo).copy_(block.narrow(0, lo - b * kInitBlock, hi - lo));
+    }
+  });
   return out;
 }
 

@@ -1,0 +1,157 @@
+// The CUDA paths against the CPU ones. Each test skips without a GPU; tools/gpu_check.sh
+// runs every test whose name holds "Cuda" on a GPU machine (NCCL, world 1).
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <torch/csrc/distributed/c10d/HashStore.hpp>
+
+#include <unistd.h>
+
+#include <cmath>
+#include <map>
+#include <set>
+
+#include "partial_fc/classifier/partial_fc.h"
+#include "partial_fc/runtime/distributed.h"
+#include "tests/harness.h"
+
+namespace faceshard {
+namespace {
+
+bool have_cuda() { return torch::cuda::is_available() && nccl_compiled(); }
+
+// The NCCL backend as Distributed makes it (make_nccl_backend), at world 1: every collective
+// the runtime uses gives its input back, on the device, in the input's dtype.
+TEST(DistributedCuda, NcclCollectivesAtWorldOne) {
+  if (!have_cuda()) GTEST_SKIP() << "no CUDA device";
+  auto store = c10::make_intrusive<c10d::HashStore>();
+  auto nccl = make_nccl_backend(store, 0, 1, 0, std::chrono::seconds(60));
+  for (at::ScalarType dt : {at::kFloat, at::kBFloat16, at::kHalf, at::kLong}) {
+    SCOPED_TRACE(c10::toString(dt));
+    const at::Tensor x = (torch::randn({5, 7}) * 100).to(dt).to(torch::kCUDA);
+    for (c10d::ReduceOp::RedOpType op : {c10d::ReduceOp::SUM, c10d::ReduceOp::MAX, c10d::ReduceOp::MIN}) {
+      std::vector<at::Tensor> v{x.clone()};
+      c10d::AllreduceOptions o;
+      o.reduceOp = op;
+      nccl->allreduce(v, o)->wait();
+      EXPECT_TRUE(v[0].is_cuda());
+      EXPECT_TRUE(torch::equal(v[0].cpu(), x.cpu()));
+    }
+    {
+      std::vector<at::Tensor> v{x.clone()};
+      nccl->broadcast(v)->wait();
+      EXPECT_TRUE(torch::equal(v[0].cpu(), x.cpu()));
+    }
+    {
+      at::Tensor out = torch::empty_like(x);
+      at::Tensor in = x.clone();
+      nccl->_allgather_base(out, in)->wait();
+      EXPECT_TRUE(torch::equal(out.cpu(), x.cpu()));
+    }
+    if (dt != at::kLong) {
+      at::Tensor out = torch::empty_like(x);
+      at::Tensor in = x.clone();
+      nccl->_reduce_scatter_base(out, in)->wait();
+      EXPECT_TRUE(torch::equal(out.cpu(), x.cpu()));
+    }
+  }
+  nccl->barrier()->wait();
+}
+
+// Distributed at world 1 with use_cuda: its store, Gloo and the NCCL communicator come up,
+// and every primitive gives CUDA tensors back where they were.
+TEST(DistributedCuda, RuntimeAtWorldOneWithNccl) {
+  if (!have_cuda()) GTEST_SKIP() << "no CUDA device";
+  DistEnv env;
+  env.master_port = 20000 + static_cast<int>(::getpid() % 20000);
+  DistOptions o;
+  o.use_cuda = true;
+  auto dist = Distributed::init(env, o);
+  EXPECT_TRUE(dist->has_nccl());
+  const at::Tensor x = torch::randn({6, 3}, torch::kCUDA);
+  at::Tensor y = x.clone();
+  dist->all_reduce(y, ReduceOp::Max);
+  dist->broadcast(y);
+  EXPECT_TRUE(torch::equal(y, x));
+  std::vector<int64_t> counts;
+  const at::Tensor g = dist->all_gather(x, &counts);
+  EXPECT_TRUE(g.is_cuda());
+  EXPECT_EQ(counts, std::vector<int64_t>{6});
+  EXPECT_TRUE(torch::equal(g, x));
+  EXPECT_TRUE(torch::equal(dist->reduce_scatter(x, {6}), x));
+  dist->barrier();
+  dist->shutdown();
+}
+
+at::Tensor row_of(const ShardRows& rows, const std::string& name) {
+  for (const auto& [k, v] : rows)
+    if (k == name) return v;
+  ADD_FAILURE() << "no '" << name << "' in the shard's state";
+  return {};
+}
+
+// The sharded classifier on the GPU computes what it computes on the CPU: without sampling,
+// loss, embedding gradient, weight gradient and the updated rows agree (fp32 GEMMs to 1e-5,
+// bf16 ones to 2e-2); with sampling (the GPU draws from its own generator), the sampled
+// rows hold every positive class, only they move, and the others stay bit-identical.
+TEST(PartialFCCuda, MatchesCpu) {
+  if (!have_cuda()) GTEST_SKIP() << "no CUDA device";
+  auto dist = Distributed::init(DistEnv{});
+  const int64_t C = 1003, D = 64, B = 24;
+  const torch::Device cuda(torch::kCUDA, 0);
+  for (const std::string head : {"combined", "adaface", "curricularface"}) {
+    for (double rate : {1.0, 0.3}) {
+      for (at::ScalarType dt : {at::kFloat, at::kBFloat16}) {
+        SCOPED_TRACE(head + " rate " + std::to_string(rate) + " " + c10::toString(dt));
+        torch::manual_seed(11);
+        PartialFCOptions o;
+        o.num_classes = C;
+        o.embedding_size = D;
+        o.sample_rate = rate;
+        o.gemm_dtype = dt;
+        o.head.name = head;
+        PartialFC cpu(*dist, o), gpu(*dist, o, cuda);
+        const ShardRows before = cpu.state();
+        gpu.fill_state([&](const std::string& name, const at::Tensor& rows) { rows.copy_(row_of(before, name)); });
+        const at::Tensor emb = torch::randn({B, D});
+        const at::Tensor labels = torch::randint(0, C, {B}, torch::kLong);
+        at::Tensor ec = emb.clone().requires_grad_(), eg = emb.to(cuda).requires_grad_();
+        PartialFCOutput oc = cpu.forward(ec, labels), og = gpu.forward(eg, labels);
+        oc.loss.backward();
+        og.loss.backward();
+        ASSERT_TRUE(og.loss.is_cuda());
+        ASSERT_TRUE(std::isfinite(og.loss.item<double>()));
+        const double tol = dt == at::kFloat ? 1e-5 : 2e-2;
+        if (rate == 1.0) {
+          EXPECT_LE(testing::relative_error(og.loss.cpu(), oc.loss), tol);
+          EXPECT_LE(testing::relative_error(eg.grad().cpu(), ec.grad()), tol);
+          EXPECT_LE(testing::relative_error(gpu.gradient().cpu(), cpu.gradient()), tol);
+          cpu.step(0.1);
+          gpu.step(0.1);
+          EXPECT_LE(testing::relative_error(gpu.weight().cpu(), cpu.weight()), tol);
+          EXPECT_GT(testing::relative_error(gpu.weight().cpu(), row_of(before, "weight")), 1e-7) << "nothing moved";
+          continue;
+        }
+        const at::Tensor index = gpu.sampled_index().cpu();
+        ASSERT_EQ(index.numel(), gpu.num_sample());
+        const std::set<int64_t> sampled(index.data_ptr<int64_t>(), index.data_ptr<int64_t>() + index.numel());
+        EXPECT_EQ(int64_t(sampled.size()), gpu.num_sample()) << "sampled rows repeat";
+        EXPECT_TRUE(torch::equal(index, std::get<0>(index.sort())));
+        for (int64_t i = 0; i < B; ++i) EXPECT_TRUE(sampled.count(labels[i].item<int64_t>())) << "positive " << i;
+        gpu.step(0.1);
+        const at::Tensor w0 = row_of(before, "weight"), w1 = gpu.weight().cpu();
+        int64_t moved = 0, still = 0;
+        for (int64_t r = 0; r < C; ++r) {
+          const bool same = torch::equal(w0[r], w1[r]);
+          if (sampled.count(r)) moved += !same;
+          else still += same;
+        }
+        EXPECT_EQ(moved, int64_t(sampled.size()));
+        EXPECT_EQ(still, C - int64_t(sampled.size()));
+      }
+    }
+  }
+}
+
+}  // namespace
+}  // namespace faceshard

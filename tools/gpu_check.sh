@@ -1,0 +1,217 @@
+#!/usr/bin/env bash
+# The GPU check: one prepared run of everything a GPU machine can tell about faceshard, from
+# an unpacked bundle (tools/bundle.sh) on a machine that has PyTorch:
+#
+#   tar -xJf faceshard-*.tar.xz && faceshard-*/tools/gpu_check.sh RESULTS_DIR
+#
+#   env         nvidia-smi, driver, torch / CUDA / cuDNN / NCCL versions
+#   tests       every test that needs a GPU (GoogleTest filter *Cuda*): CUDA kernels against
+#               the CPU, the data loader's pinned copies, NCCL's collectives at world 1
+#   train       the demo training on the GPU (NCCL, world 1): bf16 stopped at its checkpoint
+#               and resumed, then fp16 with loss scaling; the export to ONNX and
+#               faceshard-verify on the exported model; loss and verification accuracy
+#   step        faceshard-bench --mode step for r50 (batch 256) and mbf (batch 512) at sample
+#               rate 0.1 over 1M classes (bf16 and fp16, channels-last and NCHW), and beside them
+#               arcface_torch's own step on the same card (tools/arcface_torch_step.py)
+#   classifier  faceshard-bench --mode classifier at 1M and 10M classes: bytes per class from
+#               the CUDA allocator's peak, beside faceshard-plan's figure
+#   loader      the data loader on a synthetic JPEG .rec with 8 and 16 workers
+#
+# RESULTS_DIR receives three files: results.json (every figure; "records" holds one record
+# per step cell in the format of docs/benchmarks/), summary.txt (the table printed at the
+# end) and logs.tar.gz (each section's log and raw JSON). Sections run one after another,
+# each under its own time limit; a failing section is reported and the others still run.
+#
+# Options: --device cuda|cpu (cpu: the plumbing at tiny sizes, for a machine without a GPU),
+# --tiny (small sizes on any device), --sections LIST (comma-separated, default all),
+# --budget-s S (the step section's cells stop being started once S seconds have passed since
+# the check began; default 420).
+set -uo pipefail
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+home="$(dirname "$here")"
+usage() { sed -n '2,31p' "$0"; }
+
+out=""; device=cuda; tiny=0; sections="env,tests,train,step,classifier,loader"; budget=420
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --device) device="${2:-}"; shift 2 ;;
+    --tiny) tiny=1; shift ;;
+    --sections) sections="${2:-}"; shift 2 ;;
+    --budget-s) budget="${2:-}"; shift 2 ;;
+    -h|--help) usage; exit 0 ;;
+    -*) echo "gpu_check.sh: error: unknown option '$1' (see --help)" >&2; exit 2 ;;
+    *) [ -z "$out" ] || { echo "gpu_check.sh: error: one results folder, got '$out' and '$1'" >&2; exit 2; }
+       out="$1"; shift ;;
+  esac
+done
+[ -n "$out" ] || { echo "gpu_check.sh: error: no results folder given (see --help)" >&2; exit 2; }
+case "$device" in cuda|cpu) ;; *) echo "gpu_check.sh: error: --device must be cuda or cpu, got '$device'" >&2; exit 2 ;; esac
+[[ "$budget" =~ ^[0-9]+$ ]] || { echo "gpu_check.sh: error: --budget-s must be a whole number of seconds" >&2; exit 2; }
+[ "$device" = cpu ] && tiny=1
+
+# Where the binaries are: an unpacked bundle (env.sh beside tools/) or a source checkout.
+if [ -f "$home/env.sh" ]; then
+  # shellcheck disable=SC1091
+  source "$home/env.sh" || exit 1
+  bin="$home/bin"
+  py="${FACESHARD_PYTHON:-python3}"
+else
+  bin="${FACESHARD_BUILD_DIR:-$home/build}/bin"
+  py="${FACESHARD_PYTHON:-$home/.venv/bin/python}"
+fi
+[ -x "$bin/faceshard-train" ] || { echo "gpu_check.sh: error: no faceshard-train in $bin" >&2; exit 1; }
+configs="$home/configs"
+
+mkdir -p "$out" || exit 1
+out="$(cd "$out" && pwd)"
+work=$(mktemp -d "${TMPDIR:-/tmp}/faceshard-gpu-check.XXXXXX")
+trap 'rm -rf "$work"' EXIT
+mkdir -p "$work/logs" "$work/json"
+t_start=$(date +%s)
+status="$work/json/status.tsv"
+: > "$status"
+
+free_port() { "$py" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+elapsed() { echo $(( $(date +%s) - t_start )); }
+# run NAME LIMIT_S CMD...: the command's output to logs/NAME.log, its status and time to status.tsv.
+run() {
+  local name="$1" limit="$2"; shift 2
+  local t0; t0=$(date +%s.%N)
+  echo "[gpu_check $(elapsed)s] $name" >&2
+  MASTER_PORT=$(free_port) timeout -k 10 "$limit" "$@" > "$work/logs/$name.log" 2>&1
+  local rc=$?
+  local dt; dt=$(awk -v a="$t0" -v b="$(date +%s.%N)" 'BEGIN { printf "%.1f", b - a }')
+  printf '%s\t%s\t%s\n' "$name" "$rc" "$dt" >> "$status"
+  [ "$rc" -eq 0 ] || { echo "[gpu_check] $name failed (exit $rc): $(tail -n 3 "$work/logs/$name.log" | tr '\n' ' ')" >&2; }
+  return "$rc"
+}
+want() { [[ ",$sections," == *",$1,"* ]]; }
+
+# Sizes: the real check, or the plumbing at tiny sizes.
+if [ "$tiny" = 1 ]; then
+  train_first=3; train_set=(--set train.max_steps=6 --set train.log_every=1 --set train.verify_every=3 --set train.checkpoint_every=3)
+  cells=("mbf_small 8 fp32 cl" "mbf_small 8 fp32 nchw")
+  declare -A at_for=([mbf_small]="mbf 8 fp32")
+  step_args=(--classes 2000 --sample-rate 0.1 --steps 2 --windows 2 --warmup 1)
+  at_args=(--classes 2000 --sample-rate 0.1 --steps 2 --windows 2 --warmup 1)
+  fc_classes="2000,20000"; fc_args=(--batch 16 --steps 1 --windows 1 --warmup 1)
+  loader_args=(--workers 1,2 --batch 32 --identities 20 --images-per-identity 10 --epochs 1)
+  tests_filter="*Cuda*:LossScaler.*"
+else
+  train_first=31; train_set=()
+  cells=("r50 256 bf16 cl" "r50 256 fp16 cl" "r50 256 bf16 nchw" "mbf 512 bf16 cl" "mbf 512 fp16 cl" "mbf 512 bf16 nchw")
+  # arcface_torch trains in fp16 (its configs' fp16: True): its cell beside both precisions.
+  declare -A at_for=([r50]="r50 256 fp16" [mbf]="mbf 512 fp16")
+  step_args=(--classes 1000000 --sample-rate 0.1 --steps 10 --windows 3 --warmup 3)
+  at_args=(--classes 1000000 --sample-rate 0.1 --steps 10 --windows 3 --warmup 3)
+  fc_classes="1000000,10000000"; fc_args=(--batch 128 --steps 3 --windows 2 --warmup 1)
+  loader_args=(--workers 8,16 --batch 256 --identities 1000 --images-per-identity 20 --epochs 2)
+  tests_filter="*Cuda*"
+fi
+
+# ---------------------------------------------------------------- env
+if want env; then
+  {
+    if [ "$device" = cuda ]; then
+      nvidia-smi --query-gpu=name,driver_version,memory.total,compute_cap,clocks.max.sm --format=csv,noheader \
+        > "$work/json/nvidia-smi.csv" 2>&1
+      nvidia-smi > "$work/logs/nvidia-smi.txt" 2>&1
+    fi
+    "$py" - > "$work/json/env.json" <<'PY'
+import json, os, platform, torch
+d = {"torch": torch.__version__, "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version(),
+     "python": platform.python_version(), "cpus": os.cpu_count(), "gpus": []}
+if torch.cuda.is_available():
+    d["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+    for i in range(torch.cuda.device_count()):
+        p = torch.cuda.get_device_properties(i)
+        d["gpus"].append({"name": p.name, "memory_gib": round(p.total_memory / 2**30, 1),
+                          "capability": f"{p.major}.{p.minor}", "multiprocessors": p.multi_processor_count})
+print(json.dumps(d))
+PY
+  } 2> "$work/logs/env.log"
+  printf 'env\t%s\t0\n' "$?" >> "$status"
+  run tools_load 60 "$bin/faceshard-config" --help
+fi
+
+# ---------------------------------------------------------------- tests
+if want tests; then
+  run tests 300 "$bin/faceshard_tests" --gtest_filter="$tests_filter" --gtest_output="json:$work/json/gtest.json"
+fi
+
+# ---------------------------------------------------------------- train
+if want train; then
+  data="$work/data"
+  run train_data 120 "$bin/faceshard-synth" --output "$data"
+  common=(--config "$configs/demo.yaml" --set data.rec="$data" --set dist.device="$device" --set data.batch_size=64
+          --set data.num_workers=4 --set train.tensorboard=false)
+  for prec in bf16 fp16; do
+    [ "$device" = cpu ] && [ "$prec" = fp16 ] && continue  # fp16 autocast is CUDA's
+    r="$work/run_$prec"
+    if [ "$prec" = bf16 ]; then
+      # Stopped at its first checkpoint, then resumed to the end.
+      run "train_${prec}_part1" 300 "$bin/faceshard-train" "${common[@]}" --set output="$r" --set train.precision="$prec" \
+        "${train_set[@]}" --set train.checkpoint_every="$train_first" --set train.max_steps="$train_first"
+      run "train_${prec}_resume" 300 "$bin/faceshard-train" "${common[@]}" --set output="$r" --set train.precision="$prec" \
+        "${train_set[@]}" --set train.checkpoint_every="$train_first" --resume
+    else
+      run "train_${prec}" 300 "$bin/faceshard-train" "${common[@]}" --set output="$r" --set train.precision="$prec" "${train_set[@]}"
+    fi
+    cp "$r/metrics.jsonl" "$work/json/train_${prec}_metrics.jsonl" 2>/dev/null
+    run "export_${prec}" 120 "$bin/faceshard-export" --model "$r" --onnx "$r/model.onnx"
+    [ -f "$r/model.onnx" ] && stat -c '%s' "$r/model.onnx" > "$work/json/export_${prec}_bytes.txt"
+    run "verify_${prec}" 120 "$bin/faceshard-verify" --model "$r" --bin "$data/synth.bin" --device "$device" \
+      --json "$work/json/verify_${prec}.json"
+  done
+fi
+
+# ---------------------------------------------------------------- step
+if want step; then
+  declare -A at_done=()
+  for c in "${cells[@]}"; do
+    read -r net batch prec layout <<< "$c"
+    if [ "$(elapsed)" -ge "$budget" ]; then
+      printf 'step_faceshard_%s_%s_%s_%s\tskipped\t0\n' "$net" "$batch" "$prec" "$layout" >> "$status"
+      continue
+    fi
+    # arcface_torch's step for this cell's network first (once), then faceshard's cells beside it.
+    at="${at_for[$net]:-}"
+    if [ -n "$at" ] && [ -z "${at_done[$at]:-}" ]; then
+      at_done[$at]=1
+      read -r anet abatch aprec <<< "$at"
+      run "step_arcface_torch_${anet}_${abatch}_${aprec}" 300 "$py" -m torch.distributed.run --standalone --nproc_per_node 1 \
+        "$here/arcface_torch_step.py" --device "$device" --network "$anet" --batch "$abatch" --precision "$aprec" \
+        "${at_args[@]}" --json "$work/json/step_arcface_torch_${anet}_${abatch}_${aprec}.json"
+    fi
+    cl=true; [ "$layout" = nchw ] && cl=false
+    run "step_faceshard_${net}_${batch}_${prec}_${layout}" 300 "$bin/faceshard-bench" --mode step --device "$device" \
+      --network "$net" --batch "$batch" --precision "$prec" "${step_args[@]}" --set model.channels_last=$cl \
+      --set data.num_workers=8 --json "$work/json/step_faceshard_${net}_${batch}_${prec}_${layout}.json"
+  done
+fi
+
+# ---------------------------------------------------------------- classifier
+if want classifier; then
+  for rate in 1.0 0.1; do
+    run "classifier_${rate}" 400 "$bin/faceshard-bench" --mode classifier --device "$device" --classes-per-shard "$fc_classes" \
+      --sample-rate "$rate" "${fc_args[@]}" --json "$work/json/classifier_${rate}.json"
+    for cls in ${fc_classes//,/ }; do
+      batch=$(printf '%s\n' "${fc_args[@]}" | awk 'p {print; exit} /^--batch$/ {p=1}')
+      run "plan_${cls}_${rate}" 60 "$bin/faceshard-plan" --classes "$cls" --batch "$batch" --sample-rate "$rate" \
+        --json "$work/json/plan_${cls}_${rate}.json"
+    done
+  done
+fi
+
+# ---------------------------------------------------------------- loader
+if want loader; then
+  run loader 300 "$bin/faceshard-bench" --mode data "${loader_args[@]}" --json "$work/json/loader.json"
+fi
+
+# ---------------------------------------------------------------- report
+printf 'total\t0\t%s\n' "$(elapsed)" >> "$status"
+tar -C "$work" -czf "$out/logs.tar.gz" logs json
+"$py" "$here/gpu_check_report.py" "$work/json" "$out/results.json" --device "$device" | tee "$out/summary.txt"
+rc=${PIPESTATUS[0]}
+echo "gpu_check: results in $out (results.json, summary.txt, logs.tar.gz); $(elapsed) s"
+exit "$rc"
