@@ -86,6 +86,11 @@ run() {
   return "$rc"
 }
 want() { [[ ",$sections," == *",$1,"* ]]; }
+# The report so far, after each section: a check cut short still leaves what it measured.
+report() {
+  tar -C "$work" -czf "$out/logs.tar.gz" logs json 2>/dev/null
+  "$py" "$here/gpu_check_report.py" "$work/json" "$out/results.json" --device "$device" > "$out/summary.txt" 2>&1
+}
 
 # Sizes: the real check, or the plumbing at tiny sizes.
 if [ "$tiny" = 1 ]; then
@@ -99,7 +104,7 @@ if [ "$tiny" = 1 ]; then
   tests_filter="*Cuda*:LossScaler.*"
 else
   train_first=31; train_set=()
-  cells=("r50 256 bf16 cl" "r50 256 fp16 cl" "r50 256 bf16 nchw" "mbf 512 bf16 cl" "mbf 512 fp16 cl" "mbf 512 bf16 nchw")
+  cells=("r50 256 bf16 cl" "r50 256 fp16 cl" "r50 256 bf16 nchw" "mbf 512 bf16 cl" "mbf 512 fp16 cl")
   # arcface_torch trains in fp16 (its configs' fp16: True): its cell beside both precisions.
   declare -A at_for=([r50]="r50 256 fp16" [mbf]="mbf 512 fp16")
   step_args=(--classes 1000000 --sample-rate 0.1 --steps 10 --windows 3 --warmup 3)
@@ -137,6 +142,7 @@ fi
 # ---------------------------------------------------------------- tests
 if want tests; then
   run tests 300 "$bin/faceshard_tests" --gtest_filter="$tests_filter" --gtest_output="json:$work/json/gtest.json"
+  report
 fi
 
 # ---------------------------------------------------------------- train
@@ -162,6 +168,7 @@ if want train; then
     [ -f "$r/model.onnx" ] && stat -c '%s' "$r/model.onnx" > "$work/json/export_${prec}_bytes.txt"
     run "verify_${prec}" 120 "$bin/faceshard-verify" --model "$r" --bin "$data/synth.bin" --device "$device" \
       --json "$work/json/verify_${prec}.json"
+    report
   done
 fi
 
@@ -187,20 +194,22 @@ if want step; then
     run "step_faceshard_${net}_${batch}_${prec}_${layout}" 300 "$bin/faceshard-bench" --mode step --device "$device" \
       --network "$net" --batch "$batch" --precision "$prec" "${step_args[@]}" --set model.channels_last=$cl \
       --set data.num_workers=8 --json "$work/json/step_faceshard_${net}_${batch}_${prec}_${layout}.json"
+    report
   done
 fi
 
 # ---------------------------------------------------------------- classifier
 if want classifier; then
+  run classifier 400 "$bin/faceshard-bench" --mode classifier --device "$device" --classes-per-shard "$fc_classes" \
+    --sample-rate 1.0,0.1 "${fc_args[@]}" --json "$work/json/classifier.json"
+  batch=$(printf '%s\n' "${fc_args[@]}" | awk 'p {print; exit} /^--batch$/ {p=1}')
   for rate in 1.0 0.1; do
-    run "classifier_${rate}" 400 "$bin/faceshard-bench" --mode classifier --device "$device" --classes-per-shard "$fc_classes" \
-      --sample-rate "$rate" "${fc_args[@]}" --json "$work/json/classifier_${rate}.json"
     for cls in ${fc_classes//,/ }; do
-      batch=$(printf '%s\n' "${fc_args[@]}" | awk 'p {print; exit} /^--batch$/ {p=1}')
       run "plan_${cls}_${rate}" 60 "$bin/faceshard-plan" --classes "$cls" --batch "$batch" --sample-rate "$rate" \
         --json "$work/json/plan_${cls}_${rate}.json"
     done
   done
+  report
 fi
 
 # ---------------------------------------------------------------- loader

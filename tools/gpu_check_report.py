@@ -160,7 +160,7 @@ def main():
 
     # classifier: bytes per class measured (the allocator's peak slope) and planned
     classifier = []
-    for path in sorted(glob.glob(os.path.join(d, "classifier_*.json"))):
+    for path in sorted(glob.glob(os.path.join(d, "classifier*.json"))):
         c = load(path)
         if not c:
             continue

@@ -78,7 +78,7 @@ t = r["train"]["bf16"]
 steps = [s for s, _ in t["losses"]]
 assert steps[0] == 1 and steps[-1] == 6, f"the demo did not run steps 1-6 across its resume: {steps}"
 names = [s["name"] for s in r["sections"]]
-for n in ("train_bf16_part1", "train_bf16_resume", "export_bf16", "verify_bf16", "classifier_1.0", "loader"):
+for n in ("train_bf16_part1", "train_bf16_resume", "export_bf16", "verify_bf16", "classifier", "loader"):
     assert n in names, f"no section {n}"
 who = sorted({x["who"] for x in r["records"]})
 assert who == ["arcface_torch", "faceshard"], who
