@@ -43,6 +43,10 @@ def jsonl(path):
     return rows
 
 
+def fmt(x, digits=4):
+    return "none" if x is None else f"{x:.{digits}f}"
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("json_dir")
@@ -213,7 +217,7 @@ def main():
         l = t["losses"]
         acc = t["verification"]
         print(f"-- train {prec}: loss {l[0][1]:.3f} (step {l[0][0]}) -> {l[-1][1]:.3f} (step {l[-1][0]}); "
-              f"verification {' '.join(f'{s}:{v:.3f}' for s, v in acc)}; faceshard-verify {t['verify_tool_accuracy']}"
+              f"verification {' '.join(f'{s}:{v:.3f}' for s, v in acc)}; faceshard-verify {fmt(t['verify_tool_accuracy'])}"
               f"; onnx {t.get('onnx_bytes', 'none')} B" if l else f"-- train {prec}: no losses")
     if records:
         print("-- step (images/s, peak MB)")
