@@ -46,7 +46,12 @@ std::string read_file(const std::string& path) {
   return ss.str();
 }
 
-[[noreturn]] void run_child(const RankBody& body, const RankOptions& opts) {
+// Printed by a rank process after its body returned without a failure; the parent requires
+// it from every rank, so a rank that ran no body (a filter or call index that selects
+// nothing) cannot pass for one that did.
+constexpr const char* kBodyDone = "[harness] rank body done: call ";
+
+[[noreturn]] void run_child(const RankBody& body, const RankOptions& opts, int call) {
   int code = 0;
   try {
     DistOptions dopts;
@@ -60,6 +65,7 @@ std::string read_file(const std::string& path) {
       code = 1;
     } else {
       dist->shutdown();
+      std::printf("%s%d\n", kBodyDone, call);
     }
   } catch (const std::exception& e) {
     report_fatal("faceshard_tests", one_line(e));
@@ -154,7 +160,7 @@ CommandResult run_python(const std::string& dir, const std::string& name, const 
 std::vector<RankResult> spawn_ranks(int world, const RankBody& body, const RankOptions& opts) {
   const int call = next_call_index();
   if (in_rank_process()) {
-    if (std::atoi(env_or_null("FS_HARNESS_CALL")) == call) run_child(body, opts);
+    if (std::atoi(env_or_null("FS_HARNESS_CALL")) == call) run_child(body, opts, call);
     return {};  // another call of this test runs in this process; skip this one
   }
 
@@ -235,24 +241,30 @@ std::vector<RankResult> spawn_ranks(int world, const RankBody& body, const RankO
   }
   for (int r = 0; r < world; ++r) {
     results[r].output = read_file(dir + "/rank" + std::to_string(r) + ".log");
+    results[r].body_done = results[r].output.find(kBodyDone + std::to_string(call) + "\n") != std::string::npos;
     std::remove((dir + "/rank" + std::to_string(r) + ".log").c_str());
   }
   rmdir(dir.c_str());
   return results;
 }
 
-void run_ranks(int world, const RankBody& body, const RankOptions& opts) {
-  auto results = spawn_ranks(world, body, opts);
+std::vector<std::string> rank_failures(const std::vector<RankResult>& results) {
+  std::vector<std::string> failures;
   for (const auto& r : results) {
-    if (r.exit_code == 0 && r.signal == 0) continue;
+    if (r.exit_code == 0 && r.signal == 0 && r.body_done) continue;
     std::string tail = r.output.size() > 4000 ? r.output.substr(r.output.size() - 4000) : r.output;
-    ADD_FAILURE() << "rank " << r.rank << "/" << world
-                  << (r.killed_by_harness ? " was killed after the time limit"
-                      : r.signal         ? " died with signal " + std::to_string(r.signal)
-                                         : " exited with status " + std::to_string(r.exit_code))
-                  << "; its output:\n"
-                  << tail;
+    failures.push_back("rank " + std::to_string(r.rank) + "/" + std::to_string(results.size()) +
+                       (r.killed_by_harness ? " was killed after the time limit"
+                        : r.signal          ? " died with signal " + std::to_string(r.signal)
+                        : r.exit_code != 0  ? " exited with status " + std::to_string(r.exit_code)
+                                            : " exited 0 without running its body") +
+                       "; its output:\n" + tail);
   }
+  return failures;
+}
+
+void run_ranks(int world, const RankBody& body, const RankOptions& opts) {
+  for (const std::string& f : rank_failures(spawn_ranks(world, body, opts))) ADD_FAILURE() << f;
 }
 
 }  // namespace faceshard::testing

@@ -23,6 +23,7 @@ struct RankResult {
   int exit_code = -1;  // -1 when killed by a signal
   int signal = 0;
   bool killed_by_harness = false;
+  bool body_done = false;  // the rank printed the harness's line after its body returned cleanly
   std::string output;  // stdout + stderr
 };
 
@@ -31,8 +32,13 @@ using RankBody = std::function<void(Distributed& dist)>;
 // Runs body on `world` ranks and returns each rank's result (does not judge them).
 std::vector<RankResult> spawn_ranks(int world, const RankBody& body, const RankOptions& opts = {});
 
+// What is wrong with each rank of a run, one message per rank that did not exit 0 after
+// running its body without a failure (a rank that exits 0 having run no body is one).
+std::vector<std::string> rank_failures(const std::vector<RankResult>& results);
+
 // Runs body on `world` ranks and adds a test failure, with the rank's output, for every
-// rank that did not exit cleanly (including failed EXPECTs inside the body).
+// rank that did not exit cleanly (including failed EXPECTs inside the body) or did not
+// run its body.
 void run_ranks(int world, const RankBody& body, const RankOptions& opts = {});
 
 // How far `a` is from the reference `b`, relative to the reference, in float64:

@@ -143,7 +143,9 @@ TEST(DataTransform, DecodeIsExactForPngAndRejectsGarbage) {
   std::vector<uint8_t> junk(500, 7);
   EXPECT_NE(error_of([&] { decode_image(junk.data(), junk.size(), "rec key 5"); }).find("rec key 5"),
             std::string::npos);
-  png.resize(png.size() / 3);  // truncated
+  const size_t whole = png.size();
+  png.resize(whole / 3);  // truncated: the header is there, the pixels are not
+  EXPECT_NE(error_of([&] { decode_image(png.data(), png.size(), "cut.png"); }).find("truncated"), std::string::npos);
   EXPECT_THROW(decode_image(png.data(), 0, "empty"), Error);
 }
 

@@ -146,6 +146,27 @@ TEST_P(Collectives, MatchClosedForms) {
 INSTANTIATE_TEST_SUITE_P(World, Collectives, ::testing::Values(1, 2, 3, 4),
                          [](const auto& info) { return "W" + std::to_string(info.param); });
 
+// The harness itself: ranks that ran their body pass; a rank process whose call index
+// selects no body (here FS_HARNESS_CALL points past the test's calls) exits 0 all the same,
+// and that is a failure, not a pass.
+TEST(Harness, RankThatRunsNoBodyIsAFailure) {
+  auto ran = spawn_ranks(2, [](Distributed& d) { d.barrier(); });
+  RankOptions o;
+  o.env = {{"FS_HARNESS_CALL", "99"}};
+  auto none = spawn_ranks(2, [](Distributed& d) { d.barrier(); }, o);
+  if (testing::in_rank_process()) return;
+  ASSERT_EQ(ran.size(), 2u);
+  ASSERT_EQ(none.size(), 2u);
+  EXPECT_TRUE(testing::rank_failures(ran).empty());
+  for (const auto& r : none) {
+    EXPECT_EQ(r.exit_code, 0) << r.output;
+    EXPECT_FALSE(r.body_done) << r.output;
+  }
+  const auto f = testing::rank_failures(none);
+  ASSERT_EQ(f.size(), 2u);
+  EXPECT_NE(f[0].find("exited 0 without running its body"), std::string::npos) << f[0];
+}
+
 // A rank that throws: the others fail quickly with a message naming it and its error.
 TEST(DistFailure, RankThatThrowsIsNamed) {
   RankOptions o;

@@ -336,10 +336,13 @@ optim: {fc_state_dtype: )" + dtype + "}\n",
     const std::string to = from == "bf16" ? "fp32" : "bf16";
     SCOPED_TRACE(from + " -> " + to);
     const at::Tensor momentum = torch::randn({10, 8});
+    // Each check below finds its entry by name; a renamed entry must fail, not skip it.
+    int found = 0;
     {
       TrainJob job = build_train_job(config(from), dist);
       for (const auto& kv : job.fc->state())
         if (kv.first == "opt.momentum") {
+          ++found;
           EXPECT_EQ(kv.second.scalar_type(), from == "bf16" ? at::kBFloat16 : at::kFloat);
           kv.second.copy_(momentum);
         }
@@ -352,6 +355,7 @@ optim: {fc_state_dtype: )" + dtype + "}\n",
     // Saved in its own dtype.
     for (const auto& kv : read_state_dict(ck + "/fc_shard_0.pt"))
       if (kv.first == "rows/opt.momentum") {
+        ++found;
         EXPECT_EQ(kv.second.scalar_type(), from == "bf16" ? at::kBFloat16 : at::kFloat);
       }
     EXPECT_EQ(ReshardedRows(read_checkpoint_info(ck), 0, 10).dtype("opt.momentum"),
@@ -360,9 +364,11 @@ optim: {fc_state_dtype: )" + dtype + "}\n",
     TrainState(job).load(ck);
     for (const auto& kv : job.fc->state())
       if (kv.first == "opt.momentum") {
+        ++found;
         EXPECT_EQ(kv.second.scalar_type(), to == "bf16" ? at::kBFloat16 : at::kFloat);
         EXPECT_TRUE(torch::equal(kv.second.to(at::kFloat), momentum.to(at::kBFloat16).to(at::kFloat)));
       }
+    EXPECT_EQ(found, 3) << "the momentum entry was not found in the state, the file and the resumed state";
   }
 }
 

@@ -5,6 +5,7 @@
 // the single-process heads against the authors' code itself.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 
 #include "partial_fc/classifier/elasticface_head.h"
@@ -203,8 +204,38 @@ TEST(ElasticFaceDraws, SeededByRunAndForward) {
   const at::Tensor a = elasticface_draws(64, 0.5, 0.05, 7, 3), b = elasticface_draws(64, 0.5, 0.05, 7, 3);
   EXPECT_TRUE(torch::equal(a, b));
   EXPECT_FALSE(torch::equal(a, elasticface_draws(64, 0.5, 0.05, 7, 4)));
-  EXPECT_NEAR(a.mean().item<double>(), 0.5, 0.05 * 4 / 8.0);
   EXPECT_TRUE(torch::equal(elasticface_draws(5, 0.35, 0.0, 7, 0), torch::full({5}, 0.35f)));
+}
+
+// The margins are N(m, sigma^2): on 1e5 draws the mean within 5 standard errors, the spread
+// within 1%, the Kolmogorov-Smirnov distance to the normal CDF below its 1% critical value
+// (1.63 / sqrt(n)), and two forwards' draws uncorrelated.
+TEST(ElasticFaceDraws, NormalWithTheGivenMeanAndSpread) {
+  const int64_t n = 100000;
+  const double m = 0.5, sigma = 0.05;
+  const at::Tensor x = elasticface_draws(n, m, sigma, 11, 5).to(at::kDouble);
+  EXPECT_NEAR(x.mean().item<double>(), m, 5 * sigma / std::sqrt(double(n)));
+  EXPECT_NEAR(x.std().item<double>(), sigma, 0.01 * sigma);
+  const at::Tensor sorted = std::get<0>(x.sort());
+  const double* v = sorted.data_ptr<double>();
+  double d = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const double cdf = 0.5 * std::erfc(-(v[i] - m) / (sigma * std::sqrt(2.0)));
+    d = std::max({d, std::abs(cdf - double(i) / double(n)), std::abs(cdf - double(i + 1) / double(n))});
+  }
+  EXPECT_LT(d, 1.63 / std::sqrt(double(n))) << "KS distance";
+  // A uniform draw of the same mean and spread is far from normal by the same measure.
+  const at::Tensor u = (torch::rand({n}, at::kDouble) - 0.5) * sigma * std::sqrt(12.0) + m;
+  const at::Tensor us = std::get<0>(u.sort());
+  double du = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const double cdf = 0.5 * std::erfc(-(us.data_ptr<double>()[i] - m) / (sigma * std::sqrt(2.0)));
+    du = std::max(du, std::abs(cdf - double(i) / double(n)));
+  }
+  EXPECT_GT(du, 1.63 / std::sqrt(double(n))) << "the KS check cannot tell a uniform draw";
+  const at::Tensor y = elasticface_draws(n, m, sigma, 11, 6).to(at::kDouble);
+  const double r = ((x - x.mean()) * (y - y.mean())).mean().item<double>() / (x.std().item<double>() * y.std().item<double>());
+  EXPECT_LT(std::abs(r), 5 / std::sqrt(double(n)));
 }
 
 TEST(MarginHeads, UnknownHeadOrParameterNamed) {

@@ -42,8 +42,9 @@ bool python_has_torch() {
   return ok;
 }
 
-#define REQUIRE_PYTHON_TORCH()                                                            \
-  if (!python_has_torch()) GTEST_SKIP() << "no Python with torch at " << FACESHARD_PYTHON; \
+// The references need Python's torch (configure requires it): its absence is a failure.
+#define REQUIRE_PYTHON_TORCH()                                                                 \
+  ASSERT_TRUE(python_has_torch()) << "no Python with torch at " << FACESHARD_PYTHON; \
   static_assert(true)
 
 std::string read_text(const std::string& path) {

@@ -97,6 +97,18 @@ TEST(PlanTable, ShippedMbfSmallFigureIsWhatTheProbeMeasures) {
       << m.bytes_per_image << " measured, " << e->bytes_per_image << " shipped";
 }
 
+// The same for r50 (fp32, batches 2 and 6: about 3 s), the network most plans are for, so
+// that a change to the iresnets that the table does not follow is caught.
+TEST(PlanTable, ShippedR50FigureIsWhatTheProbeMeasures) {
+  const ActivationTable t = ActivationTable::shipped();
+  const ActivationEntry* e = t.find("r50", "fp32", false);
+  ASSERT_NE(e, nullptr);
+  const ActivationMeasurement m = measure_activations("r50", BodyPrecision::Float32, false, {2, 6});
+  EXPECT_LT(relative_error(m.bytes_per_image, e->bytes_per_image), 0.10)
+      << m.bytes_per_image << " measured, " << e->bytes_per_image << " shipped";
+  EXPECT_EQ(m.parameters, e->parameters);
+}
+
 JobPlanInputs r50_job() {
   JobPlanInputs in;
   in.network = "r50";

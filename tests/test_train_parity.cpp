@@ -13,9 +13,10 @@
 // Precision. The reference runs twice, in float64 (the step's exact value) and in float32
 // (what an fp32 implementation of it, such as arcface_torch's, reaches). faceshard (fp32) is
 // measured against the float64 run: values within 1e-5 and updates within 1e-4 relative,
-// or, where float32 itself cannot get that close, within 10x the float32 run's distance
-// (per quantity, or the median over the quantities checked together if larger; the backbone
-// update is also checked as a whole).
+// or, where float32 itself cannot get that close, within 4x the float32 run's distance
+// (per quantity, or the median over the quantities checked together if larger), capped; the
+// backbone update is also checked as a whole, the classifier rows on their own, entries whose
+// exact value is zero by an absolute bound, and the number of widened tolerances is bounded.
 // That floor is real and large for some entries, and it is what a comparison of two fp32
 // implementations sees as "differences": (a) entries whose exact value is zero, e.g. the
 // biases of BatchNorms whose output reaches the loss only through linear maps into another
@@ -58,7 +59,9 @@ namespace {
 // Weight decay 0.05 so that its share of each update is visible at the tolerances below.
 constexpr int64_t kClasses = 40, kEmbedding = 32, kBatch = 4, kSteps = 3, kTotalSteps = 100;
 constexpr double kLr = 0.001, kWeightDecay = 0.05;
-constexpr double kValueTolerance = 1e-5, kUpdateTolerance = 1e-4, kFloorFactor = 10;
+constexpr double kValueTolerance = 1e-5, kUpdateTolerance = 1e-4, kFloorFactor = 4;
+// The largest widened tolerances (see Check): what float32 itself reaches here, with margin.
+constexpr double kValueCap = 1e-3, kUpdateCap = 2e-2;
 
 struct ParityCase {
   std::string name;
@@ -389,61 +392,95 @@ bool ends_with(const std::string& s, const std::string& tail) {
   return s.size() >= tail.size() && s.compare(s.size() - tail.size(), tail.size(), tail) == 0;
 }
 
-// Quantities against the float64 reference: each within `base`, or, where float32 itself
-// cannot get that close, within kFloorFactor times the float32 floor: the float32
-// reference's distance from the float64 one for that quantity, or the median of those
-// distances over the quantities checked together if larger (one float32 sample of a
-// rounding error says little about the next one).
+// Quantities against the float64 reference. Each is within `base` (1e-5 for values, 1e-4 for
+// updates), or, where float32 itself cannot get that close, within kFloorFactor times the
+// float32 floor: the float32 reference's distance from the float64 one for that quantity,
+// or the median of those distances over the quantities checked together if larger (one
+// float32 sample of a rounding error says little about the next one); the median applies
+// only to quantities whose own floor is not zero, and no widened tolerance exceeds `cap`.
+// Entries whose exact value is zero (float64's largest magnitude under kExactZero: the
+// biases and running means described above) have no relative error worth the name: their
+// values must stay under an absolute bound instead (kZeroAbs, float32's rounding noise there
+// is about 1e-8). run() reports how many quantities it widened; the callers bound that count.
+constexpr double kExactZero = 1e-12, kZeroAbs = 1e-6;
 struct Check {
-  explicit Check(std::string k) : kind(std::move(k)) {}
+  Check(std::string k, double cap_) : kind(std::move(k)), cap(cap_) {}
   std::string kind;  // "value" or "update"
+  double cap;
   struct Item {
     std::string what;
-    double error, floor, base;
+    double error, floor, base, got_abs, ref_abs;
+    bool zero() const { return ref_abs <= kExactZero; }
   };
   std::vector<Item> items;
-  double worst = 0, worst_floor = 0;
+  double worst = 0, worst_floor = 0, worst_tol = 0;
   std::string worst_name;
-  int floored = 0;
-  std::vector<std::string> floored_names;
+  int floored = 0, zeros = 0;
+  std::vector<double> tolerances;  // in force, per item (the absolute bound for exact zeros)
 
   void add(const std::string& what, const at::Tensor& got, const at::Tensor& ref32, const at::Tensor& ref64,
            double base) {
-    items.push_back({what, testing::relative_error(got, ref64), testing::relative_error(ref32, ref64), base});
+    items.push_back({what, testing::relative_error(got, ref64), testing::relative_error(ref32, ref64), base,
+                     got.abs().max().item<double>(), ref64.abs().max().item<double>()});
   }
   void run() {
     std::vector<double> floors;
-    for (const auto& it : items) floors.push_back(it.floor);
+    for (const auto& it : items)
+      if (!it.zero() && it.floor > 0) floors.push_back(it.floor);
     std::nth_element(floors.begin(), floors.begin() + floors.size() / 2, floors.end());
     const double median = floors.empty() ? 0.0 : floors[floors.size() / 2];
     for (const auto& it : items) {
-      const double floor = std::max(it.floor, median), tol = std::max(it.base, kFloorFactor * floor);
+      if (it.zero()) {
+        zeros++;
+        tolerances.push_back(kZeroAbs);
+        EXPECT_LE(it.got_abs, kZeroAbs) << kind << " of " << it.what << ": exactly zero in float64, "
+                                        << it.got_abs << " here";
+        continue;
+      }
+      const double floor = it.floor > 0 ? std::max(it.floor, median) : 0.0;
+      const double tol = std::max(it.base, std::min(cap, kFloorFactor * floor));
+      tolerances.push_back(tol);
       EXPECT_LE(it.error, tol) << kind << " of " << it.what << " (float32 reference: " << it.floor << ", median "
-                               << median << ")";
+                               << median << ", cap " << cap << ")";
       if (tol > it.base) floored++, floored_names.push_back(it.what);
-      if (it.error > worst) worst = it.error, worst_name = it.what, worst_floor = floor;
+      if (it.error > worst) worst = it.error, worst_name = it.what, worst_floor = floor, worst_tol = tol;
     }
   }
+  std::vector<std::string> floored_names;
   int count() const { return static_cast<int>(items.size()); }
 };
 
+// The tolerances in force for one case after step 1 (the negative control below is measured
+// against them).
+struct InForce {
+  double backbone_update = 0, classifier_update = 0;
+};
+
+// At most this fraction of the backbone's values may take a widened tolerance (measured: up
+// to 17%, the fresh network on 2 ranks after step 3; see the [parity] lines). Its updates all
+// do: float32 itself cannot reach 1e-4 there (MobileFaceNet's backward, above), and their
+// widened tolerances are capped at kUpdateCap.
+constexpr double kMaxWidenedValues = 0.25;
+
 // The values and updates of one checkpointed step: loss, every backbone entry of every rank
-// (values; updates of the parameters), the classifier rows (values and updates).
-void compare_case(const ParityCase& c, const std::string& dir, int world) {
+// (values; updates of the parameters), the classifier rows (values and updates, a check of
+// their own, so that the backbone's floors do not widen theirs).
+InForce compare_case(const ParityCase& c, const std::string& dir, int world) {
+  InForce in_force;
   const StateDict init = read_state_dict(dir + "/init_backbone.pt");
   const at::Tensor fc_init = find(read_state_dict(dir + "/init_fc.pt"), "weight");
   for (int64_t k : {int64_t{1}, kSteps}) {
     SCOPED_TRACE(c.name + " after step " + std::to_string(k) + " on " + std::to_string(world) + " rank(s)");
     const std::string step = "_step" + std::to_string(k) + ".pt";
     const StateDict r64 = read_state_dict(dir + "/ref64" + step), r32 = read_state_dict(dir + "/ref32" + step);
-    Check values{"value"}, updates{"update"};
+    Check values{"value", kValueCap}, updates{"update", kUpdateCap}, loss_check{"value", kValueCap};
     std::vector<at::Tensor> shards;
     double loss = 0;
     for (int r = 0; r < world; ++r) {
       const StateDict got = read_state_dict(dir + "/rank" + std::to_string(r) + step);
       shards.push_back(find(got, "fc.weight"));
       loss = find(got, "loss").item<double>();
-      values.add("loss", find(got, "loss"), find(r32, "loss"), find(r64, "loss"), kValueTolerance);
+      loss_check.add("loss", find(got, "loss"), find(r32, "loss"), find(r64, "loss"), kValueTolerance);
       int entries = 0;
       for (const auto& [name, value] : got) {
         if (name.rfind("bb.", 0) != 0) continue;
@@ -455,9 +492,14 @@ void compare_case(const ParityCase& c, const std::string& dir, int world) {
           continue;
         }
         const std::string what = "rank " + std::to_string(r) + " " + name.substr(3);
-        values.add(what, value, v32, v64, kValueTolerance);
-        if (ends_with(name, "running_mean") || ends_with(name, "running_var")) continue;
+        if (ends_with(name, "running_mean") || ends_with(name, "running_var")) {
+          values.add(what, value, v32, v64, kValueTolerance);
+          continue;
+        }
         const at::Tensor v0 = find(init, name.substr(3));
+        // A parameter that starts at zero (the BatchNorm biases) is its update: a value made of
+        // a few small updates has float32's relative rounding of an update, checked as one.
+        if (v0.abs().max().item<double>() > 0) values.add(what, value, v32, v64, kValueTolerance);
         updates.add(what, value - v0, v32 - v0, v64 - v0, kUpdateTolerance);
       }
       EXPECT_GT(entries, 100);
@@ -473,26 +515,34 @@ void compare_case(const ParityCase& c, const std::string& dir, int world) {
         a.push_back((find(r32, "r0.bb." + name) - v0).reshape({-1}));
         b.push_back((find(r64, "r0.bb." + name) - v0).reshape({-1}));
       }
-      Check whole{"update"};
+      Check whole{"update", kUpdateCap};
       whole.add("the whole backbone", torch::cat(g), torch::cat(a), torch::cat(b), kUpdateTolerance);
       whole.run();
+      if (k == 1) in_force.backbone_update = whole.tolerances[0];
       std::printf("[parity] %-20s W=%d step %lld: backbone update as a whole %.1e from the float64 reference "
-                  "(float32 reference %.1e)\n", c.name.c_str(), world, static_cast<long long>(k), whole.items[0].error,
-                  whole.items[0].floor);
+                  "(float32 reference %.1e, tolerance in force %.1e)\n", c.name.c_str(), world,
+                  static_cast<long long>(k), whole.items[0].error, whole.items[0].floor, whole.tolerances[0]);
     }
     const at::Tensor fc = torch::cat(shards);
-    values.add("classifier rows", fc, find(r32, "fc.weight"), find(r64, "fc.weight"), kValueTolerance);
-    updates.add("classifier rows", fc - fc_init, find(r32, "fc.weight") - fc_init, find(r64, "fc.weight") - fc_init,
-            kUpdateTolerance);
-    values.run();
-    updates.run();
-    std::printf("[parity] %-20s W=%d step %lld: loss %.6f (float64 reference %.6f); values: worst %.1e (%s), "
-                "%d of %d at the float32 floor; updates: worst %.1e (%s, float32 floor %.1e), %d of %d "
-                "at the floor\n",
-                c.name.c_str(), world, static_cast<long long>(k), loss, find(r64, "loss").item<double>(), values.worst,
-                values.worst_name.c_str(), values.floored, values.count(), updates.worst, updates.worst_name.c_str(),
-                updates.worst_floor, updates.floored, updates.count());
+    Check fc_values{"value", kValueCap}, fc_updates{"update", kUpdateCap};
+    fc_values.add("classifier rows", fc, find(r32, "fc.weight"), find(r64, "fc.weight"), kValueTolerance);
+    fc_updates.add("classifier rows", fc - fc_init, find(r32, "fc.weight") - fc_init, find(r64, "fc.weight") - fc_init,
+                   kUpdateTolerance);
+    for (Check* ch : {&loss_check, &values, &updates, &fc_values, &fc_updates}) ch->run();
+    if (k == 1) in_force.classifier_update = fc_updates.tolerances[0];
+    EXPECT_LE(values.floored, kMaxWidenedValues * (values.count() - values.zeros))
+        << values.floored << " of " << values.count() - values.zeros << " backbone values took a widened tolerance";
+    std::printf("[parity] %-20s W=%d step %lld: loss %.6f (float64 reference %.6f, error %.1e); values: worst %.1e "
+                "(%s, tolerance %.1e), %d of %d widened, %d exactly zero; updates: worst %.1e (%s, float32 floor %.1e, "
+                "tolerance %.1e), %d of %d widened, %d exactly zero; classifier rows: value %.1e (tolerance %.1e), "
+                "update %.1e (float32 %.1e, tolerance %.1e)\n",
+                c.name.c_str(), world, static_cast<long long>(k), loss, find(r64, "loss").item<double>(),
+                loss_check.worst, values.worst, values.worst_name.c_str(), values.worst_tol, values.floored,
+                values.count(), values.zeros, updates.worst, updates.worst_name.c_str(), updates.worst_floor,
+                updates.worst_tol, updates.floored, updates.count(), updates.zeros, fc_values.items[0].error,
+                fc_values.tolerances[0], fc_updates.items[0].error, fc_updates.items[0].floor, fc_updates.tolerances[0]);
   }
+  return in_force;
 }
 
 // The difference between the margin modes: faceshard's update in one case against the
@@ -568,21 +618,23 @@ void run_parity(int world, const std::vector<ParityCase>& cases) {
   auto py = testing::run_python(dir, "step_reference.py", kStepReferencePy, {dir, std::to_string(world)});
   ASSERT_EQ(py.status, 0) << py.output;
   std::printf("%s", py.output.c_str());
+  std::map<std::string, InForce> in_force;
   for (const auto& c : cases) {
-    compare_case(c, dir + "/" + c.name, world);
+    in_force[c.name] = compare_case(c, dir + "/" + c.name, world);
     if (c.checkpoint) compare_checkpoint(dir + "/" + c.name);
   }
   // The test tells the margin modes apart: arcface_torch's first update is far outside the
-  // tolerances from the exact mode's (same initial state and batches).
+  // tolerances in force for the exact mode's (same initial state and batches).
   auto named = [&](const std::string& n) {
     return std::any_of(cases.begin(), cases.end(), [&](const ParityCase& c) { return c.name == n && !c.fresh; });
   };
   if (named("arcface_exact") && named("arcface_torch")) {
     auto [backbone, classifier] = update_difference(dir + "/arcface_torch", dir + "/arcface_exact");
-    EXPECT_GT(backbone, 10 * kUpdateTolerance);
-    EXPECT_GT(classifier, 10 * kUpdateTolerance);
-    std::printf("[parity] first update, arcface_torch mode against exact: backbone %.3g, classifier %.3g relative\n",
-                backbone, classifier);
+    const InForce& tol = in_force["arcface_exact"];
+    EXPECT_GT(backbone, 3 * tol.backbone_update);
+    EXPECT_GT(classifier, 3 * tol.classifier_update);
+    std::printf("[parity] first update, arcface_torch mode against exact: backbone %.3g (tolerance in force %.1e), "
+                "classifier %.3g (%.1e) relative\n", backbone, tol.backbone_update, classifier, tol.classifier_update);
   }
 }
 

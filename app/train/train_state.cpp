@@ -4,10 +4,14 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
 #include <mutex>
 #include <sstream>
 
 #include "app/io/resharded_rows.h"
+#include "partial_fc/runtime/cpu_block_cache.h"
 #include "partial_fc/runtime/error.h"
 #include "partial_fc/runtime/log.h"
 
@@ -75,10 +79,28 @@ void TrainState::save(CheckpointManager& checkpoints) const {
   log_info("checkpoint saved: ", checkpoints.root(), " step ", p.step);
 }
 
+namespace {
+
+// A field of /proc/self/status in MB (-1 where there is none).
+double status_mb(const char* key) {
+  std::ifstream f("/proc/self/status");
+  std::string line;
+  const size_t n = std::strlen(key);
+  while (std::getline(f, line))
+    if (line.compare(0, n, key) == 0) return std::atof(line.c_str() + n) / 1024.0;
+  return -1;
+}
+
+}  // namespace
+
 void TrainState::load(const std::string& dir) {
   TrainJob& j = job_;
   TrainProgress& p = progress_;
   const auto t0 = std::chrono::steady_clock::now();
+  // The load's own memory: the process's peak after it against its resident memory before
+  // (the shard's rows are allocated but not yet touched, so the rows read land in this).
+  const double rss_before_mb = status_mb("VmRSS:"), anon_before_mb = status_mb("RssAnon:");
+  const int64_t cache_before = CpuBlockCache::cached_bytes();
   auto seconds = [](std::chrono::steady_clock::time_point a) {
     return std::chrono::duration<double>(std::chrono::steady_clock::now() - a).count();
   };
@@ -210,6 +232,16 @@ void TrainState::load(const std::string& dir) {
                                                    : "",
            "; classifier rows ", rows_gb, " GB read in ", rows_s, " s (", rows_gb / std::max(rows_s, 1e-9),
            " GB/s), whole load ", seconds(t0), " s");
+  // What the load itself took in this process's memory: its peak over what it held when it
+  // ended (a transient: a buffer or a whole file read and dropped), and the private memory it
+  // added beyond the rows it read (file pages, e.g. library code first run here, are not
+  // the load's memory).
+  if (rss_before_mb >= 0 && !j.device.is_cuda())
+    log_info("resume memory: resident ", static_cast<int64_t>(rss_before_mb), " MB before the load, ",
+             static_cast<int64_t>(status_mb("VmRSS:")), " MB after it, peak ", static_cast<int64_t>(status_mb("VmHWM:")),
+             " MB; private memory +", static_cast<int64_t>(status_mb("RssAnon:") - anon_before_mb), " MB for ",
+             static_cast<int64_t>(rows_gb * 1e3 / 1.048576), " MB of classifier rows read (the CPU block cache keeps ",
+             static_cast<int64_t>((CpuBlockCache::cached_bytes() - cache_before) / 1048576), " MB more freed blocks)");
 }
 
 void export_model(const TrainJob& j, int64_t step) {

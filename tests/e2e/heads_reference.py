@@ -229,6 +229,9 @@ def main():
                     failures.append("%s %s: exit %d: %s" % (name, sets, r.returncode, r.stderr.strip()))
                     continue
                 got_losses = [float(l.split()[3]) for l in r.stdout.splitlines() if l.startswith("step ")]
+                if len(got_losses) != steps:
+                    failures.append("%s %s: %d loss lines for %d steps" % (name, sets, len(got_losses), steps))
+                    continue
                 head = make()
                 for _ in range(steps):
                     e = E32.clone().requires_grad_(True)
@@ -244,6 +247,7 @@ def main():
                 gc = np.load(os.path.join(out, "grad_centres.npy"))
                 state = json.load(open(os.path.join(out, "state.json")))["state"]
                 key = "%s%s/%d" % (name, "".join(" " + s.split(".", 2)[2] for s in sets), steps)
+                assert len(head._losses) == steps, (len(head._losses), steps)
                 errs = {
                     "loss": rel(got_losses, head._losses),
                     "grad_embeddings": rel(ge, e.grad.numpy()),

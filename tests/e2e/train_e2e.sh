@@ -102,6 +102,7 @@ resume_exact)
   train --set optim.total_steps=8 --resume > "$work/b2.log" 2>&1 || { cat "$work/b2.log"; fail "run B part 2"; }
   grep -q "resumed from .*step_00000004 at step 4" "$work/b2.log" || { cat "$work/b2.log"; fail "did not resume at step 4"; }
   losses "$work/out/metrics.jsonl" > "$work/b.txt"
+  [ "$(wc -l < "$work/a.txt")" -eq 8 ] || { cat "$work/a.txt"; fail "run A logged $(wc -l < "$work/a.txt") losses, not 8"; }
   diff "$work/a.txt" "$work/b.txt" > /dev/null || { paste "$work/a.txt" "$work/b.txt"; fail "losses differ after resume"; }
   echo "PASS: steps 1-8 identical, bit for bit:"; cat "$work/b.txt" ;;
 resume_heads)
@@ -233,35 +234,62 @@ nan_stop)
     || { cat "$work/a.log"; fail "no one-line NaN error naming step and checkpoint"; }
   echo PASS ;;
 verify_tool)
-  # faceshard-verify on the exported model reports the accuracy the trainer logged last.
-  train --set optim.total_steps=16 > "$work/log" 2>&1 || { cat "$work/log"; fail "training failed"; }
+  # faceshard-verify on the exported model reports what the trainer logged last, and the
+  # checkpoint folder the same: trained far enough that the accuracy says something (an
+  # untrained or collapsed network scores 0.5 at threshold 0, the value any model gives),
+  # and compared by the embeddings themselves (raw, unflipped, to 1e-6), which a checkpoint
+  # read wrongly or another step's weights cannot match.
+  train --set optim.total_steps=48 --set optim.lr=0.1 > "$work/log" 2>&1 || { cat "$work/log"; fail "training failed"; }
   "$bin/faceshard-verify" --model "$work/out" --bin "$work/data/synth.bin" --device cpu --output "$work/eval" \
     --json "$work/verify.json" > "$work/vlog" 2>&1 || { cat "$work/vlog"; fail "faceshard-verify failed"; }
   cat "$work/vlog"
-  "$py" - "$work/out/metrics.jsonl" "$work/verify.json" "$work/eval" "$work/log" <<'PY' || exit 1
+  step_dir=$(ls -d "$work/out/checkpoints"/step_* | sort -V | tail -1)
+  first_dir=$(ls -d "$work/out/checkpoints"/step_* | sort -V | head -1)
+  [ "$step_dir" != "$first_dir" ] || fail "one checkpoint only: no other step to tell apart"
+  "$bin/faceshard-verify" --model "$step_dir" --bin "$work/data/synth.bin" --device cpu --output "$work/eval2" \
+    --json "$work/verify2.json" > /dev/null 2>&1 || fail "faceshard-verify on $step_dir failed"
+  for m in out:"$work/out" last:"$step_dir" first:"$first_dir"; do
+    "$bin/faceshard-extract" --model "${m#*:}" --rec "$work/data" --no-flip --no-normalize --device cpu \
+      --output "$work/emb_${m%%:*}" > "$work/elog" 2>&1 || { cat "$work/elog"; fail "faceshard-extract on ${m#*:}"; }
+  done
+  "$py" - "$work/out/metrics.jsonl" "$work/verify.json" "$work/eval" "$work/log" "$work/verify2.json" "$work" <<'PY' || exit 1
 import json, os, re, sys
+import numpy as np
 rows = [json.loads(l) for l in open(sys.argv[1])]
 logged = [r['val/synth/accuracy'] for r in rows if 'val/synth/accuracy' in r]
 assert logged, 'the trainer logged no verification'
 got = json.load(open(sys.argv[2]))['sets'][0]
-print('trainer final %r, faceshard-verify %r' % (logged[-1], got['accuracy']))
+print('trainer final %r, faceshard-verify %r (AUC %.4f, threshold %.5f)' % (logged[-1], got['accuracy'], got['auc'],
+      got['best_threshold']))
 assert got['accuracy'] == logged[-1], 'faceshard-verify differs from the trainer'
-# The embedding norm depends on every weight: the trainer's last printed XNorm (5 decimals).
-xnorm = re.findall(r'\[synth\]\[\d+\] Accuracy-Flip: \S+  Accuracy-Highest: \S+  XNorm: (\S+)', open(sys.argv[4]).read())
-assert xnorm, 'no verification line in the training log'
-print('trainer final XNorm %s, faceshard-verify %.5f' % (xnorm[-1], got['xnorm']))
-assert '%.5f' % got['xnorm'] == xnorm[-1], 'XNorm differs'
+# Trained far enough that the figures carry information.
+assert got['accuracy'] >= 0.6 and got['auc'] >= 0.65 and got['best_threshold'] > 0, \
+    'the accuracy says nothing (%.3f, AUC %.3f, threshold %.3f)' % (got['accuracy'], got['auc'], got['best_threshold'])
+# The trainer's last printed XNorm and threshold (5 decimals).
+line = re.findall(r'\[synth\]\[\d+\] Accuracy-Flip: \S+  Accuracy-Highest: \S+  XNorm: (\S+)  threshold: (\S+)',
+                  open(sys.argv[4]).read())
+assert line, 'no verification line in the training log'
+print('trainer final XNorm %s threshold %s; faceshard-verify %.5f %.5f' % (line[-1] + (got['xnorm'], got['best_threshold'])))
+assert '%.5f' % got['xnorm'] == line[-1][0], 'XNorm differs'
+assert '%.5f' % got['best_threshold'] == line[-1][1], 'threshold differs'
 lines = open(os.path.join(sys.argv[3], 'synth_roc.csv')).read().split()
 assert lines[0] == 'fpr,tpr,threshold' and len(lines) > 2, lines[:3]
 png = open(os.path.join(sys.argv[3], 'roc.png'), 'rb').read()
 assert png[:8] == b'\x89PNG\r\n\x1a\n', 'roc.png is not a PNG'
+# The checkpoint folder: every metric equal.
+ck = json.load(open(sys.argv[5]))['sets'][0]
+for k in ('accuracy', 'accuracy_std', 'auc', 'best_threshold', 'xnorm', 'tar_at_far_1e-3', 'tar_at_far_1e-4'):
+    assert ck[k] == got[k], 'checkpoint and export disagree on %s: %r vs %r' % (k, ck[k], got[k])
+# The embeddings: export and last checkpoint equal to 1e-6; the first checkpoint far off.
+w = sys.argv[6]
+e_out, e_last, e_first = (np.load(os.path.join(w, 'emb_%s.npy' % n)) for n in ('out', 'last', 'first'))
+assert e_out.shape == e_last.shape and e_out.shape[0] == 128, e_out.shape
+rel = lambda a, b: float(np.abs(a - b).max() / np.abs(b).max())
+print('raw embeddings of %d images: export vs last checkpoint %.2e, vs first checkpoint %.2e' %
+      (e_out.shape[0], rel(e_out, e_last), rel(e_out, e_first)))
+assert rel(e_out, e_last) <= 1e-6, 'the export and the last checkpoint embed differently'
+assert rel(e_out, e_first) > 1e-2, 'the first checkpoint embeds as the last: the comparison cannot tell steps apart'
 PY
-  # The same model through a checkpoint folder gives the same accuracy.
-  step_dir=$(ls -d "$work/out/checkpoints"/step_* | sort -V | tail -1)
-  "$bin/faceshard-verify" --model "$step_dir" --bin "$work/data/synth.bin" --device cpu --output "$work/eval2" \
-    --json "$work/verify2.json" > /dev/null 2>&1 || fail "faceshard-verify on $step_dir failed"
-  "$py" -c "import json,sys; a,b=(json.load(open(f))['sets'][0]['accuracy'] for f in sys.argv[1:]); assert a==b,(a,b)" \
-    "$work/verify.json" "$work/verify2.json" || fail "checkpoint and export disagree"
   # Bad input: one line, exit 2, nothing written.
   out=$("$bin/faceshard-verify" --model "$work/nope" --bin "$work/data/synth.bin" 2>&1); rc=$?
   [ $rc -eq 2 ] && [ "$(echo "$out" | wc -l)" -eq 1 ] || fail "missing model: rc=$rc: $out"
