@@ -96,9 +96,10 @@ void check_checkpoint_values(const at::Tensor& t, const std::string& source, con
     throw usage_error(source, ": key '", key, "' is ", t.scalar_type(), ", expected real numbers");
   at::NoGradGuard no_grad;
   const at::Tensor all = t.dim() == 0 ? t.reshape({1}) : t.detach();
-  // Rows at a time, about 16M values per chunk: the mask of a chunk is all that is made.
+  // Rows at a time, about 4M values per chunk: the masks of a chunk (4 MB each) are all that
+  // is made, and what a resume leaves to the CPU block cache stays small.
   const int64_t per_row = std::max<int64_t>(1, all.numel() / all.size(0));
-  const int64_t rows = std::max<int64_t>(1, (int64_t(1) << 24) / per_row);
+  const int64_t rows = std::max<int64_t>(1, (int64_t(1) << 22) / per_row);
   for (int64_t r = 0; r < all.size(0); r += rows) {
     const at::Tensor c = all.narrow(0, r, std::min(rows, all.size(0) - r));
     at::Tensor bad = floating ? at::isfinite(c).logical_not() : at::zeros_like(c, c.options().dtype(at::kBool));
