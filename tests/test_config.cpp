@@ -509,7 +509,7 @@ TEST(Config, HeadPresetsCarryTheAuthorsSettings) {
   EXPECT_THROW(load_config_text("data: {num_classes: 2}\nloss: {head: adaface, adaface: {t_alpha: 3}}\n", "t.yaml"),
                Error);
   EXPECT_THROW(load_config_text("data: {num_classes: 2}\nloss: {head: adaface, adaface: {q: 3}}\n", "t.yaml"), Error);
-  EXPECT_THROW(load_config_text("data: {num_classes: 2}\nloss: {head: sphereface}\n", "t.yaml"), Error);
+  EXPECT_THROW(load_config_text("data: {num_classes: 2}\nloss: {head: no_such_head}\n", "t.yaml"), Error);
 }
 
 }  // namespace

@@ -92,14 +92,15 @@ at::Tensor row_of(const ShardRows& rows, const std::string& name) {
 
 // The sharded classifier on the GPU computes what it computes on the CPU: without sampling,
 // loss, embedding gradient, weight gradient and the updated rows agree (fp32 GEMMs to 1e-5,
-// bf16 ones to 2e-2); with sampling (the GPU draws from its own generator), the sampled
+// bf16 ones to 2e-2), for every head of the catalogue; with sampling (the GPU draws from its own generator), the sampled
 // rows hold every positive class, only they move, and the others stay bit-identical.
 TEST(PartialFCCuda, MatchesCpu) {
   if (!have_cuda()) GTEST_SKIP() << "no CUDA device";
   auto dist = Distributed::init(DistEnv{});
   const int64_t C = 1003, D = 64, B = 24;
   const torch::Device cuda(torch::kCUDA, 0);
-  for (const std::string head : {"combined", "adaface", "curricularface"}) {
+  for (const HeadInfo& info : head_catalogue()) {
+    const std::string head = info.name;
     for (double rate : {1.0, 0.3}) {
       for (at::ScalarType dt : {at::kFloat, at::kBFloat16}) {
         SCOPED_TRACE(head + " rate " + std::to_string(rate) + " " + c10::toString(dt));

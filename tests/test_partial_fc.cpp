@@ -577,7 +577,7 @@ TEST(PartialFCLabels, OutOfRangeNamesLabelAndRank) {
   });
 }
 
-// DESIGN.md's convention end to end: a replicated backbone under DataParallel (averaging)
+// The gradient convention (docs/architecture.md) end to end: a replicated backbone under DataParallel (averaging)
 // feeding the sharded classifier gets exactly the gradient of one process that holds the
 // whole batch and the whole weight matrix.
 TEST(PartialFCConvention, BackboneGradientThroughDdpEqualsOneProcess) {

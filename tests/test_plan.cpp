@@ -109,6 +109,25 @@ TEST(PlanTable, ShippedR50FigureIsWhatTheProbeMeasures) {
   EXPECT_EQ(m.parameters, e->parameters);
 }
 
+// Every registered backbone either has its activations in the shipped table (fp32, its
+// default checkpointing) or the planner says so in one line naming it and how to measure it.
+TEST(PlanTable, EveryRegisteredBackboneIsMeasuredOrSaysSo) {
+  const ActivationTable t = ActivationTable::shipped();
+  int measured = 0;
+  for (const std::string& name : backbone_names()) {
+    const bool ckpt = backbone_default_checkpointing(name);
+    if (t.find(name, "fp32", ckpt)) {
+      ++measured;
+      continue;
+    }
+    const std::string e = testing::error_of([&] { t.at(name, "fp32", ckpt); });
+    EXPECT_EQ(e.find('\n'), std::string::npos) << e;
+    EXPECT_NE(e.find("no activation measurement of " + name + " "), std::string::npos) << e;
+    EXPECT_NE(e.find("faceshard-bench --mode activations --network " + name), std::string::npos) << e;
+  }
+  EXPECT_GE(measured, 5);
+}
+
 JobPlanInputs r50_job() {
   JobPlanInputs in;
   in.network = "r50";

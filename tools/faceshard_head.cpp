@@ -2,6 +2,7 @@
 // backward passes with the head's state moving as in training and the weights untouched,
 // the loss of each, and the last pass's gradients with respect to the raw embeddings and
 // the raw centres. What a user porting a head checks faceshard's against.
+#include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -22,8 +23,10 @@ namespace {
 const char* kUsage =
     "usage: faceshard-head --head NAME [--set loss.<head>.<param>=V ...] --embeddings E.npy --labels L.npy\n"
     "                      --centres C.npy [--steps K] --out DIR\n"
-    "  --head NAME        arcface | cosface | combined | adaface | curricularface | magface |\n"
-    "                     elasticface_arc | elasticface_cos\n"
+    "       faceshard-head --list\n"
+    "  --list             every margin head: what it is, its parameters (loss.<head>.<param>) with\n"
+    "                     their defaults, ranges and meaning\n"
+    "  --head NAME        one of the heads --list prints\n"
     "  --set KEY=VALUE    a head parameter (loss.adaface.m=0.5) or loss.margin / loss.scale /\n"
     "                     loss.margin_mode for the combined head; the config's rules apply\n"
     "  --embeddings E.npy raw (unnormalised) embeddings [N, D], float32\n"
@@ -41,6 +44,31 @@ std::string json_number(double v) {
   return os.str();
 }
 
+std::string range_of(const faceshard::HeadParam& p) {
+  if (p.flag) return "true/false";
+  std::ostringstream os;
+  const bool lo = std::isfinite(p.min), hi = std::isfinite(p.max);
+  if (lo && hi) os << "[" << p.min << ", " << p.max << "]";
+  else if (lo) os << (p.min_exclusive ? "> " : ">= ") << p.min;
+  else if (hi) os << "<= " << p.max;
+  else os << "any";
+  return os.str();
+}
+
+void print_catalogue() {
+  for (const faceshard::HeadInfo& h : faceshard::head_catalogue()) {
+    std::printf("%s: %s\n", h.name.c_str(), h.summary.c_str());
+    if (h.params.empty()) std::printf("  (no parameters of its own: loss.margin, loss.scale, loss.margin_mode)\n");
+    for (const faceshard::HeadParam& p : h.params) {
+      std::ostringstream d;
+      if (p.flag) d << (p.default_value != 0 ? "true" : "false");
+      else d << p.default_value;
+      std::printf("  loss.%s.%-12s default %-8s %-12s %s\n", h.name.c_str(), p.name.c_str(), d.str().c_str(),
+                  range_of(p).c_str(), p.meaning.c_str());
+    }
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -53,6 +81,10 @@ int main(int argc, char** argv) {
       const std::string a = argv[i];
       if (a == "--help" || a == "-h") {
         std::fputs(kUsage, stdout);
+        return 0;
+      }
+      if (a == "--list") {
+        print_catalogue();
         return 0;
       }
       if (i + 1 >= argc) throw usage_error(a, ": missing value (see --help)");
@@ -98,9 +130,8 @@ int main(int argc, char** argv) {
     po.head.params = cfg.loss.chosen_head_params();
     po.seed = static_cast<uint64_t>(cfg.seed);
     std::vector<std::pair<std::string, std::string>> keys{{"head", "loss.head"}, {"margin", "loss.margin"}};
-    for (const auto& [name, params] : margin_head_defaults())
-      if (name == cfg.loss.head)
-        for (const auto& kv : params) keys.emplace_back(kv.first, "loss." + name + "." + kv.first);
+    if (const HeadInfo* h = find_head_info(cfg.loss.head))
+      for (const HeadParam& p : h->params) keys.emplace_back(p.name, "loss." + h->name + "." + p.name);
     auto fc = with_config_keys(cfg, keys, [&] { return std::make_unique<PartialFC>(*dist, po); });
     fc->load_state({{"weight", Cn}}, centre_path);
 

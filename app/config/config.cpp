@@ -12,6 +12,7 @@
 #include <set>
 #include <sstream>
 
+#include "partial_fc/classifier/head_catalogue.h"
 #include "partial_fc/runtime/error.h"
 
 namespace fs = std::filesystem;
@@ -620,22 +621,24 @@ void Config::visit(FieldVisitor& v) {
   v.field("loss.scale", loss.scale, positive());
   v.field("loss.interclass_filtering_threshold", loss.interclass_filtering_threshold, range(0, 1));
   v.field("loss.sample_rate", loss.sample_rate, range(0, 1));
-  v.field("loss.head", loss.head,
-          choices({"combined", "arcface", "cosface", "adaface", "curricularface", "magface", "elasticface_arc",
-                   "elasticface_cos"}));
-  for (const char* k : {"arcface.m", "arcface.s", "cosface.m", "cosface.s", "adaface.m", "adaface.h", "adaface.s",
-                        "adaface.t_alpha", "curricularface.m", "curricularface.s", "magface.l_a", "magface.u_a",
-                        "magface.l_m", "magface.u_m", "magface.lambda_g", "magface.s", "elasticface_arc.m",
-                        "elasticface_arc.sigma", "elasticface_arc.s", "elasticface_cos.m", "elasticface_cos.sigma",
-                        "elasticface_cos.s"}) {
-    const std::string key(k), param = key.substr(key.find('.') + 1);
-    v.field("loss." + key, loss.head_params[key],
-            param == "s" || param == "l_a" || param == "u_a" ? positive()
-            : param == "t_alpha"                             ? range(0, 1)
-                                                             : at_least(0));
-  }
-  for (const char* k : {"elasticface_arc.plus", "elasticface_cos.plus", "magface.easy_margin"})
-    v.field("loss." + std::string(k), loss.head_flags[k], none);
+  // The heads and their parameters: the head catalogue (each head's own file registers it).
+  std::vector<std::string> heads;
+  for (const HeadInfo& h : head_catalogue()) heads.push_back(h.name);
+  v.field("loss.head", loss.head, choices(heads));
+  for (const HeadInfo& h : head_catalogue())
+    for (const HeadParam& p : h.params) {
+      const std::string key = h.name + "." + p.name;
+      FieldSpec spec;
+      spec.doc = p.meaning;
+      if (p.flag) {
+        v.field("loss." + key, loss.head_flags[key], spec);
+        continue;
+      }
+      if (std::isfinite(p.min)) spec.min = p.min;
+      if (std::isfinite(p.max)) spec.max = p.max;
+      spec.min_exclusive = p.min_exclusive;
+      v.field("loss." + key, loss.head_params[key], spec);
+    }
 
   v.field("optim.optimizer", optim.optimizer, choices({"sgd", "adamw"}));
   v.field("optim.lr", optim.lr, positive());

@@ -91,13 +91,13 @@ struct LossConfig {
   double scale = 64.0;
   double interclass_filtering_threshold = 0.0;
   double sample_rate = 1.0;
-  // The margin head: combined (loss.margin and loss.scale) | arcface | cosface | adaface |
-  // curricularface | magface | elasticface_arc | elasticface_cos.
+  // The margin head: combined (loss.margin and loss.scale) or any head of the catalogue
+  // (partial_fc/classifier/head_catalogue.h; faceshard-head --list prints it).
   std::string head = "combined";
   // loss.<head>.<parameter> as the heads' authors name them ("adaface.m" -> value); unset:
-  // the authors' defaults (partial_fc/classifier/margin_head.cpp).
+  // the head's default. Yes/no parameters are flags.
   std::map<std::string, std::optional<double>> head_params;
-  std::map<std::string, std::optional<bool>> head_flags;  // elasticface_*.plus, magface.easy_margin
+  std::map<std::string, std::optional<bool>> head_flags;
   // The parameters of `head` that the config sets, flags as 1/0.
   std::map<std::string, double> chosen_head_params() const;
 };

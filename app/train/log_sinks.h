@@ -50,7 +50,8 @@ class ConsoleSink : public LogSink {
   bool bar_;
 };
 
-// <output>/metrics.jsonl: one JSON object per record (DESIGN.md's fields).
+// <output>/metrics.jsonl: one JSON object per record (step, epoch, loss, accuracy, lr,
+// samples_per_sec, loss_scale under fp16, the head's state, val/<set>/... from verification).
 class MetricsSink : public LogSink {
  public:
   MetricsSink(const std::string& path, bool append);

@@ -150,9 +150,8 @@ void build_model(TrainJob& j, ClassifierStart start) {
       {"num_classes", "data.num_classes"}, {"sample_rate", "loss.sample_rate"}, {"margin", "loss.margin"},
       {"margin_mode", "loss.margin_mode"}, {"embedding_size", "model.embedding_size"},
       {"optimizer", "optim.fc_optimizer"}, {"head", "loss.head"}, {"fc_state_dtype", "optim.fc_state_dtype"}};
-  for (const auto& [head, params] : margin_head_defaults())
-    if (head == cfg.loss.head)
-      for (const auto& kv : params) keys.emplace_back(kv.first, "loss." + head + "." + kv.first);
+  if (const HeadInfo* h = find_head_info(cfg.loss.head))
+    for (const HeadParam& p : h->params) keys.emplace_back(p.name, "loss." + h->name + "." + p.name);
   j.fc = with_config_keys(cfg, keys, [&] {
     // Before anything of the classifier is allocated: a shard that cannot fit is a config
     // error naming the keys that size it, not the allocator's message deep in training.

@@ -68,8 +68,8 @@ int run_training(const TrainRequest& req) {
            j.global_batch(), "; schedule: ", j.total_steps, " steps, warm-up ", j.warmup_steps);
   log_info("model: ", cfg.model.backbone, " (", j.backbone_params.size(), " tensors in ", j.ddp->num_buckets(),
            " gradient buckets), classifier ", cfg.data.num_classes, " classes, ", j.fc->shard().count, " on this rank, ",
-           j.fc->num_sample(), " per step; head ", j.fc->head().name(), ", margin (", cfg.loss.margin[0], ", ",
-           cfg.loss.margin[1], ", ", cfg.loss.margin[2], "), ", cfg.loss.margin_mode, " mode; precision ", cfg.train.precision);
+           j.fc->num_sample(), " per step; head ", describe_margin_head(j.fc->options().head, j.fc->options().margin),
+           "; precision ", cfg.train.precision);
   std::signal(SIGTERM, on_stop_signal);
   std::signal(SIGINT, on_stop_signal);
 

@@ -1,11 +1,8 @@
 #include "partial_fc/classifier/margin_head.h"
 
 #include <cmath>
+#include <sstream>
 
-#include "partial_fc/classifier/adaface_head.h"
-#include "partial_fc/classifier/curricularface_head.h"
-#include "partial_fc/classifier/elasticface_head.h"
-#include "partial_fc/classifier/magface_head.h"
 #include "partial_fc/runtime/error.h"
 
 namespace faceshard {
@@ -31,59 +28,45 @@ void MarginHead::load_state(const std::string& key, const at::Tensor& value, con
 }
 
 namespace {
-using Params = std::map<std::string, double>;
 
-const std::vector<std::pair<std::string, Params>>& defaults() {
-  static const std::vector<std::pair<std::string, Params>> d = {
-      {"combined", {}},
-      {"arcface", {{"m", 0.5}, {"s", 64.0}}},
-      {"cosface", {{"m", 0.4}, {"s", 64.0}}},
-      {"adaface", {{"m", 0.4}, {"h", 0.333}, {"s", 64.0}, {"t_alpha", 0.01}}},
-      {"curricularface", {{"m", 0.5}, {"s", 64.0}}},
-      {"magface",
-       {{"l_a", 10.0}, {"u_a", 110.0}, {"l_m", 0.45}, {"u_m", 0.8}, {"lambda_g", 35.0}, {"s", 64.0}, {"easy_margin", 1.0}}},
-      {"elasticface_arc", {{"m", 0.5}, {"sigma", 0.0125}, {"s", 64.0}, {"plus", 0.0}}},
-      {"elasticface_cos", {{"m", 0.35}, {"sigma", 0.05}, {"s", 64.0}, {"plus", 0.0}}},
-  };
-  return d;
+std::map<std::string, HeadFactory>& factories() {
+  static std::map<std::string, HeadFactory> f;
+  return f;
 }
 
-// The spec's parameters over the head's defaults; an unknown name is an error.
-Params resolve(const HeadSpec& spec, const Params& base) {
-  Params p = base;
-  for (const auto& kv : spec.params) {
-    if (!p.count(kv.first)) throw option_error(kv.first, "is not a parameter of the ", spec.name, " head");
-    if (!std::isfinite(kv.second)) throw option_error(kv.first, "must be finite, got ", kv.second);
-    p[kv.first] = kv.second;
-  }
-  if (p.count("s") && !(p.at("s") > 0)) throw option_error("s", "must be positive, got ", p.at("s"));
-  return p;
+std::string number(double v) {
+  std::ostringstream os;
+  os << v;
+  return os.str();
 }
+
 }  // namespace
 
-const std::vector<std::pair<std::string, std::map<std::string, double>>>& margin_head_defaults() { return defaults(); }
+void register_margin_head(HeadInfo info, HeadFactory make) {
+  const std::string name = info.name;
+  add_head_info(std::move(info));
+  factories()[name] = std::move(make);
+}
 
 std::unique_ptr<MarginHead> make_margin_head(const HeadSpec& spec, const CombinedMargin& margin) {
-  for (const auto& [name, base] : defaults()) {
-    if (name != spec.name) continue;
-    const Params p = resolve(spec, base);
-    if (name == "combined") return std::make_unique<CombinedHead>(margin);
-    if (name == "arcface" || name == "cosface") {
-      CombinedMargin m = margin;
-      m.m1 = 1.0;
-      m.m2 = name == "arcface" ? p.at("m") : 0.0;
-      m.m3 = name == "cosface" ? p.at("m") : 0.0;
-      m.scale = p.at("s");
-      return std::make_unique<CombinedHead>(m, name);
-    }
-    if (name == "adaface") return std::make_unique<AdaFaceHead>(p);
-    if (name == "curricularface") return std::make_unique<CurricularFaceHead>(p);
-    if (name == "magface") return std::make_unique<MagFaceHead>(p);
-    return std::make_unique<ElasticFaceHead>(p, name == "elasticface_arc");
+  const HeadInfo* info = find_head_info(spec.name);
+  if (!info) throw option_error("head", "'", spec.name, "' is not a head (", known_head_names(), ")");
+  return factories().at(spec.name)(resolve_head_params(*info, spec.params), margin);
+}
+
+std::string describe_margin_head(const HeadSpec& spec, const CombinedMargin& margin) {
+  const HeadInfo* info = find_head_info(spec.name);
+  if (!info) return spec.name;
+  if (info->params.empty())  // the combined head: its margin is the config's
+    return spec.name + " (margin (" + number(margin.m1) + ", " + number(margin.m2) + ", " + number(margin.m3) +
+           "), s " + number(margin.scale) + ", " + to_string(margin.mode) + " mode)";
+  const std::map<std::string, double> p = resolve_head_params(*info, spec.params);
+  std::string out = spec.name + " (";
+  for (size_t i = 0; i < info->params.size(); ++i) {
+    const HeadParam& hp = info->params[i];
+    out += (i ? ", " : "") + hp.name + " " + (hp.flag ? (p.at(hp.name) != 0 ? "true" : "false") : number(p.at(hp.name)));
   }
-  std::string known;
-  for (const auto& kv : defaults()) known += (known.empty() ? "" : " | ") + kv.first;
-  throw option_error("head", "'", spec.name, "' is not a head (", known, ")");
+  return out + ")";
 }
 
 }  // namespace faceshard

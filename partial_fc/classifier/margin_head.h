@@ -1,10 +1,11 @@
 // A margin head: what turns a row's cosines into logits in the classifier's one buffer
-// (margin_softmax.h). The combined margin (ArcFace, CosFace, m1/m2/m3) is one head; the
-// sample-adaptive heads (AdaFace, CurricularFace, MagFace, ElasticFace) are others, each in
-// its own file, built by name (make_margin_head). A head sees the whole global batch on
+// (margin_softmax.h). Every head lives in its own file in heads/ (the combined margin with
+// ArcFace and CosFace, the sample-adaptive heads, SphereFace, ...), registers itself there
+// with its catalogue entry (head_catalogue.h) and is built by name (make_margin_head). A head sees the whole global batch on
 // every rank (the gathered feature norms, and every row's target cosine when it asks for
 // them), so its state and per-row margins are the same on every rank.
 #pragma once
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -13,6 +14,7 @@
 
 #include <torch/torch.h>
 
+#include "partial_fc/classifier/head_catalogue.h"
 #include "partial_fc/classifier/margin.h"
 
 namespace faceshard {
@@ -78,40 +80,31 @@ class MarginHead {
   virtual void load_state(const std::string& key, const at::Tensor& value, const std::string& source);
 };
 
-// The combined margin (margin.h) as a head: ArcFace, CosFace, m1/m2/m3, both margin modes.
-class CombinedHead : public MarginHead {
- public:
-  explicit CombinedHead(CombinedMargin m, std::string name = "combined") : m_(m), name_(std::move(name)) {
-    m_.validate();
-  }
-  std::string name() const override { return name_; }
-  double scale() const override { return m_.scale; }
-  double interclass_filter() const override { return m_.interclass_filter; }
-  double row_loss_cap() const override { return m_.row_loss_cap(); }
-  at::Tensor target(const at::Tensor& c, const HeadRows&) const override { return m_.target(c); }
-  at::Tensor target_grad(const at::Tensor& c, const HeadRows&) const override { return m_.target_grad(c); }
-  bool unit_gradient() const override { return m_.unit_gradient(); }
-  const CombinedMargin& margin() const { return m_; }
-
- private:
-  CombinedMargin m_;
-  std::string name_;
-};
-
 // Which head and its parameters, named as the heads' authors name them (missing ones take
-// the authors' defaults).
+// the authors' defaults: the head's catalogue entry, head_catalogue.h).
 struct HeadSpec {
-  // combined | arcface | cosface | adaface | curricularface | magface | elasticface_arc |
-  // elasticface_cos
-  std::string name = "combined";
+  std::string name = "combined";  // a name in head_catalogue()
   std::map<std::string, double> params;
 };
 
-// The head for `spec`; `combined` is built from `margin` (also what arcface/cosface set up
-// with their m and s). Unknown names or parameters, and values out of range, are
-// option_error naming "head" or the parameter.
+// The head for `spec`; `combined` is built from `margin` (arcface and cosface set up the
+// combined margin with their m and s). Unknown names or parameters, and values out of range,
+// are option_error naming "head" (with the known heads) or the parameter.
 std::unique_ptr<MarginHead> make_margin_head(const HeadSpec& spec, const CombinedMargin& margin);
-// The heads make_margin_head knows, and each one's parameters with their defaults.
-const std::vector<std::pair<std::string, std::map<std::string, double>>>& margin_head_defaults();
+
+// "adaface (m 0.4, h 0.333, s 64, t_alpha 0.01)": a head by its resolved parameters (the
+// combined head by its margin), as the trainer's start-up line names it.
+std::string describe_margin_head(const HeadSpec& spec, const CombinedMargin& margin);
+
+// What a head file registers: its catalogue entry and how to build it from its resolved
+// parameters (and the config's combined margin, which only the combined heads read).
+using HeadFactory =
+    std::function<std::unique_ptr<MarginHead>(const std::map<std::string, double>& params, const CombinedMargin& margin)>;
+void register_margin_head(HeadInfo info, HeadFactory make);
+
+// A head file, heads/<file>.cpp, registers its heads in FACESHARD_MARGIN_HEADS(<file>) { ... }
+// (inside namespace faceshard): the build lists heads/*.cpp and calls each such function once,
+// before anything reads the catalogue. Adding a head is adding its file.
+#define FACESHARD_MARGIN_HEADS(file) void register_heads_in_##file()
 
 }  // namespace faceshard

@@ -16,7 +16,7 @@
 // gradient is set aside), step_all_rows with sampling (its dense [shard, d] gradient), and
 // gradient(), which computes it on demand for tests and tools.
 //
-// Gradient convention (DESIGN.md), decided here once: the loss is the mean over the global
+// Gradient convention (docs/architecture.md), decided here once: the loss is the mean over the global
 // batch, so the reduce-scatter in the gather's backward gives each rank exactly
 // dL/d(its embeddings); the backbone is replicated and DataParallel AVERAGES its
 // gradients over the W ranks, which would leave 1/W of dL/dtheta. The gather's backward

@@ -4,7 +4,7 @@
 // size cap) and each bucket's all-reduce starts as soon as its last gradient is ready, so
 // communication overlaps the rest of backward. Gradients are AVERAGED over ranks.
 //
-// Gradient convention (DESIGN.md): averaging is right for a loss that is a per-rank mean.
+// Gradient convention (docs/architecture.md): averaging is right for a loss that is a per-rank mean.
 // The sharded classifier's loss is a mean over the global batch whose embedding gradient
 // already sums over ranks; that path multiplies its gradient by W before it reaches the
 // backbone (partial_fc's classifier does it), so this class never special-cases it.

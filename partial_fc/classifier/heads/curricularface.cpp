@@ -1,8 +1,40 @@
-#include "partial_fc/classifier/curricularface_head.h"
-
+// CurricularFace (Huang et al., CVPR 2020; HuangYG123/CurricularFace head/metrics.py): an
+// ArcFace target cos(theta + m) (c - sin(pi - m) * m past theta + m > pi), and every
+// non-target cosine above its row's cos(theta_y + m) becomes c * (t + c), t an EMA (0.01)
+// of the mean target cosine of the global batch, updated before it is used (no gradient
+// through t). The target cosines live on their owners' shards: one [N] all-reduce shares them.
 #include <cmath>
+#include <limits>
+#include <map>
+#include <memory>
+#include <string>
+
+#include "partial_fc/classifier/margin_head.h"
 
 namespace faceshard {
+namespace {
+
+constexpr double kInf = std::numeric_limits<double>::infinity();
+
+class CurricularFaceHead : public MarginHead {
+ public:
+  explicit CurricularFaceHead(const std::map<std::string, double>& p);
+  std::string name() const override { return "curricularface"; }
+  double scale() const override { return s_; }
+  bool needs_target_cosines() const override { return true; }
+  HeadRows begin_forward(const HeadInputs& in) override;
+  at::Tensor target(const at::Tensor& c, const HeadRows& rows) const override;
+  at::Tensor target_grad(const at::Tensor& c, const HeadRows& rows) const override;
+  bool modifies_negatives() const override { return true; }
+  void negatives_forward(at::Tensor logits, at::Tensor codes, const HeadRows& rows) const override;
+  void negatives_backward(at::Tensor grad, const at::Tensor& logits, const at::Tensor& codes,
+                          const HeadRows& rows) const override;
+  std::vector<std::pair<std::string, at::Tensor>> state() const override { return {{"t", t_}}; }
+
+ private:
+  double m_, s_, cos_m_, sin_m_, threshold_, mm_;
+  at::Tensor t_;  // [1] fp32
+};
 
 CurricularFaceHead::CurricularFaceHead(const std::map<std::string, double>& p)
     : m_(p.at("m")),
@@ -49,6 +81,17 @@ void CurricularFaceHead::negatives_backward(at::Tensor grad, const at::Tensor& l
                                             const HeadRows& r) const {
   const at::Tensor root = (r.b * r.b + logits * (4.0 / s_)).clamp_min(0).sqrt();
   grad.mul_(torch::where(codes == 0, torch::ones_like(root), torch::where(codes == 1, root, -root)));
+}
+
+}  // namespace
+
+FACESHARD_MARGIN_HEADS(curricularface) {
+  register_margin_head(
+      {"curricularface",
+       "CurricularFace (Huang et al., CVPR 2020): the ArcFace target; every non-target cosine above the row's cos(theta_y + m) "
+       "becomes c (t + c), t an EMA of the mean target cosine",
+       {{"m", 0.5, 0, kInf, false, false, "the angular margin"}, {"s", 64.0, 0, kInf, true, false, "the logits' scale"}}},
+      [](const std::map<std::string, double>& p, const CombinedMargin&) { return std::make_unique<CurricularFaceHead>(p); });
 }
 
 }  // namespace faceshard

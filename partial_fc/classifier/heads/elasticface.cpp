@@ -1,4 +1,7 @@
-#include "partial_fc/classifier/elasticface_head.h"
+#include "partial_fc/classifier/heads/elasticface.h"
+
+#include <limits>
+#include <memory>
 
 #include "partial_fc/runtime/error.h"
 
@@ -11,9 +14,7 @@ at::Tensor elasticface_draws(int64_t n, double m, double sigma, uint64_t seed, i
 }
 
 ElasticFaceHead::ElasticFaceHead(const std::map<std::string, double>& p, bool arc)
-    : m_(p.at("m")), sigma_(p.at("sigma")), s_(p.at("s")), plus_(p.at("plus") != 0), arc_(arc) {
-  if (!(sigma_ >= 0)) throw option_error("sigma", "must be >= 0, got ", sigma_);
-}
+    : m_(p.at("m")), sigma_(p.at("sigma")), s_(p.at("s")), plus_(p.at("plus") != 0), arc_(arc) {}
 
 HeadRows ElasticFaceHead::begin_forward(const HeadInputs& in) {
   at::Tensor margin = elasticface_draws(in.rows, m_, sigma_, in.seed, in.forward).to(in.options.device());
@@ -35,6 +36,25 @@ at::Tensor ElasticFaceHead::target_grad(const at::Tensor& c, const HeadRows& r) 
   if (!arc_) return torch::ones_like(c);
   const at::Tensor cc = c.clamp(-1, 1);
   return (cc.acos() + r.a).sin() / (1 - cc * cc).sqrt();
+}
+
+namespace {
+constexpr double kInf = std::numeric_limits<double>::infinity();
+}  // namespace
+
+FACESHARD_MARGIN_HEADS(elasticface) {
+  for (const bool arc : {true, false})
+    register_margin_head(
+        {arc ? "elasticface_arc" : "elasticface_cos",
+         std::string("ElasticFace (Boutros et al., CVPRW 2022): ") +
+             (arc ? "cos(theta + m_i)" : "cos(theta) - m_i") + " with each row's margin m_i drawn from N(m, sigma) every step",
+         {{"m", arc ? 0.5 : 0.35, 0, kInf, false, false, "the margins' mean"},
+          {"sigma", arc ? 0.0125 : 0.05, 0, kInf, false, false, "the margins' standard deviation"},
+          {"s", 64.0, 0, kInf, true, false, "the logits' scale"},
+          {"plus", 0.0, 0, 1, false, true, "ElasticFace+: the sorted draws handed out by the target cosines' order"}}},
+        [arc](const std::map<std::string, double>& p, const CombinedMargin&) {
+          return std::make_unique<ElasticFaceHead>(p, arc);
+        });
 }
 
 }  // namespace faceshard
