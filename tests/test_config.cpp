@@ -4,9 +4,12 @@
 #include <algorithm>
 #include <filesystem>
 #include <fstream>
+#include <set>
+#include <sstream>
 
 #include "tests/test_paths.h"
 #include "app/config/config.h"
+#include "partial_fc/classifier/head_catalogue.h"
 #include "app/train/train_job.h"
 #include "models/backbone_registry.h"
 #include "partial_fc/classifier/partial_fc.h"
@@ -43,6 +46,44 @@ void expect_usage_error(F&& f, const std::vector<std::string>& fragments) {
     EXPECT_EQ(msg.find('\n'), std::string::npos) << msg;
     for (const auto& frag : fragments) EXPECT_NE(msg.find(frag), std::string::npos) << "'" << frag << "' not in: " << msg;
   }
+}
+
+// Every key of the schema (Config::visit).
+class KeyLister : public FieldVisitor {
+ public:
+  std::vector<std::string> keys;
+  void field(const std::string& p, std::string&, const FieldSpec&) override { keys.push_back(p); }
+  void field(const std::string& p, int64_t&, const FieldSpec&) override { keys.push_back(p); }
+  void field(const std::string& p, double&, const FieldSpec&) override { keys.push_back(p); }
+  void field(const std::string& p, bool&, const FieldSpec&) override { keys.push_back(p); }
+  void field(const std::string& p, std::vector<std::string>&, const FieldSpec&) override { keys.push_back(p); }
+  void field(const std::string& p, std::vector<double>&, const FieldSpec&) override { keys.push_back(p); }
+  void field(const std::string& p, std::optional<std::string>&, const FieldSpec&) override { keys.push_back(p); }
+  void field(const std::string& p, std::optional<int64_t>&, const FieldSpec&) override { keys.push_back(p); }
+  void field(const std::string& p, std::optional<double>&, const FieldSpec&) override { keys.push_back(p); }
+  void field(const std::string& p, std::optional<bool>&, const FieldSpec&) override { keys.push_back(p); }
+};
+
+// docs/configuration.md lists every key of the schema, and no other (the heads' parameters,
+// loss.<head>.<param>, are the head catalogue's: faceshard-head --list prints them).
+TEST(Config, ReferenceDocsListEveryKey) {
+  Config cfg;
+  KeyLister lister;
+  cfg.visit(lister);
+  std::set<std::string> schema;
+  for (const std::string& k : lister.keys) {
+    const size_t dot = k.find('.'), second = k.find('.', dot + 1);
+    if (k.rfind("loss.", 0) == 0 && second != std::string::npos && find_head_info(k.substr(dot + 1, second - dot - 1)))
+      continue;
+    schema.insert(k);
+  }
+  std::set<std::string> documented;
+  std::istringstream doc(testing::read_text(std::string(FACESHARD_SOURCE_DIR) + "/docs/configuration.md"));
+  for (std::string line; std::getline(doc, line);)
+    if (line.rfind("| `", 0) == 0) documented.insert(line.substr(3, line.find('`', 3) - 3));
+  for (const std::string& k : schema) EXPECT_TRUE(documented.count(k)) << "docs/configuration.md lacks '" << k << "'";
+  for (const std::string& k : documented) EXPECT_TRUE(schema.count(k)) << "docs/configuration.md lists '" << k << "', no key";
+  EXPECT_GT(schema.size(), 60u);
 }
 
 TEST(Config, DefaultsAndRequiredKey) {

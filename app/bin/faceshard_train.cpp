@@ -13,7 +13,8 @@ static const char* kUsage =
     "--resume (or --resume auto, or train.resume: auto) continues from the latest committed checkpoint in\n"
     "<output>/checkpoints, or starts fresh when there is none, and exits 0 when that checkpoint ends the run;\n"
     "--resume DIR continues from that checkpoint. Either works with a different number of ranks.\n"
-    "SIGTERM/SIGINT: finish the step, checkpoint, exit 0.\n";
+    "SIGTERM/SIGINT: finish the step, checkpoint, exit 0 (75 under torchrun on a rank whose own agent\n"
+    "did not ask: its agent restarts it into the next round).\n";
 
 int main(int argc, char** argv) {
   return run_main("faceshard-train", [&] {

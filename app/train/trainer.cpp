@@ -20,6 +20,8 @@ namespace faceshard {
 namespace {
 
 std::atomic<int> g_stop_signal{0};
+// EX_TEMPFAIL: the run is not finished; its agent should restart this rank.
+constexpr int kStoppedForPeerRestart = 75;
 extern "C" void on_stop_signal(int sig) { g_stop_signal = sig; }
 
 using Clock = std::chrono::steady_clock;
@@ -154,9 +156,20 @@ int run_training(const TrainRequest& req) {
     want_checkpoint = want_checkpoint || f[1] > 0;
     if (f[0] > 0) {
       check_finite();
-      log_info("stop requested (signal): checkpointing at step ", p.step, " and exiting");
+      const bool signalled_here = g_stop_signal.load() != 0;
+      log_info("stop requested (signal", signalled_here ? "" : " to another rank", "): checkpointing at step ", p.step,
+               " and exiting");
       state.save(checkpoints);
       d.shutdown();
+      // Under torchrun's elastic agent, a signal to a host's workers is its agent restarting
+      // them (a host joined or left). A rank that stops only because another host's agent did
+      // exits non-zero, so that its own agent restarts it into the new round too, instead of
+      // taking the run for finished and leaving the job (its agent counts one restart).
+      if (!signalled_here && d.env().agent_store) {
+        log_info("stopped for another host's restart: exit status ", kStoppedForPeerRestart,
+                 " so that this host's torchrun agent restarts its workers too");
+        return kStoppedForPeerRestart;
+      }
       return 0;
     }
     if (want_checkpoint && p.step != j.last_step) {

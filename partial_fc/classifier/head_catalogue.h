@@ -12,11 +12,14 @@
 
 namespace faceshard {
 
+// A parameter's range without a bound on that side.
+inline constexpr double kUnbounded = std::numeric_limits<double>::infinity();
+
 struct HeadParam {
   std::string name;
   double default_value = 0;
-  double min = -std::numeric_limits<double>::infinity();
-  double max = std::numeric_limits<double>::infinity();
+  double min = -kUnbounded;
+  double max = kUnbounded;
   bool min_exclusive = false;
   bool flag = false;  // yes/no (0 or 1), written true/false in a config
   std::string meaning;

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # End-to-end tests of faceshard-train on CPU with 2 ranks and a tiny synthetic data set.
 # usage: train_e2e.sh SOURCE_DIR BIN_DIR CASE
-#   CASE: loss_falls | resume_exact | resume_auto | global_batch | resume_accumulate | reshard | crash_in_save | sigterm | fp16_skip | nan_stop |
+#   CASE: loss_falls | resume_exact | resume_auto | global_batch | resume_accumulate | reshard | crash_in_save | sigterm | peer_stop | fp16_skip | nan_stop |
 #         verify_tool | bad_input | bf16 | vit_t
 set -u
 root="$1"; bin="$2"; case_name="$3"
@@ -212,6 +212,33 @@ sigterm)
     || { cat "$work/b.log"; fail "resume after SIGTERM"; }
   grep -q "resumed from .*step_$(printf %08d "$n") at step $n" "$work/b.log" || { cat "$work/b.log"; fail "did not resume at step $n"; }
   echo "PASS: stopped and checkpointed at step $n, resumed there" ;;
+peer_stop)
+  # Under torchrun's agent store (a store hosted outside the ranks, as torchrun's agent hosts
+  # it): SIGTERM to rank 0 alone stops both ranks at the same step with one checkpoint; rank 0,
+  # signalled, exits 0; rank 1, whose own agent sent nothing, exits 75 so that its agent
+  # restarts it into the next round instead of taking the run for finished.
+  port=$("$py" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+  "$py" -c "
+import sys, time, torch.distributed as d
+s = d.TCPStore('127.0.0.1', $port, is_master=True, wait_for_workers=False)
+time.sleep(300)" > "$work/store.log" 2>&1 &
+  store=$!
+  for r in 0 1; do
+    env RANK=$r WORLD_SIZE=2 LOCAL_RANK=$r LOCAL_WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=$port \
+      TORCHELASTIC_USE_AGENT_STORE=True TORCHELASTIC_RUN_ID=peer TORCHELASTIC_RESTART_COUNT=0 FACESHARD_LOG_ALL_RANKS=1 \
+      "$bin/faceshard-train" --config "$work/tiny.yaml" --set optim.total_steps=1000 > "$work/r$r.log" 2>&1 &
+    eval "pid$r=\$!"
+  done
+  for _ in $(seq 1 600); do grep -q "step 3/" "$work/r0.log" && break; sleep 0.2; done
+  kill -TERM "$pid0"; wait "$pid0"; rc0=$?; wait "$pid1"; rc1=$?; kill "$store" 2>/dev/null
+  [ "$rc0" -eq 0 ] || { cat "$work/r0.log"; fail "the signalled rank exited $rc0"; }
+  [ "$rc1" -eq 75 ] || { cat "$work/r1.log"; fail "the rank stopped by its peer exited $rc1, not 75"; }
+  n0=$(sed -n 's/.*stop requested (signal): checkpointing at step \([0-9]*\) and exiting.*/\1/p' "$work/r0.log")
+  n1=$(sed -n 's/.*stop requested (signal to another rank): checkpointing at step \([0-9]*\) and exiting.*/\1/p' "$work/r1.log")
+  [ -n "$n0" ] && [ "$n0" = "$n1" ] || { cat "$work/r0.log" "$work/r1.log"; fail "the ranks did not stop at one step ($n0, $n1)"; }
+  grep -q "exit status 75" "$work/r1.log" || { cat "$work/r1.log"; fail "rank 1 did not say why it exits 75"; }
+  [ -f "$(printf "%s/out/checkpoints/step_%08d/COMMITTED" "$work" "$n0")" ] || fail "the stop checkpoint is not committed"
+  echo "PASS: both ranks stopped at step $n0; rank 0 exited 0, rank 1 exited 75" ;;
 fp16_skip)
   # The scaler's decision path in fp32 arithmetic (fp16 convolutions are impractically slow on
   # CPU): the inf lands in rank 1's gradients only; rank 0 must skip the same step.

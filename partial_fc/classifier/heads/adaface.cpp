@@ -5,7 +5,6 @@
 // (std + eps), -1, 1), a the detached norm clipped to [0.001, 100]; every cosine is clamped
 // to [-1 + eps, 1 - eps], eps = 1e-3. The gradient is the authors' autograd's.
 #include <cmath>
-#include <limits>
 #include <map>
 #include <memory>
 #include <string>
@@ -15,8 +14,6 @@
 
 namespace faceshard {
 namespace {
-
-constexpr double kInf = std::numeric_limits<double>::infinity();
 
 class AdaFaceHead : public MarginHead {
  public:
@@ -95,9 +92,9 @@ FACESHARD_MARGIN_HEADS(adaface) {
       {"adaface",
        "AdaFace (Kim et al., CVPR 2022): angular margin -m z and additive margin m + m z on the target, z from the row's "
        "feature norm standardised by running statistics of the norms",
-       {{"m", 0.4, 0, kInf, false, false, "the margin"},
-        {"h", 0.333, 0, kInf, false, false, "how far the norm's z-score scales the margin (z = clip(h (a - mean) / (std + eps), -1, 1))"},
-        {"s", 64.0, 0, kInf, true, false, "the logits' scale"},
+       {{"m", 0.4, 0, kUnbounded, false, false, "the margin"},
+        {"h", 0.333, 0, kUnbounded, false, false, "how far the norm's z-score scales the margin (z = clip(h (a - mean) / (std + eps), -1, 1))"},
+        {"s", 64.0, 0, kUnbounded, true, false, "the logits' scale"},
         {"t_alpha", 0.01, 0, 1, false, false, "the EMA rate of the norm's running mean and std"}}},
       [](const std::map<std::string, double>& p, const CombinedMargin&) { return std::make_unique<AdaFaceHead>(p); });
 }

@@ -2,7 +2,6 @@
 // m3), loss.scale and loss.margin_mode, as arcface_torch's CombinedMarginLoss; `arcface`
 // (Deng et al., CVPR 2019) and `cosface` (Wang et al., CVPR 2018) are its (1, m, 0) and
 // (1, 0, m) with their own m and s.
-#include <limits>
 #include <map>
 #include <memory>
 #include <string>
@@ -11,8 +10,6 @@
 
 namespace faceshard {
 namespace {
-
-constexpr double kInf = std::numeric_limits<double>::infinity();
 
 class CombinedHead : public MarginHead {
  public:
@@ -45,8 +42,8 @@ FACESHARD_MARGIN_HEADS(combined) {
         {arc ? "arcface" : "cosface",
          arc ? "ArcFace (Deng et al., CVPR 2019): s cos(theta + m), the combined margin (1, m, 0)"
              : "CosFace (Wang et al., CVPR 2018): s (cos(theta) - m), the combined margin (1, 0, m)",
-         {{"m", arc ? 0.5 : 0.4, 0, kInf, false, false, arc ? "the angular margin" : "the additive cosine margin"},
-          {"s", 64.0, 0, kInf, true, false, "the logits' scale"}}},
+         {{"m", arc ? 0.5 : 0.4, 0, kUnbounded, false, false, arc ? "the angular margin" : "the additive cosine margin"},
+          {"s", 64.0, 0, kUnbounded, true, false, "the logits' scale"}}},
         [arc](const std::map<std::string, double>& p, const CombinedMargin& margin) {
           CombinedMargin m = margin;
           m.m1 = 1.0;

@@ -4,7 +4,6 @@
 // of the mean target cosine of the global batch, updated before it is used (no gradient
 // through t). The target cosines live on their owners' shards: one [N] all-reduce shares them.
 #include <cmath>
-#include <limits>
 #include <map>
 #include <memory>
 #include <string>
@@ -13,8 +12,6 @@
 
 namespace faceshard {
 namespace {
-
-constexpr double kInf = std::numeric_limits<double>::infinity();
 
 class CurricularFaceHead : public MarginHead {
  public:
@@ -90,7 +87,7 @@ FACESHARD_MARGIN_HEADS(curricularface) {
       {"curricularface",
        "CurricularFace (Huang et al., CVPR 2020): the ArcFace target; every non-target cosine above the row's cos(theta_y + m) "
        "becomes c (t + c), t an EMA of the mean target cosine",
-       {{"m", 0.5, 0, kInf, false, false, "the angular margin"}, {"s", 64.0, 0, kInf, true, false, "the logits' scale"}}},
+       {{"m", 0.5, 0, kUnbounded, false, false, "the angular margin"}, {"s", 64.0, 0, kUnbounded, true, false, "the logits' scale"}}},
       [](const std::map<std::string, double>& p, const CombinedMargin&) { return std::make_unique<CurricularFaceHead>(p); });
 }
 

@@ -1,6 +1,5 @@
 #include "partial_fc/classifier/heads/elasticface.h"
 
-#include <limits>
 #include <memory>
 
 #include "partial_fc/runtime/error.h"
@@ -38,19 +37,15 @@ at::Tensor ElasticFaceHead::target_grad(const at::Tensor& c, const HeadRows& r) 
   return (cc.acos() + r.a).sin() / (1 - cc * cc).sqrt();
 }
 
-namespace {
-constexpr double kInf = std::numeric_limits<double>::infinity();
-}  // namespace
-
 FACESHARD_MARGIN_HEADS(elasticface) {
   for (const bool arc : {true, false})
     register_margin_head(
         {arc ? "elasticface_arc" : "elasticface_cos",
          std::string("ElasticFace (Boutros et al., CVPRW 2022): ") +
              (arc ? "cos(theta + m_i)" : "cos(theta) - m_i") + " with each row's margin m_i drawn from N(m, sigma) every step",
-         {{"m", arc ? 0.5 : 0.35, 0, kInf, false, false, "the margins' mean"},
-          {"sigma", arc ? 0.0125 : 0.05, 0, kInf, false, false, "the margins' standard deviation"},
-          {"s", 64.0, 0, kInf, true, false, "the logits' scale"},
+         {{"m", arc ? 0.5 : 0.35, 0, kUnbounded, false, false, "the margins' mean"},
+          {"sigma", arc ? 0.0125 : 0.05, 0, kUnbounded, false, false, "the margins' standard deviation"},
+          {"s", 64.0, 0, kUnbounded, true, false, "the logits' scale"},
           {"plus", 0.0, 0, 1, false, true, "ElasticFace+: the sorted draws handed out by the target cosines' order"}}},
         [arc](const std::map<std::string, double>& p, const CombinedMargin&) {
           return std::make_unique<ElasticFaceHead>(p, arc);

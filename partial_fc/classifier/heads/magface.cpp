@@ -4,7 +4,6 @@
 // regulariser lambda_g * mean(a / u_a^2 + 1 / a) added to the loss. The norm's gradient
 // flows through both: that is what MagFace trains.
 #include <cmath>
-#include <limits>
 #include <map>
 #include <memory>
 #include <string>
@@ -14,8 +13,6 @@
 
 namespace faceshard {
 namespace {
-
-constexpr double kInf = std::numeric_limits<double>::infinity();
 
 class MagFaceHead : public MarginHead {
  public:
@@ -89,12 +86,12 @@ FACESHARD_MARGIN_HEADS(magface) {
       {"magface",
        "MagFace (Meng et al., CVPR 2021): an ArcFace margin growing linearly with the clamped feature norm, plus "
        "lambda_g mean(a / u_a^2 + 1 / a) in the loss",
-       {{"l_a", 10.0, 0, kInf, true, false, "the norm's lower bound"},
-        {"u_a", 110.0, 0, kInf, true, false, "the norm's upper bound"},
-        {"l_m", 0.45, 0, kInf, false, false, "the margin at the lower bound"},
-        {"u_m", 0.8, 0, kInf, false, false, "the margin at the upper bound"},
-        {"lambda_g", 35.0, 0, kInf, false, false, "the weight of the norm regulariser"},
-        {"s", 64.0, 0, kInf, true, false, "the logits' scale"},
+       {{"l_a", 10.0, 0, kUnbounded, true, false, "the norm's lower bound"},
+        {"u_a", 110.0, 0, kUnbounded, true, false, "the norm's upper bound"},
+        {"l_m", 0.45, 0, kUnbounded, false, false, "the margin at the lower bound"},
+        {"u_m", 0.8, 0, kUnbounded, false, false, "the margin at the upper bound"},
+        {"lambda_g", 35.0, 0, kUnbounded, false, false, "the weight of the norm regulariser"},
+        {"s", 64.0, 0, kUnbounded, true, false, "the logits' scale"},
         {"easy_margin", 1.0, 0, 1, false, true, "the margin only where the target cosine is positive"}}},
       [](const std::map<std::string, double>& p, const CombinedMargin&) { return std::make_unique<MagFaceHead>(p); });
 }

@@ -3,7 +3,6 @@
 // (k + 1) pi / m], which keeps the target logit falling monotonically in theta for any m >= 1;
 // logits s * psi(theta_y) for the target and s * cos(theta) for the others.
 #include <cmath>
-#include <limits>
 #include <map>
 #include <memory>
 #include <string>
@@ -44,8 +43,8 @@ FACESHARD_MARGIN_HEADS(sphereface) {
       {"sphereface",
        "SphereFace (Liu et al., CVPR 2017): the target logit s ((-1)^k cos(m theta) - 2k), theta in [k pi / m, "
        "(k + 1) pi / m], a multiplicative angular margin",
-       {{"m", 4.0, 1, std::numeric_limits<double>::infinity(), false, false, "the multiplicative angular margin"},
-        {"s", 64.0, 0, std::numeric_limits<double>::infinity(), true, false, "the logits' scale"}}},
+       {{"m", 4.0, 1, kUnbounded, false, false, "the multiplicative angular margin"},
+        {"s", 64.0, 0, kUnbounded, true, false, "the logits' scale"}}},
       [](const std::map<std::string, double>& p, const CombinedMargin&) { return std::make_unique<SphereFaceHead>(p); });
 }
 
