@@ -21,6 +21,7 @@
 #include <cstdio>
 #include <cstring>
 #include <fstream>
+#include <iomanip>
 #include <sstream>
 #include <filesystem>
 #include <string>
@@ -349,6 +350,7 @@ int run_step(const Args& a) {
     log_info("CPU block cache (limit ", CpuBlockCache::limit() / 1e9, " GB): ", hits, " blocks reused, ", misses,
              " from the system while timed; ", CpuBlockCache::cached_bytes() / 1048576.0, " MB kept now");
   std::ostringstream js;
+  js << std::setprecision(9);  // the split's phases add up to step_ms at the written precision
   js << "{\"mode\":\"step\",\"network\":\"" << cfg.model.backbone << "\",\"device\":\"" << job.device.str()
      << "\",\"world_size\":" << dist.world_size() << ",\"batch_per_rank\":" << cfg.data.batch_size
      << ",\"micro_batches\":" << job.micro << ",\"classes\":" << cfg.data.num_classes << ",\"precision\":\""

@@ -65,18 +65,33 @@ while [ "$remaining" -gt 0 ]; do
     continue                     # a trapped signal interrupted the wait: keep waiting
   fi
   remaining=$((remaining - 1))
+  if [ "$rc" -ne 0 ] && [ "$status" -ne 0 ]; then
+    # Every later failure too, with the signal that ended a rank (128 + N), so that a log
+    # shows how each rank ended.
+    for i in "${!pids[@]}"; do [ "${pids[$i]}" = "$done_pid" ] && r=$((node_rank * nproc + i)); done
+    echo "launch.sh: rank ${r:-?} exited with status $rc$([ "$rc" -gt 128 ] && echo " (signal $((rc - 128)))")" >&2
+  fi
   if [ "$rc" -ne 0 ] && [ "$status" -eq 0 ]; then
     status=$rc
     for i in "${!pids[@]}"; do [ "${pids[$i]}" = "$done_pid" ] && failed_rank=$((node_rank * nproc + i)); done
-    echo "launch.sh: rank ${failed_rank:-?} exited with status $rc; waiting ${grace}s for the other ranks to stop" >&2
+    echo "launch.sh: rank ${failed_rank:-?} exited with status $rc$([ "$rc" -gt 128 ] && echo " (signal $((rc - 128)))");" \
+         "waiting ${grace}s for the other ranks to stop" >&2
     # The others notice through their collectives and exit on their own; stop stragglers.
-    # (The reaper takes its sleeps along when it is stopped: nothing of the launcher outlives it.)
-    ( trap 'kill "$s" 2>/dev/null; exit 0' TERM
-      sleep "$grace" & s=$!; wait "$s"; stop_all TERM
-      sleep 5 & s=$!; wait "$s"; stop_all KILL ) &
-    reaper=$!
+    # The reaper is a process group of its own (setsid), so that stopping it stops its
+    # sleeps with it at any moment: nothing of the launcher outlives it.
+    if [ "$remaining" -gt 0 ]; then
+      setsid bash -c 'sleep "$1"; shift; kill -TERM "$@" 2>/dev/null; sleep 5; kill -KILL "$@" 2>/dev/null' \
+        reaper "$grace" "${pids[@]}" &
+      reaper=$!
+    fi
   fi
   unset done_pid
 done
-[ -n "${reaper:-}" ] && kill "$reaper" 2>/dev/null
+if [ -n "${reaper:-}" ]; then
+  # Its group once it has called setsid, else the process itself; then the group again, for
+  # a sleep it may have started between the two.
+  kill -- -"$reaper" 2>/dev/null || kill "$reaper" 2>/dev/null
+  wait "$reaper" 2>/dev/null
+  kill -- -"$reaper" 2>/dev/null
+fi
 exit "$status"
