@@ -131,12 +131,29 @@ std::shared_ptr<Dataset> open_dataset(const std::string& path, int64_t synthetic
   const fs::path root(path);
   const fs::path rec = root / "train.rec", idx = root / "train.idx";
   std::error_code ec;
+  const std::string abs = fs::absolute(root, ec).lexically_normal().string();
+  if (!fs::exists(root, ec))
+    throw usage_error("data.rec '", abs, "': does not exist (expected a folder holding train.rec and train.idx, or one "
+                      "sub-folder per identity)");
+  if (!fs::is_directory(root, ec)) {
+    if (root.extension() == ".rec")
+      throw usage_error("data.rec '", abs, "': is the .rec file itself; data.rec is the folder that holds train.rec and "
+                        "train.idx: ", fs::absolute(root, ec).parent_path().lexically_normal().string());
+    throw usage_error("data.rec '", abs, "': is a file; expected a folder holding train.rec and train.idx, or one "
+                      "sub-folder per identity");
+  }
   if (fs::exists(rec, ec)) {
     if (!fs::exists(idx, ec)) {
       throw usage_error(idx.string(), ": missing index for ", rec.string(),
                         " (rebuild it with: faceshard-pack index ", rec.string(), ")");
     }
     return std::make_shared<RecordIODataset>(rec.string(), idx.string(), index_options);
+  }
+  for (const auto& e : fs::directory_iterator(root, ec)) {
+    if (e.path().extension() == ".rec")
+      throw usage_error("data.rec '", abs, "': holds ", e.path().filename().string(),
+                        " but no train.rec; faceshard reads DIR/train.rec and DIR/train.idx (rename them, or pack with "
+                        "faceshard-pack pack IMAGES DIR/train)");
   }
   return std::make_shared<ImageFolderDataset>(path);
 }

@@ -1,5 +1,6 @@
 #include "models/backbone_registry.h"
 
+#include <algorithm>
 #include <functional>
 #include <sstream>
 #include <utility>
@@ -73,7 +74,25 @@ const Entry& find_entry(const std::string& name) {
     if (e.name == name) return e;
   std::ostringstream known;
   for (const auto& n : backbone_names()) known << (known.tellp() > 0 ? ", " : "") << n;
-  throw option_error("backbone", "'", name, "' is not a network faceshard knows; expected one of ", known.str());
+  // The nearest name by edits, when it is close (r51 -> r50, mbf_smal -> mbf_small).
+  std::string near;
+  size_t near_d = 3;
+  for (const auto& n : backbone_names()) {
+    std::vector<size_t> row(n.size() + 1);
+    for (size_t j = 0; j <= n.size(); ++j) row[j] = j;
+    for (size_t i = 1; i <= name.size() && name.size() <= 64; ++i) {
+      size_t diag = row[0];
+      row[0] = i;
+      for (size_t j = 1; j <= n.size(); ++j) {
+        const size_t up = row[j];
+        row[j] = std::min({row[j] + 1, row[j - 1] + 1, diag + (name[i - 1] == n[j - 1] ? 0 : 1)});
+        diag = up;
+      }
+    }
+    if (name.size() <= 64 && row[n.size()] < near_d) near_d = row[n.size()], near = n;
+  }
+  throw option_error("backbone", "'", name, "' is not a network faceshard knows",
+                     near.empty() ? std::string() : " (did you mean '" + near + "'?)", "; expected one of ", known.str());
 }
 }  // namespace
 
@@ -81,8 +100,8 @@ bool backbone_default_checkpointing(const std::string& name) { return find_entry
 
 bool backbone_default_channels_last(const std::string& name) { return find_entry(name).channels_last; }
 
-std::shared_ptr<Backbone> make_backbone(const BackboneOptions& options) {
-  const Entry* entry = &find_entry(options.name);
+void check_backbone_options(const BackboneOptions& options) {
+  find_entry(options.name);
   if (options.embedding_size <= 0)
     throw option_error("embedding_size", "of backbone '", options.name, "': embedding size ", options.embedding_size,
                        " must be positive");
@@ -99,6 +118,11 @@ std::shared_ptr<Backbone> make_backbone(const BackboneOptions& options) {
   if (options.checkpointing.value_or(false) && mbf)
     throw option_error("checkpointing", "of backbone '", options.name,
                        "': MobileFaceNet does not support activation checkpointing");
+}
+
+std::shared_ptr<Backbone> make_backbone(const BackboneOptions& options) {
+  check_backbone_options(options);
+  const Entry* entry = &find_entry(options.name);
   BackboneOptions resolved = options;
   resolved.checkpointing = options.checkpointing.value_or(entry->checkpointing);
   auto model = entry->make(resolved);

@@ -13,6 +13,9 @@ namespace faceshard {
 // mbf_large, then arcface_torch's ViT variants.
 std::vector<std::string> backbone_names();
 
+// The checks make_backbone makes before it builds anything (the name, the embedding size,
+// dropout and checkpointing for that network): option errors naming the option.
+void check_backbone_options(const BackboneOptions& options);
 // Builds options.name with the given options (validated: embedding size > 0, dropout in
 // [0, 1), dropout only for iresnets, checkpointing not for MobileFaceNet; an unset
 // checkpointing becomes the network's default). Throws usage_error naming the bad option.

@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "app/config/cli.h"
 #include "app/config/config.h"
 #include "partial_fc/runtime/error.h"
 #include "tests/test_files.h"
@@ -71,7 +72,8 @@ TEST(ConfigYaml, ValueErrorsNameTheLine) {
   EXPECT_EQ(config_error(kHead + "optim:\n  momentum: 0.9\n  lr: fast\n"),
             "job.yaml:5: key 'optim.lr': expected a number, got 'fast'");
   EXPECT_EQ(config_error(kHead + "  batch_size: [8]\n"), "job.yaml:3: key 'data.batch_size': expected an integer, got a list");
-  EXPECT_EQ(config_error(kHead + "optim:\n  learning_rate: 0.1\n"), "job.yaml:4: unknown key 'optim.learning_rate'");
+  EXPECT_EQ(config_error(kHead + "optim:\n  learning_rate: 0.1\n"),
+            "job.yaml:4: unknown key 'optim.learning_rate' (did you mean 'optim.lr'?)");
   // A scalar that holds line breaks stays on one line in the message.
   EXPECT_EQ(config_error(kHead + "train:\n  precision: \"fp\n    32\\n\\tx\"\n"),
             "job.yaml:4: key 'train.precision': expected one of {fp32, bf16, fp16}, got 'fp 32\\x0a\\x09x'");
@@ -133,6 +135,69 @@ TEST(ConfigYaml, PrintedStringsLoadBackAsStrings) {
     EXPECT_EQ(back.data.rec, v) << printed;
     EXPECT_EQ(back.output, v) << printed;
     EXPECT_EQ(back.model.init, std::optional<std::string>(v)) << printed;
+  }
+}
+
+}  // namespace
+}  // namespace faceshard
+
+namespace faceshard {
+namespace {
+
+// A near miss names the key meant: a misspelling (by edits, sections too), arcface_torch's
+// name, a key in the wrong section; nothing is suggested for a name far from every key.
+TEST(ConfigYaml, NearMissesNameTheKeyMeant) {
+  EXPECT_EQ(config_error(kHead + "optim:\n  total_step: 10\n"),
+            "job.yaml:4: unknown key 'optim.total_step' (did you mean 'optim.total_steps'?)");
+  EXPECT_EQ(config_error(kHead + "trian:\n  precision: bf16\n"), "job.yaml:4: unknown key 'trian' (did you mean 'train'?)");
+  EXPECT_EQ(config_error(kHead + "num_epoch: 20\n"), "job.yaml:3: unknown key 'num_epoch' (did you mean 'optim.epochs'?)");
+  EXPECT_EQ(config_error(kHead + "model:\n  network: r50\n"),
+            "job.yaml:4: unknown key 'model.network' (did you mean 'model.backbone'?)");
+  EXPECT_EQ(config_error(kHead + "optim:\n  sample_rate: 0.1\n"),
+            "job.yaml:4: unknown key 'optim.sample_rate' (did you mean 'loss.sample_rate'?)");
+  EXPECT_EQ(config_error(kHead + "zebra_crossing: 1\n"), "job.yaml:3: unknown key 'zebra_crossing'");
+  // A list key given one number says how a list is written.
+  EXPECT_EQ(config_error(kHead, "job.yaml", {"loss.margin=0.5"}),
+            "--set: key 'loss.margin': expected a list of numbers, got '0.5' (write a list as [x, y, z], e.g. --set "
+            "'loss.margin=[1.0, 0.5, 0.0]')");
+}
+
+// The command line's slips get the right form back.
+TEST(ConfigYaml, CommandLineSlipsGetTheRightForm) {
+  auto cli_error = [](std::vector<std::string> words) -> std::string {
+    std::vector<char*> argv;
+    for (auto& w : words) argv.push_back(w.data());
+    try {
+      parse_config_args(static_cast<int>(argv.size()), argv.data());
+    } catch (const Error& e) {
+      return e.what();
+    }
+    return "(no error)";
+  };
+  EXPECT_EQ(cli_error({"faceshard-train", "--config", "a.yaml", "--set", "optim.lr", "0.01"}),
+            "--set optim.lr 0.01: write --set optim.lr=0.01 (key and value in one word, joined by '=')");
+  EXPECT_EQ(cli_error({"faceshard-train", "configs/demo.yaml"}),
+            "unexpected argument 'configs/demo.yaml': give the config as --config configs/demo.yaml");
+  EXPECT_EQ(cli_error({"faceshard-train", "--config", "a.yaml", "--set", "optim.lr=0.01", "--resume"}), "(no error)");
+  TempDir d;
+  {
+    std::ofstream out(d / "job.yaml");
+    out << kHead;
+  }
+  const std::string stem = d / "job";
+  try {
+    load_config(stem);
+    ADD_FAILURE() << "a config path without .yaml loaded";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("not found (did you mean '" + stem + ".yaml'?)"), std::string::npos) << e.what();
+  }
+  try {
+    load_config_text(kHead, "job.yaml", {"optim.lr"});
+    ADD_FAILURE() << "--set without '=' was taken";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("expected key.path=value, one word with '=' (e.g. --set optim.lr=VALUE)"),
+              std::string::npos)
+        << e.what();
   }
 }
 

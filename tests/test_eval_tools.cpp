@@ -550,9 +550,13 @@ TEST(EvalVerification, XNormAndFlipSumFollowInsightfaceInNumpy) {
   for (const at::Tensor& t : {plain, mirrored})
     for (int64_t i = 0; i < t.numel(); ++i) raw << t.view(-1)[i].item<float>() << (i % 16 == 15 ? "\n" : " ");
   write_text(dir + "/raw.txt", raw.str());
+  std::string same;
+  for (bool b : data.issame) same += b ? "1\n" : "0\n";
+  write_text(dir + "/issame.txt", same);
   const auto py = run_python(dir, "xnorm.py", R"PY(
 import sys, numpy as np
 raw = np.loadtxt(sys.argv[1] + '/raw.txt', dtype=np.float32)
+issame = np.loadtxt(sys.argv[1] + '/issame.txt').astype(bool)
 n = raw.shape[0] // 2
 embeddings_list = [np.zeros((n, 16)), np.zeros((n, 16))]  # float64, as verification.py
 embeddings_list[0][:] = raw[:n]
@@ -567,14 +571,16 @@ e = e / np.linalg.norm(e, axis=1, keepdims=True)
 dist = np.sum((e[0::2] - e[1::2]) ** 2, axis=1)
 score = 1 - dist / 2
 print('%.17g' % xnorm)
+print('%.17g' % score[~issame].mean())  # what a collapse warning reads: near 1 when collapsed
 print(' '.join('%.17g' % x for x in np.unique(score)[::-1]))
 )PY",
                              {dir});
   ASSERT_EQ(py.status, 0) << py.output;
   std::istringstream in(py.output);
-  double xnorm = 0;
-  in >> xnorm;
+  double xnorm = 0, negative_cosine = 0;
+  in >> xnorm >> negative_cosine;
   EXPECT_NEAR(r.xnorm, xnorm, 1e-9 * xnorm);
+  EXPECT_NEAR(r.negative_cosine, negative_cosine, 1e-12);
   // Not the norm of the summed embeddings (what an earlier version reported).
   EXPECT_GT(std::abs(r.xnorm - (plain + mirrored).norm(2, 1).mean().item<double>()), 0.1 * xnorm);
   // ROC thresholds are the distinct scores, descending, after +inf. At 1e-12 a flip sum

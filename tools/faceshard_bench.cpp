@@ -339,7 +339,7 @@ int run_step(const Args& a) {
   const double n = double(a.steps * a.windows), total = sum.total();
   auto pct = [&](double x) { return total > 0 ? 100.0 * x / total : 0.0; };
   log_info("step: ", cfg.model.backbone, ", batch ", cfg.data.batch_size, "x", dist.world_size(), " x ", job.micro,
-           " micro-batches, ", cfg.data.num_classes, " classes (", job.fc->num_sample(), " per step on this rank), ",
+           " micro-batches, ", *job.cfg.data.num_classes, " classes (", job.fc->num_sample(), " per step on this rank), ",
            cfg.train.precision, " on ", job.device.str(), ": ", median, " images/s (median of ", a.windows,
            " windows of ", a.steps, " steps), peak ", peak, " MB (", cuda ? "GPU allocated" : "process RSS",
            cuda ? "" : "; tensors ", cuda ? "" : std::to_string(tensor_peak), cuda ? "" : " MB",
@@ -353,7 +353,7 @@ int run_step(const Args& a) {
   js << std::setprecision(9);  // the split's phases add up to step_ms at the written precision
   js << "{\"mode\":\"step\",\"network\":\"" << cfg.model.backbone << "\",\"device\":\"" << job.device.str()
      << "\",\"world_size\":" << dist.world_size() << ",\"batch_per_rank\":" << cfg.data.batch_size
-     << ",\"micro_batches\":" << job.micro << ",\"classes\":" << cfg.data.num_classes << ",\"precision\":\""
+     << ",\"micro_batches\":" << job.micro << ",\"classes\":" << *job.cfg.data.num_classes << ",\"precision\":\""
      << cfg.train.precision << "\",\"sample_rate\":" << cfg.loss.sample_rate
      << ",\"channels_last\":"
      << (cfg.model.channels_last.value_or(backbone_default_channels_last(cfg.model.backbone)) ? "true" : "false")

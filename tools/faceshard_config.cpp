@@ -3,6 +3,7 @@
 #include <cstdio>
 
 #include "app/config/cli.h"
+#include "app/train/train_job.h"
 #include "partial_fc/classifier/partial_fc.h"
 #include "partial_fc/runtime/error.h"
 
@@ -17,18 +18,24 @@ int main(int argc, char** argv) {
     }
     if (!args.rest.empty()) throw usage_error("unknown argument '", args.rest[0], "' (see --help)");
     Config cfg = load_config_from_args(args);
+    check_model_config(cfg);  // what faceshard-train checks before it starts
     if (args.print_config) std::fputs(config_to_yaml(cfg).c_str(), stdout);
-    else {
+    else if (!cfg.data.num_classes) {
+      std::printf("%s: ok\nclassifier: the identities of '%s' (counted at start-up)%s\n", args.config.c_str(),
+                  cfg.data.rec.c_str(),
+                  cfg.data.spare_classes ? (" + " + std::to_string(cfg.data.spare_classes) + " spare classes").c_str()
+                                         : "");
+    } else {
       // The whole classifier's size (one rank's is its share): what data.num_classes asks for.
       PartialFCOptions po;
-      po.num_classes = cfg.data.num_classes;
+      po.num_classes = *cfg.data.num_classes;
       po.embedding_size = cfg.model.embedding_size;
       po.optimizer.kind = cfg.optim.classifier_optimizer();
       po.optimizer.state_dtype = cfg.optim.fc_state_dtype == "bf16" ? at::kBFloat16 : at::kFloat;
       const ClassifierMemoryPlan all = classifier_memory_plan(po, 1, 0, cfg.data.batch_size);
       std::printf("%s: ok\nclassifier: %lld classes x %lld fp32: %.0f bytes (%.3g GB) of centres + %.0f bytes (%.3g GB) "
                   "of optimiser state (%s), split over the ranks\n",
-                  args.config.c_str(), static_cast<long long>(cfg.data.num_classes),
+                  args.config.c_str(), static_cast<long long>(*cfg.data.num_classes),
                   static_cast<long long>(cfg.model.embedding_size), all.weight_bytes, all.weight_bytes / 1e9,
                   all.state_bytes, all.state_bytes / 1e9, cfg.optim.fc_state_dtype.c_str());
     }

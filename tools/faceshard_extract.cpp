@@ -34,7 +34,8 @@ const char* kUsage =
     "                        fields after whitespace are ignored, '#' starts a comment\n"
     "  --images DIR          every .jpg/.jpeg/.png/.bmp under DIR, in sorted path order\n"
     "  --rec DIR             DIR/train.rec + train.idx (names: <index> <label>)\n"
-    "  --output PREFIX       writes PREFIX.npy (float32 N x E) and PREFIX.txt (N names)\n"
+    "  --output PREFIX       writes PREFIX.npy (float32 N x E) and PREFIX.txt (N names); a PREFIX ending in\n"
+    "                        .npy is taken without it\n"
     "  --no-flip             embed the image only (default: image + mirrored image, summed)\n"
     "  --no-normalize        keep the raw embeddings (default: rows L2-normalised)\n"
     "  --batch N             images per forward pass (default 64)\n"
@@ -149,6 +150,8 @@ int main(int argc, char** argv) {
     if (int(!list.empty()) + int(!images.empty()) + int(!rec.empty()) != 1)
       throw usage_error("give exactly one of --list, --images, --rec (see --help)");
     if (output.empty()) throw usage_error("--output PREFIX is required (see --help)");
+    // "--output emb.npy" means the prefix "emb": the files are emb.npy and emb.txt.
+    if (output.size() > 4 && output.compare(output.size() - 4, 4, ".npy") == 0) output.resize(output.size() - 4);
     const fs::path parent = fs::path(output).parent_path();
     if (!parent.empty() && !fs::is_directory(parent))
       throw usage_error("--output: folder '", parent.string(), "' does not exist");

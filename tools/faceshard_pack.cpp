@@ -1,6 +1,7 @@
-// faceshard-pack: packs an image folder (one sub-folder per identity) into an insightface
-// .rec/.idx, lists or verifies a .rec, and rebuilds a lost .idx. Image bytes are stored
-// as they are (no re-encoding), so unpacking gives back identical files.
+// faceshard-pack: packs an image folder (one sub-folder per identity) or an image list into
+// an insightface .rec/.idx, makes verification pairs (.bin), lists or verifies a .rec, and
+// rebuilds a lost .idx. Image bytes are stored as they are (no re-encoding), so unpacking
+// gives back identical files.
 #include <algorithm>
 #include <cerrno>
 #include <cstdint>
@@ -17,8 +18,12 @@
 #include "data/index_check.h"
 #include "data/image_transform.h"
 #include "data/insightface_rec.h"
+#include "data/pack_source.h"
 #include "data/recordio.h"
+#include "data/verification_bin.h"
+#include "data/verification_pairs.h"
 #include "partial_fc/runtime/error.h"
+#include "partial_fc/runtime/progress.h"
 
 namespace {
 
@@ -27,15 +32,24 @@ namespace fs = std::filesystem;
 
 const char* kUsage =
     "usage: faceshard-pack <command> ...\n"
-    "  pack IMAGE_DIR OUT_PREFIX [--check] [--size PX]\n"
-    "        IMAGE_DIR/<identity>/<image> -> OUT_PREFIX.rec + OUT_PREFIX.idx (insightface layout:\n"
-    "        header record 0, images 1..N with their class, one identity record per class).\n"
-    "        --check decodes every image and requires PX x PX (default 112).\n"
+    "  pack SOURCE OUT_PREFIX [--size PX] [--skip-bad] [--decode | --no-check]\n"
+    "        SOURCE: a folder with one sub-folder per identity (SOURCE/<identity>/<image>), or an image list\n"
+    "        (.lst: 'index<TAB>label<TAB>path' or insightface's 'aligned<TAB>path<TAB>label'; paths relative to\n"
+    "        the list's folder) -> OUT_PREFIX.rec + OUT_PREFIX.idx (insightface layout: header record 0,\n"
+    "        images 1..N with their class, one identity record per class) + OUT_PREFIX.labels.tsv (label,\n"
+    "        identity folder, images). Pack to DIR/train and give data.rec: DIR to faceshard-train.\n"
+    "        Every image's header is checked (JPEG, PNG or BMP of PX x PX, default 112, not cut short); every\n"
+    "        bad file and empty identity folder is listed and nothing is written, unless --skip-bad leaves\n"
+    "        them out. --decode also decodes every image; --no-check packs without looking.\n"
+    "  pairs IMAGE_DIR OUT.bin [--pairs N] [--seed S] [--size PX] [--skip-bad]\n"
+    "        a verification set in insightface's .bin format (a val target for faceshard-train and\n"
+    "        faceshard-verify): N pairs (default 3000), half of one identity, half of two, from IMAGE_DIR's\n"
+    "        identities (use identities the training data does not hold); the same seed gives the same pairs.\n"
     "  list REC [--idx IDX] [--limit N]\n"
     "        prints key, offset, flag, labels and image size of each record (in .idx order).\n"
     "  verify REC [--idx IDX] [--decode] [--size PX]\n"
     "        scans every record, checks the .idx against the scan and the insightface layout;\n"
-    "        --decode also decodes every image and checks its size. Exit 1 on the first problem.\n"
+    "        --decode also decodes every image and checks its size. Every bad record is listed; exit 1 if any.\n"
     "  index REC [IDX]\n"
     "        rebuilds a missing .idx by scanning the .rec (record i gets key i).\n"
     "  unpack REC OUT_DIR [--idx IDX]\n"
@@ -107,22 +121,153 @@ void need_positional(const Args& a, size_t lo, size_t hi, const char* cmd) {
   }
 }
 
+// Reads a whole file (small: an aligned face).
+bool read_file(const std::string& path, std::vector<uint8_t>& out, std::string& why) {
+  std::FILE* f = std::fopen(path.c_str(), "rb");
+  if (!f) {
+    why = std::string("cannot open: ") + std::strerror(errno);
+    return false;
+  }
+  out.clear();
+  uint8_t buf[1 << 16];
+  size_t n;
+  while ((n = std::fread(buf, 1, sizeof buf, f)) > 0) {
+    out.insert(out.end(), buf, buf + n);
+    if (out.size() > (uint64_t(64) << 20)) {
+      std::fclose(f);
+      why = "larger than 64 MiB: not an aligned face";
+      return false;
+    }
+  }
+  const bool err = std::ferror(f) != 0;
+  std::fclose(f);
+  if (err) why = "read error";
+  return !err;
+}
+
+// Every problem of the source, one line each, then what to do: the pack is refused unless
+// --skip-bad leaves them out (and says so).
+void report_problems(const std::vector<faceshard::PackProblem>& problems, bool skip_bad) {
+  for (const auto& p : problems) std::fprintf(stderr, "faceshard-pack: %s: %s\n", p.path.c_str(), p.what.c_str());
+  if (problems.empty() || skip_bad) return;
+  throw usage_error(problems.size(), problems.size() == 1 ? " problem" : " problems",
+                    " found (listed above); fix them, or pass --skip-bad to leave those files and folders out");
+}
+
+// The source's items that pass the check (all when check is off); bad ones become problems.
+std::vector<uint64_t> check_items(const faceshard::PackSource& src, int size, bool decode,
+                                  std::vector<faceshard::PackProblem>& problems) {
+  std::vector<uint64_t> bad;
+  std::vector<uint8_t> bytes;
+  faceshard::Progress progress("checking", src.items.size(), "images");
+  for (uint64_t i = 0; i < src.items.size(); ++i) {
+    const std::string& path = src.items[i].path;
+    std::string why;
+    if (read_file(path, bytes, why)) why = faceshard::check_image_bytes(bytes, size);
+    if (why.empty() && decode) {
+      try {
+        check_image(bytes.data(), bytes.size(), size, "");
+      } catch (const faceshard::Error& e) {
+        why = e.what();
+      }
+    }
+    if (!why.empty()) {
+      problems.push_back({path, why});
+      bad.push_back(i);
+    }
+    progress.update(i + 1);
+  }
+  return bad;
+}
+
 int cmd_pack(const Args& a) {
   need_positional(a, 2, 2, "pack");
-  const bool check = a.opt.count("--check");
+  const bool decode = a.opt.count("--check") || a.opt.count("--decode");
+  const bool header_check = !a.opt.count("--no-check");
+  const bool skip_bad = a.opt.count("--skip-bad");
   const int size = a.opt.count("--size") ? int(parse_u64("--size", a.opt.at("--size"))) : 112;
-  const faceshard::ImageFolderDataset folder(a.pos[0]);
-  const std::string rec = a.pos[1] + ".rec", idx = a.pos[1] + ".idx";
+  faceshard::PackSource src = faceshard::list_pack_source(a.pos[0]);
+  std::vector<faceshard::PackProblem> problems = src.problems;
+  std::vector<uint64_t> bad;
+  if (header_check || decode) bad = check_items(src, size, decode, problems);
+  report_problems(problems, skip_bad);
+  const size_t empty_folders = src.problems.size();
+  const std::vector<std::string> emptied = faceshard::drop_items(src, bad);
+  if (src.items.empty()) throw usage_error("'", a.pos[0], "': no image to pack");
+  const std::string rec = a.pos[1] + ".rec", idx = a.pos[1] + ".idx", labels = a.pos[1] + ".labels.tsv";
+  const fs::path parent = fs::path(a.pos[1]).parent_path();
+  if (!parent.empty()) fs::create_directories(parent);
   faceshard::InsightFaceRecWriter writer(rec, idx);
-  faceshard::RawSample s;
-  for (uint64_t i = 0; i < folder.size(); ++i) {
-    folder.read(i, s);
-    if (check) check_image(s.bytes.data(), s.bytes.size(), size, folder.path(i));
-    writer.add(s.label, s.bytes);
+  std::vector<uint8_t> bytes;
+  {
+    faceshard::Progress progress("packing", src.items.size(), "images");
+    for (uint64_t i = 0; i < src.items.size(); ++i) {
+      std::string why;
+      if (!read_file(src.items[i].path, bytes, why)) throw faceshard::runtime_error(src.items[i].path, ": ", why);
+      writer.add(src.items[i].label, bytes);
+      progress.update(i + 1);
+    }
   }
-  writer.commit(folder.num_classes());
-  std::printf("faceshard-pack: %llu images of %lld identities -> %s, %s\n", (unsigned long long)folder.size(),
-              (long long)folder.num_classes(), rec.c_str(), idx.c_str());
+  writer.commit(static_cast<int64_t>(src.identities.size()));
+  // label <TAB> identity <TAB> images: which folder each class came from.
+  {
+    std::vector<uint64_t> count(src.identities.size(), 0);
+    for (const auto& it : src.items) count[static_cast<size_t>(it.label)]++;
+    const std::string tmp = labels + ".tmp";
+    std::FILE* f = std::fopen(tmp.c_str(), "wb");
+    if (!f) throw faceshard::runtime_error(labels, ": cannot create");
+    bool ok = std::fprintf(f, "label\tidentity\timages\n") > 0;
+    for (size_t c = 0; c < src.identities.size(); ++c)
+      ok = ok && std::fprintf(f, "%zu\t%s\t%llu\n", c, src.identities[c].c_str(), (unsigned long long)count[c]) > 0;
+    if (std::fclose(f) != 0 || !ok || std::rename(tmp.c_str(), labels.c_str()) != 0) {
+      std::remove(tmp.c_str());
+      throw faceshard::runtime_error(labels, ": write failed");
+    }
+  }
+  if (skip_bad && !problems.empty())
+    std::printf("faceshard-pack: left out %zu bad files and %zu empty folders (listed above)%s\n", bad.size(),
+                empty_folders, emptied.empty() ? "" : faceshard::detail::concat("; ", emptied.size(),
+                                                                   " identities lost every image and are no class").c_str());
+  std::printf("faceshard-pack: %llu images of %lld identities -> %s, %s, %s%s\n", (unsigned long long)src.items.size(),
+              (long long)src.identities.size(), rec.c_str(), idx.c_str(), labels.c_str(),
+              src.ignored_files ? faceshard::detail::concat(" (", src.ignored_files,
+                                                            " files without an image extension ignored)").c_str()
+                                : "");
+  return 0;
+}
+
+// A verification set in insightface's .bin format from a folder of identities.
+int cmd_pairs(const Args& a) {
+  need_positional(a, 2, 2, "pairs");
+  const uint64_t num_pairs = a.opt.count("--pairs") ? parse_u64("--pairs", a.opt.at("--pairs")) : 3000;
+  const uint64_t seed = a.opt.count("--seed") ? parse_u64("--seed", a.opt.at("--seed")) : 0;
+  const int size = a.opt.count("--size") ? int(parse_u64("--size", a.opt.at("--size"))) : 112;
+  const bool skip_bad = a.opt.count("--skip-bad");
+  faceshard::PackSource src = faceshard::list_pack_source(a.pos[0]);
+  std::vector<faceshard::PackProblem> problems = src.problems;
+  const std::vector<uint64_t> bad = check_items(src, size, false, problems);
+  report_problems(problems, skip_bad);
+  faceshard::drop_items(src, bad);
+  std::vector<int64_t> labels;
+  for (const auto& it : src.items) labels.push_back(it.label);
+  const std::vector<faceshard::ImagePair> pairs = faceshard::make_verification_pairs(labels, num_pairs, seed);
+  faceshard::VerificationSet set;
+  std::vector<uint8_t> bytes;
+  auto image = [&](uint64_t i) {
+    std::string why;
+    if (!read_file(src.items[i].path, bytes, why)) throw faceshard::runtime_error(src.items[i].path, ": ", why);
+    return faceshard::ImageBytes(bytes);
+  };
+  for (const auto& p : pairs) {
+    set.images.push_back(image(p.a));
+    set.images.push_back(image(p.b));
+    set.issame.push_back(p.same);
+  }
+  faceshard::write_verification_bin(a.pos[1], set);
+  std::printf("faceshard-pack: %zu pairs (%zu same identity, %zu different) from %zu images of %zu identities, seed %llu "
+              "-> %s\n",
+              pairs.size(), pairs.size() / 2, pairs.size() / 2, src.items.size(), src.identities.size(),
+              (unsigned long long)seed, a.pos[1].c_str());
   return 0;
 }
 
@@ -197,19 +342,31 @@ int cmd_verify(const Args& a) {
       prev_key = k;
     }
   }
+  // Every record is checked and every bad one listed (the first 1000 by name), not only the first.
   std::vector<uint8_t> buf;
+  uint64_t bad = 0;
+  faceshard::Progress progress("verifying", layout.num_images(), "records");
   for (uint64_t i = 0; i < layout.num_images(); ++i) {
     const uint64_t k = layout.image_key(r, i);
-    r.read(k, buf);
     const std::string where = faceshard::detail::concat(rec, ": key ", k, " at offset ", r.offset_of(k));
-    const auto v = faceshard::unpack_image_record(buf, where);
-    faceshard::check_record_id(v, k, where);
-    const int64_t label = faceshard::label_to_class(v.class_label(), where);
-    if (classes > 0 && label >= classes) {
-      throw faceshard::runtime_error(where, ": label ", label, " is out of range [0, ", classes, ")");
+    try {
+      r.read(k, buf);
+      const auto v = faceshard::unpack_image_record(buf, where);
+      faceshard::check_record_id(v, k, where);
+      const int64_t label = faceshard::label_to_class(v.class_label(), where);
+      if (classes > 0 && label >= classes) {
+        throw faceshard::runtime_error(where, ": label ", label, " is out of range [0, ", classes, ")");
+      }
+      if (decode) check_image(v.image, v.image_size, size, where);
+    } catch (const faceshard::Error& e) {
+      if (bad++ < 1000) std::fprintf(stderr, "faceshard-pack: %s\n", e.what());
     }
-    if (decode) check_image(v.image, v.image_size, size, where);
+    progress.update(i + 1);
   }
+  progress.finish();
+  if (bad > 0)
+    throw faceshard::runtime_error(rec, ": ", bad, " of ", layout.num_images(), " image records are bad",
+                                   bad > 1000 ? " (the first 1000 listed above)" : " (listed above)");
   std::printf("faceshard-pack: %s: OK: %llu records, %llu indexed, %llu images, %lld identities%s\n", rec.c_str(),
               (unsigned long long)records, (unsigned long long)r.num_entries(),
               (unsigned long long)layout.num_images(), (long long)classes,
@@ -284,7 +441,8 @@ int main(int argc, char** argv) {
         return 0;
       }
     }
-    if (cmd == "pack") return cmd_pack(parse(argc, argv, {"--size"}, {"--check"}));
+    if (cmd == "pack") return cmd_pack(parse(argc, argv, {"--size"}, {"--check", "--decode", "--no-check", "--skip-bad"}));
+    if (cmd == "pairs") return cmd_pairs(parse(argc, argv, {"--pairs", "--seed", "--size"}, {"--skip-bad"}));
     if (cmd == "list") return cmd_list(parse(argc, argv, {"--idx", "--limit"}, {}));
     if (cmd == "verify") return cmd_verify(parse(argc, argv, {"--idx", "--size"}, {"--decode"}));
     if (cmd == "index") return cmd_index(parse(argc, argv, {}, {}));

@@ -157,11 +157,25 @@ int main(int argc, char** argv) {
     if (has("--fc-update")) in.fc_update_all = choice("--fc-update", flag["--fc-update"], {"sampled", "all"}) == "all";
     if (has("--fc-state-dtype")) in.fc_state_dtype = choice("--fc-state-dtype", flag["--fc-state-dtype"], {"fp32", "bf16"});
     if (has("--grad-accumulation")) in.grad_accumulation = parse_count("--grad-accumulation", flag["--grad-accumulation"]);
-    if (in.num_classes == 0) throw usage_error("--classes C is required (or a --config with data.num_classes)");
     const std::optional<double> device = has("--device-memory") ? std::optional<double>(parse_size("--device-memory", flag["--device-memory"])) : std::nullopt;
     const double reserve = has("--reserve") ? parse_size("--reserve", flag["--reserve"]) : 1073741824.0;
     const ActivationTable table =
         has("--activations") ? ActivationTable::from_file(flag["--activations"]) : ActivationTable::shipped();
+    // No class count (a preset leaves it to the data): with a device, the plan is made at the
+    // largest count that fits; without one there is nothing to plan the classifier for.
+    const bool classes_given = in.num_classes != 0;
+    if (!classes_given) {
+      if (!device)
+        throw usage_error("give --classes C (or a --config with data.num_classes), or --device-memory SIZE to find the "
+                          "largest number of classes that fits");
+      try {
+        in.num_classes = std::max<int64_t>(in.world_size, max_classes_that_fit(in, table, *device - reserve));
+      } catch (const Error& e) {
+        if (!e.option().empty()) rethrow_as_flag(e);
+        throw;
+      }
+      std::printf("classes: none given; planned at the largest number that fits the device\n");
+    }
 
     JobMemoryPlan plan;
     int64_t max_classes = -1;

@@ -3,6 +3,7 @@
 // accuracy +- std, the best threshold and TAR at FAR 1e-3 / 1e-4 per set; writes the ROC
 // of each set as CSV and all of them in one PNG plot. The numbers are computed by the code
 // the trainer uses, so they equal the trainer's final verification of the same model.
+#include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <sstream>
@@ -74,17 +75,27 @@ int main(int argc, char** argv) {
     js << "{\"model\": \"" << model.weights << "\", \"sets\": [";
     for (size_t i = 0; i < bins.size(); ++i) {
       const VerificationData data = load_verification_data(bins[i]);
-      VerificationResult r = evaluate_verification(*model.backbone, data, batch, device, folds);
+      VerificationResult r = evaluate_verification(*model.backbone, data, batch, device, folds, /*progress=*/true);
       const double auc = roc_auc(r.roc);
-      std::printf("%s: accuracy %.5f +- %.5f  best threshold %.3f  TAR@FAR=1e-3 %.4f  TAR@FAR=1e-4 %.4f  AUC %.5f  "
-                  "XNorm %.3f  (%zu pairs)\n",
-                  data.name.c_str(), r.kfold.accuracy_mean, r.kfold.accuracy_std, r.kfold.best_threshold,
+      // The protocol's threshold is a squared L2 distance between unit embeddings (same
+      // identity below it); the ROC's is the cosine similarity 1 - d/2 (same at or above).
+      const double cosine = 1 - r.kfold.best_threshold / 2;
+      std::printf("%s: accuracy %.5f +- %.5f  best threshold: distance %.3f (squared L2) = cosine %.3f  "
+                  "TAR@FAR=1e-3 %.4f  TAR@FAR=1e-4 %.4f  AUC %.5f  XNorm %.3f  (%zu pairs)\n",
+                  data.name.c_str(), r.kfold.accuracy_mean, r.kfold.accuracy_std, r.kfold.best_threshold, cosine,
                   r.tar_at_far_1e3, r.tar_at_far_1e4, auc, r.xnorm, data.issame.size());
       std::fflush(stdout);
+      if (r.negative_cosine > 0.9)
+        log_warn(data.name, ": different identities' embeddings have a mean cosine of ", std::round(r.negative_cosine * 1000) / 1000,
+                 ": the embeddings have collapsed (an untrained or diverged model, or the wrong --network); the "
+                 "accuracy says nothing about the model");
       write_roc_csv(r.roc, output + "/" + data.name + "_roc.csv");
       js << (i ? ", " : "") << "{\"name\": \"" << data.name << "\", \"pairs\": " << data.issame.size()
          << ", \"accuracy\": " << json_number(r.kfold.accuracy_mean) << ", \"accuracy_std\": " << json_number(r.kfold.accuracy_std)
-         << ", \"best_threshold\": " << json_number(r.kfold.best_threshold) << ", \"tar_at_far_1e-3\": " << json_number(r.tar_at_far_1e3)
+         << ", \"best_threshold\": " << json_number(r.kfold.best_threshold)
+         << ", \"best_threshold_unit\": \"squared_l2_distance\", \"best_threshold_cosine\": " << json_number(cosine)
+         << ", \"negative_mean_cosine\": " << json_number(r.negative_cosine)
+         << ", \"tar_at_far_1e-3\": " << json_number(r.tar_at_far_1e3)
          << ", \"tar_at_far_1e-4\": " << json_number(r.tar_at_far_1e4) << ", \"auc\": " << json_number(auc)
          << ", \"xnorm\": " << json_number(r.xnorm) << "}";
       curves.emplace_back(data.name, std::move(r.roc));

@@ -1,4 +1,4 @@
-// faceshard-train --config FILE [--set key=value ...] [--resume [auto|CHECKPOINT]] [--print-config]
+// faceshard-train --config FILE [--set key=value ...] [--resume [auto|DIR]] [--overwrite] [--print-config]
 #include <cstdio>
 
 #include "app/config/cli.h"
@@ -8,13 +8,18 @@
 using namespace faceshard;
 
 static const char* kUsage =
-    "usage: faceshard-train --config FILE [--set section.key=value ...] [--resume [auto|CHECKPOINT_DIR]] [--print-config]\n"
+    "usage: faceshard-train --config FILE [--set section.key=value ...] [--resume [auto|DIR]] [--overwrite]\n"
+    "                       [--print-config]\n"
     "Start several ranks with tools/launch.sh --nproc N, torchrun --no-python, or srun; alone it runs one rank.\n"
     "--resume (or --resume auto, or train.resume: auto) continues from the latest committed checkpoint in\n"
     "<output>/checkpoints, or starts fresh when there is none, and exits 0 when that checkpoint ends the run;\n"
-    "--resume DIR continues from that checkpoint. Either works with a different number of ranks.\n"
-    "SIGTERM/SIGINT: finish the step, checkpoint, exit 0 (75 under torchrun on a rank whose own agent\n"
-    "did not ask: its agent restarts it into the next round).\n";
+    "--resume DIR continues from a run folder's newest checkpoint, or from that checkpoint. Either works with a\n"
+    "different number of ranks.\n"
+    "A fresh run into an output folder that holds a run is refused; --overwrite moves that run's files into\n"
+    "<output>/replaced-<time>/ (nothing is deleted) and starts afresh.\n"
+    "Writes <output>/config.yaml, training.log, metrics.jsonl, checkpoints/, tensorboard/ and model.pt.\n"
+    "SIGTERM/SIGINT (Ctrl-C): finish the step, checkpoint, exit 0 (75 under torchrun on a rank whose own agent\n"
+    "did not ask: its agent restarts it into the next round); continue with --resume.\n";
 
 int main(int argc, char** argv) {
   return run_main("faceshard-train", [&] {
@@ -32,6 +37,8 @@ int main(int argc, char** argv) {
           const std::string& v = args.rest[++i];
           if (v != "auto") req.resume_from = v;  // "auto": the newest checkpoint, or fresh
         }
+      } else if (a == "--overwrite") {
+        req.overwrite = true;
       } else {
         throw usage_error("unknown argument '", a, "' (see --help)");
       }

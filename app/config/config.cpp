@@ -4,11 +4,13 @@
 #include <yaml-cpp/depthguard.h>
 #include <yaml-cpp/yaml.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <map>
 #include <set>
 #include <sstream>
 
@@ -232,7 +234,13 @@ YAML::Node parse_yaml(const std::string& text, const std::string& name) {
 std::string read_text(const std::string& path, const std::string& referrer) {
   std::error_code ec;
   if (!fs::is_regular_file(path, ec)) {
-    if (referrer.empty()) throw usage_error("config file '", path, "' not found");
+    if (referrer.empty()) {
+      const std::string abs = fs::absolute(path, ec).lexically_normal().string();
+      if (fs::is_regular_file(path + ".yaml", ec))
+        throw usage_error("config file '", abs, "' not found (did you mean '", path, ".yaml'?)");
+      if (fs::is_directory(path, ec)) throw usage_error("config file '", abs, "' is a folder; give a .yaml file");
+      throw usage_error("config file '", abs, "' not found");
+    }
     throw usage_error(referrer, ": key 'base': base file '", detail::printable(path, 400), "' not found");
   }
   const auto size = fs::file_size(path, ec);
@@ -308,7 +316,9 @@ void load_layer(MergedYaml& m, const std::string& text, const std::string& name,
 
 void apply_override(MergedYaml& m, const std::string& ov) {
   auto eq = ov.find('=');
-  if (eq == std::string::npos || eq == 0) throw usage_error("--set '", detail::printable(ov), "': expected key.path=value");
+  if (eq == std::string::npos || eq == 0)
+    throw usage_error("--set '", detail::printable(ov), "': expected key.path=value, one word with '=' (e.g. --set ",
+                      eq == std::string::npos && !ov.empty() ? detail::printable(ov) : "optim.lr", "=VALUE)");
   std::string path = ov.substr(0, eq);
   std::string value = ov.substr(eq + 1);
   YAML::Node v;
@@ -401,7 +411,7 @@ class Reader : public FieldVisitor {
       v.clear();
       return;
     }
-    if (!n.IsSequence()) fail(p, "expected a list of strings, got " + show(n));
+    if (!n.IsSequence()) fail(p, "expected a list of strings, got " + show(n) + " (write a list as [a, b], e.g. --set '" + p + "=[a, b]')");
     v.clear();
     for (const auto& e : n) {
       if (!e.IsScalar()) fail(p, "expected a list of strings, found " + show(e) + " in it");
@@ -412,7 +422,7 @@ class Reader : public FieldVisitor {
   void field(const std::string& p, std::vector<double>& v, const FieldSpec& s) override {
     YAML::Node n = get(p, s);
     if (!n) return;
-    if (!n.IsSequence()) fail(p, "expected a list of numbers, got " + show(n));
+    if (!n.IsSequence()) fail(p, "expected a list of numbers, got " + show(n) + " (write a list as [x, y, z], e.g. --set '" + p + "=[1.0, 0.5, 0.0]')");
     v.clear();
     for (const auto& e : n) v.push_back(number(p, e));
     length(p, v.size(), s);
@@ -488,14 +498,52 @@ class Reader : public FieldVisitor {
     if (s.list_length >= 0 && static_cast<int>(n) != s.list_length)
       fail(p, "expected a list of " + std::to_string(s.list_length) + " values, got " + std::to_string(n));
   }
+  // The known key (or section) a slip most likely meant: arcface_torch's name for it, the
+  // same last component in another section (a misplaced key), or the nearest spelling.
   std::string suggestion(const std::string& p) const {
-    // The known key with the same last component, if any: a misplaced key is a common slip.
-    std::string last = p.substr(p.rfind('.') == std::string::npos ? 0 : p.rfind('.') + 1);
+    static const std::map<std::string, std::string> arcface_torch_names = {
+        {"network", "model.backbone"},       {"fp16", "train.precision"},        {"num_image", "data.num_images"},
+        {"num_epoch", "optim.epochs"},       {"warmup_epoch", "optim.warmup_epochs"},
+        {"learning_rate", "optim.lr"},       {"verbose", "train.verify_every"},  {"resume", "train.resume"},
+        {"embedding_size", "model.embedding_size"}, {"sample_rate", "loss.sample_rate"},
+        {"rec", "data.rec"},                 {"num_classes", "data.num_classes"}, {"batch_size", "data.batch_size"},
+        {"val_targets", "data.val_targets"}, {"weight_decay", "optim.weight_decay"}, {"momentum", "optim.momentum"},
+        {"lr", "optim.lr"},                  {"optimizer", "optim.optimizer"},    {"margin_list", "loss.margin"}};
+    auto mean = [](const std::string& k) { return " (did you mean '" + k + "'?)"; };
+    const std::string last = p.substr(p.rfind('.') == std::string::npos ? 0 : p.rfind('.') + 1);
+    if (auto it = arcface_torch_names.find(last); it != arcface_torch_names.end() && it->second != p &&
+                                                  known_.count(it->second))
+      return mean(it->second);
     for (const auto& k : known_)
       if (k.size() >= last.size() && k.compare(k.size() - last.size(), last.size(), last) == 0 &&
           (k.size() == last.size() || k[k.size() - last.size() - 1] == '.'))
-        return " (did you mean '" + k + "'?)";
-    return "";
+        return mean(k);
+    // The nearest spelling among keys and sections, if close: at most 2 edits, or a quarter
+    // of the name for long ones.
+    std::string best;
+    if (p.size() > 64) return "";  // no key is that long; a fuzzed name costs nothing
+    size_t best_d = std::max<size_t>(2, p.size() / 4) + 1;
+    auto consider = [&](const std::string& k) {
+      const size_t d = edit_distance(p, k);
+      if (d < best_d) best_d = d, best = k;
+    };
+    for (const auto& k : known_) consider(k);
+    for (const auto& k : sections_) consider(k);
+    return best.empty() ? "" : mean(best);
+  }
+  static size_t edit_distance(const std::string& a, const std::string& b) {
+    std::vector<size_t> row(b.size() + 1);
+    for (size_t j = 0; j <= b.size(); ++j) row[j] = j;
+    for (size_t i = 1; i <= a.size(); ++i) {
+      size_t diag = row[0];
+      row[0] = i;
+      for (size_t j = 1; j <= b.size(); ++j) {
+        const size_t up = row[j];
+        row[j] = std::min({row[j] + 1, row[j - 1] + 1, diag + (a[i - 1] == b[j - 1] ? 0 : 1)});
+        diag = up;
+      }
+    }
+    return row[b.size()];
   }
   [[noreturn]] void fail(const std::string& p, const std::string& what) {
     throw usage_error(merged_origin(m_, p), ": key '", detail::printable(p), "': ", what);
@@ -583,16 +631,14 @@ void Config::visit(FieldVisitor& v) {
     return s;
   };
   FieldSpec none;
-  FieldSpec required_pos;
-  required_pos.required = true;
-  required_pos.min = 1;
 
   v.field("output", output, none);
   v.field("seed", seed, at_least(0));
 
   v.field("data.rec", data.rec, none);
-  v.field("data.num_classes", data.num_classes, required_pos);
+  v.field("data.num_classes", data.num_classes, at_least(1));
   v.field("data.num_images", data.num_images, at_least(1));
+  v.field("data.spare_classes", data.spare_classes, at_least(0));
   v.field("data.batch_size", data.batch_size, at_least(1));
   v.field("data.global_batch_size", data.global_batch_size, at_least(1));
   v.field("data.num_workers", data.num_workers, range(1, 256));  // the loader needs a worker thread
@@ -687,8 +733,11 @@ void Config::validate_relations() const {
   // Class ids, shard bounds and tensor sizes are int64: with at most 2^40 classes (and
   // 2^20 ranks, 2^16 dimensions) no product of them overflows. Whether the classifier
   // fits in memory is decided by the run, which knows its ranks and devices.
-  if (data.num_classes > kMaxNumClasses)
-    throw usage_error(origin("data.num_classes"), ": key 'data.num_classes': ", data.num_classes,
+  if (data.num_classes && *data.num_classes > kMaxNumClasses)
+    throw usage_error(origin("data.num_classes"), ": key 'data.num_classes': ", *data.num_classes,
+                      " classes is more than the 2^40 = ", kMaxNumClasses, " a classifier can index");
+  if (data.spare_classes > kMaxNumClasses)
+    throw usage_error(origin("data.spare_classes"), ": key 'data.spare_classes': ", data.spare_classes,
                       " classes is more than the 2^40 = ", kMaxNumClasses, " a classifier can index");
   if (optim.total_steps && optim.warmup_steps && *optim.warmup_steps > *optim.total_steps)
     throw usage_error(origin("optim.warmup_steps"), ": key 'optim.warmup_steps' (", *optim.warmup_steps,

@@ -46,8 +46,12 @@ class FieldVisitor {
 
 struct DataConfig {
   std::string rec = "synthetic";  // folder with train.rec/train.idx, an image folder, or "synthetic"
-  int64_t num_classes = 0;
-  std::optional<int64_t> num_images;  // for the schedule; default: the data set's count
+  // Unset: counted from the data at start-up (the .rec's identity records or the folder's
+  // sub-folders); set: must agree with the data. The classifier has num_classes +
+  // spare_classes classes; the schedule follows num_images (unset: the data's count).
+  std::optional<int64_t> num_classes;
+  std::optional<int64_t> num_images;
+  int64_t spare_classes = 0;
   int64_t batch_size = 128;  // per rank
   // When set: the global batch, whatever the number of ranks (the per-rank batch becomes
   // global_batch_size / (ranks x optim.grad_accumulation) and data.batch_size is not used).

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <chrono>
 #include <filesystem>
+#include <optional>
 #include <unordered_set>
 
 #include <ATen/Parallel.h>
@@ -12,6 +13,7 @@
 #include "data/verification_bin.h"
 #include "partial_fc/runtime/error.h"
 #include "partial_fc/runtime/log.h"
+#include "partial_fc/runtime/progress.h"
 
 namespace faceshard {
 
@@ -89,7 +91,9 @@ namespace {
 // near a threshold round as they do there. The images are decoded a batch at a time into
 // one reused buffer.
 std::pair<at::Tensor, at::Tensor> flip_pass_embeddings(Backbone& model, const VerificationData& data, int64_t batch,
-                                                       torch::Device device) {
+                                                       torch::Device device, bool progress = false) {
+  std::optional<Progress> bar;
+  if (progress) bar.emplace("embedding " + data.name, static_cast<uint64_t>(data.num_images()), "images");
   torch::NoGradGuard ng;
   const bool was_training = model.is_training();
   model.eval();
@@ -102,6 +106,7 @@ std::pair<at::Tensor, at::Tensor> flip_pass_embeddings(Backbone& model, const Ve
     at::Tensor x = images.narrow(0, 0, b).to(device);
     plain.push_back(model.forward(x).to(torch::kFloat).cpu().to(torch::kDouble));
     mirrored.push_back(model.forward(x.flip({3})).to(torch::kFloat).cpu().to(torch::kDouble));
+    if (bar) bar->update(static_cast<uint64_t>(s + b));
   }
   model.train(was_training);
   if (plain.empty()) {
@@ -114,9 +119,9 @@ std::pair<at::Tensor, at::Tensor> flip_pass_embeddings(Backbone& model, const Ve
 
 at::Tensor embed_images(Backbone& model, int64_t n, const ImageSource& load, int64_t batch, torch::Device device,
                         bool flip, bool normalize, bool progress) {
+  std::optional<Progress> bar;
+  if (progress) bar.emplace("embedding", static_cast<uint64_t>(n), "images");
   torch::NoGradGuard ng;
-  const auto t0 = std::chrono::steady_clock::now();
-  auto last_log = t0;
   const bool was_training = model.is_training();
   model.eval();
   at::Tensor out = torch::empty({n, model.embedding_size()});
@@ -135,12 +140,7 @@ at::Tensor embed_images(Backbone& model, int64_t n, const ImageSource& load, int
     at::Tensor e = model.forward(x);
     if (flip) e = e + model.forward(x.flip({3}));
     out.narrow(0, s, b).copy_(e.to(torch::kFloat).cpu());
-    const auto now = std::chrono::steady_clock::now();
-    if (progress && now - last_log > std::chrono::seconds(30)) {
-      last_log = now;
-      const double secs = std::chrono::duration<double>(now - t0).count();
-      log_info("embedded ", s + b, "/", n, " images (", int64_t((s + b) / secs), " images/s)");
-    }
+    if (bar) bar->update(static_cast<uint64_t>(s + b));
   }
   model.train(was_training);
   if (normalize) out = torch::nn::functional::normalize(out, torch::nn::functional::NormalizeFuncOptions().dim(1));
@@ -165,9 +165,9 @@ void check_verification_folds(const VerificationData& data, int64_t folds) {
 }
 
 VerificationResult evaluate_verification(Backbone& model, const VerificationData& data, int64_t batch,
-                                         torch::Device device, int64_t folds) {
+                                         torch::Device device, int64_t folds, bool progress) {
   check_verification_folds(data, folds);
-  const auto passes = flip_pass_embeddings(model, data, batch, device);
+  const auto passes = flip_pass_embeddings(model, data, batch, device, progress);
   VerificationResult r;
   // As verification.py: the mean L2 norm over the rows of both passes taken separately
   // (not the norm of their sum, which is about twice as large).
@@ -183,6 +183,11 @@ VerificationResult evaluate_verification(Backbone& model, const VerificationData
   r.roc = roc_curve(scores, labels);
   r.tar_at_far_1e3 = tar_at_far(r.roc, 1e-3);
   r.tar_at_far_1e4 = tar_at_far(r.roc, 1e-4);
+  double sum = 0;
+  int64_t negatives = 0;
+  for (size_t i = 0; i < scores.size(); ++i)
+    if (!labels[i]) sum += scores[i], negatives++;
+  r.negative_cosine = negatives ? sum / static_cast<double>(negatives) : 0;
   return r;
 }
 

@@ -55,7 +55,7 @@ using ImageSource = std::function<cv::Mat(int64_t index)>;
 
 // Embeds images 0..n-1 of `load`, `batch` at a time (the batch decoded in parallel):
 // f(x), or f(x) + f(mirror(x)) with flip; rows L2-normalised when normalize. [n, E] float.
-// With progress, logs the count and rate about every 30 seconds (long IJB/extract runs).
+// With progress, shows the count, rate and time left (partial_fc/runtime/progress.h).
 at::Tensor embed_images(Backbone& model, int64_t n, const ImageSource& load, int64_t batch, torch::Device device,
                         bool flip, bool normalize, bool progress = false);
 
@@ -66,10 +66,13 @@ struct VerificationResult {
   // insightface's XNorm: the mean L2 norm of the unflipped and the flipped embeddings,
   // each row counted separately (2 x images rows).
   double xnorm = 0;
+  // The mean cosine similarity of the different-identity pairs: near 1 when the embeddings
+  // have collapsed (every face maps to about the same point).
+  double negative_cosine = 0;
 };
 
 // insightface's protocol with `folds` folds (check_verification_folds first).
 VerificationResult evaluate_verification(Backbone& model, const VerificationData& data, int64_t batch,
-                                         torch::Device device, int64_t folds = 10);
+                                         torch::Device device, int64_t folds = 10, bool progress = false);
 
 }  // namespace faceshard

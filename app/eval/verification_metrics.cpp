@@ -212,7 +212,7 @@ void write_roc_csv(const RocCurve& roc, const std::string& path) {
   {
     std::FILE* f = std::fopen(tmp.c_str(), "w");
     if (!f) throw runtime_error(kFile, ": cannot open '", tmp, "' for writing");
-    bool ok = std::fputs("fpr,tpr,threshold\n", f) >= 0;
+    bool ok = std::fputs("fpr,tpr,cosine_threshold\n", f) >= 0;
     for (size_t i = 0; ok && i < roc.fpr.size(); ++i)
       ok = std::fprintf(f, "%.17g,%.17g,%.17g\n", roc.fpr[i], roc.tpr[i], roc.thresholds[i]) > 0;
     ok = (std::fclose(f) == 0) && ok;

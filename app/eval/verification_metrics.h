@@ -49,7 +49,7 @@ double tar_at_far_exact(const RocCurve& roc, double far);
 // Area under the ROC (trapezoids over the exact curve).
 double roc_auc(const RocCurve& roc);
 
-// CSV with header "fpr,tpr,threshold" (the first threshold is "inf"); written to a
+// CSV with header "fpr,tpr,cosine_threshold" (the first threshold is "inf"); written to a
 // temporary file and renamed so that a reader never sees half a file.
 void write_roc_csv(const RocCurve& roc, const std::string& path);
 

@@ -34,7 +34,7 @@ JobPlanInputs job_plan_inputs(const Config& cfg, int world_size) {
   }
   in.precision = cfg.train.precision;
   in.checkpointing = cfg.model.checkpointing;
-  in.num_classes = cfg.data.num_classes;
+  in.num_classes = cfg.data.num_classes.value_or(0);  // 0: counted from the data at start-up
   in.world_size = world_size;
   in.sample_rate = cfg.loss.sample_rate;
   in.optimizer = cfg.optim.optimizer;

@@ -46,7 +46,7 @@ void ConsoleSink::validation(const ValidationRecord& r) {
   std::ostringstream os;
   os << std::fixed << std::setprecision(5) << "[" << r.set << "][" << r.step << "] Accuracy-Flip: " << r.accuracy
      << "+-" << r.accuracy_std << "  Accuracy-Highest: " << r.best_accuracy << "  XNorm: " << r.xnorm
-     << "  threshold: " << r.threshold;
+     << "  threshold: " << r.threshold << " (squared L2 distance)";
   log_info(os.str());
 }
 

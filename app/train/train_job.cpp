@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cctype>
 #include <cstdlib>
+#include <filesystem>
 #include <fstream>
 #include <limits>
 #include <sstream>
@@ -50,20 +51,60 @@ void adapt_batch_to_world(Config& cfg, const Distributed& d) {
   cfg.data.batch_size = g / (w * acc);
 }
 
+// The data decides what the data knows: identities and images are counted from it (the
+// .rec's identity records, the folder's sub-folders); a config that names them must agree,
+// and spare classifier classes are asked for by data.spare_classes. Synthetic data has only
+// the config's numbers.
+void resolve_data_counts(TrainJob& j) {
+  Config& cfg = j.cfg;
+  DataConfig& data = cfg.data;
+  if (data.rec == "synthetic") {
+    if (!data.num_classes) throw_config_error(cfg, "data.num_classes", "required with data.rec: synthetic (it has no identities to count)");
+    data.num_classes = *data.num_classes + data.spare_classes;
+    return;
+  }
+  const std::string where = "'" + std::filesystem::absolute(data.rec).lexically_normal().string() + "'";
+  const int64_t counted = j.dataset->num_classes();  // -1: a .rec without identity records
+  const int64_t images = static_cast<int64_t>(j.dataset->size());
+  if (counted < 0 && !data.num_classes)
+    throw_config_error(cfg, "data.num_classes",
+                       where + " has no identity records to count its classes from; set data.num_classes");
+  if (counted >= 0) {
+    const int64_t want = counted + data.spare_classes;
+    if (data.num_classes && *data.num_classes != want) {
+      std::string fix = "; leave data.num_classes out to take the data's count";
+      if (*data.num_classes > want)
+        fix += detail::concat(", or set data.spare_classes: ", *data.num_classes - counted,
+                              " to keep classes the data does not use");
+      throw_config_error(cfg, "data.num_classes",
+                         detail::concat(*data.num_classes, " but ", where, " has ", counted, " identities",
+                                        data.spare_classes ? detail::concat(" + data.spare_classes ", data.spare_classes,
+                                                                            " = ", want)
+                                                           : std::string(),
+                                        fix));
+    }
+    if (!data.num_classes && j.dist->rank() == 0)
+      log_info("data.num_classes: ", want, " (", counted, " identities counted in ", where,
+               data.spare_classes ? detail::concat(" + ", data.spare_classes, " spare") : std::string(), ")");
+    data.num_classes = want;
+  }
+  if (data.num_images && *data.num_images != images)
+    throw_config_error(cfg, "data.num_images",
+                       detail::concat(*data.num_images, " but ", where, " has ", images,
+                                      " images; leave data.num_images out to take the data's count"));
+}
+
 void build_data(TrainJob& j) {
   const Config& cfg = j.cfg;
   Distributed& d = *j.dist;
   RecordIndexOptions index = default_record_index_options();
   if (cfg.data.index_cache) index.cache_dir = *cfg.data.index_cache == "off" ? "" : *cfg.data.index_cache;
-  j.dataset = open_dataset(cfg.data.rec, cfg.data.num_classes, 1000000, index);
+  j.dataset = open_dataset(cfg.data.rec, cfg.data.num_classes.value_or(0), 1000000, index);
   if (const auto* rec = dynamic_cast<const RecordIODataset*>(j.dataset.get()); rec && d.rank() == 0) {
     log_info("data: ", rec->size(), " images, index of ", rec->records().num_entries(), " records from ",
              rec->records().index().source());
   }
-  if (j.dataset->num_classes() > cfg.data.num_classes)
-    throw_config_error(cfg, "data.num_classes",
-                       detail::concat(cfg.data.num_classes, " but '", cfg.data.rec, "' has ", j.dataset->num_classes(),
-                                      " classes"));
+  resolve_data_counts(j);
   LoaderOptions lo;
   lo.batch_size = cfg.data.batch_size;
   lo.num_workers = static_cast<int>(cfg.data.num_workers);
@@ -74,7 +115,7 @@ void build_data(TrainJob& j) {
   lo.extra.downscale_prob = cfg.data.augment_downscale_prob;
   lo.seed = static_cast<uint64_t>(cfg.seed);
   lo.max_bad_fraction = cfg.data.max_bad_fraction;
-  lo.num_classes = cfg.data.num_classes;
+  lo.num_classes = *cfg.data.num_classes;
   lo.device = j.device;
   j.loader = std::make_unique<DataLoader>(
       j.dataset, DistributedSampler(j.dataset->size(), d.world_size(), d.rank(), static_cast<uint64_t>(cfg.seed)), lo);
@@ -121,7 +162,7 @@ void build_model(TrainJob& j, ClassifierStart start) {
     if (p.requires_grad()) j.backbone_params.push_back(p);
 
   PartialFCOptions po;
-  po.num_classes = cfg.data.num_classes;
+  po.num_classes = *cfg.data.num_classes;
   po.embedding_size = cfg.model.embedding_size;
   po.sample_rate = cfg.loss.sample_rate;
   po.margin = CombinedMargin{cfg.loss.margin[0], cfg.loss.margin[1], cfg.loss.margin[2], cfg.loss.scale,
@@ -238,7 +279,7 @@ void check_classifier_fits(const Config& cfg, const ClassifierMemoryPlan& p, int
   if (p.total_bytes() <= available.bytes) return;
   auto bytes = [](double b) { return std::to_string(static_cast<long long>(std::min(b, 9.2e18))); };
   std::ostringstream os;
-  os << cfg.data.num_classes << " classes do not fit: rank " << rank << "'s classifier shard needs at least "
+  os << *cfg.data.num_classes << " classes do not fit: rank " << rank << "'s classifier shard needs at least "
      << bytes(p.total_bytes()) << " bytes (" << p.rows << " rows x " << p.embedding_size << " fp32: weight "
      << bytes(p.weight_bytes) << ", optimiser state " << bytes(p.state_bytes) << ", gradient " << bytes(p.gradient_bytes)
      << ", logits " << p.global_batch << " x " << p.sampled_rows << " x 4 B = " << bytes(p.logits_bytes)
@@ -258,7 +299,19 @@ std::optional<double> device_peak_memory_gb(torch::Device dev) {
   return std::nullopt;
 }
 
+void check_model_config(const Config& cfg) {
+  BackboneOptions bo;
+  bo.name = cfg.model.backbone;
+  bo.embedding_size = cfg.model.embedding_size;
+  bo.dropout = cfg.model.dropout;
+  bo.checkpointing = cfg.model.checkpointing;
+  with_config_keys(cfg, {{"backbone", "model.backbone"}, {"embedding_size", "model.embedding_size"},
+                         {"dropout", "model.dropout"}, {"checkpointing", "model.checkpointing"}},
+                   [&] { check_backbone_options(bo); });
+}
+
 TrainJob build_train_job(const Config& cfg, ClassifierStart start) {
+  check_model_config(cfg);
   DistOptions dopts;
   dopts.timeout = std::chrono::milliseconds(static_cast<int64_t>(cfg.dist.timeout_s * 1000));
   dopts.rendezvous_timeout = std::chrono::milliseconds(static_cast<int64_t>(cfg.dist.rendezvous_timeout_s * 1000));

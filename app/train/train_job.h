@@ -53,6 +53,11 @@ struct TrainJob {
 // nothing is drawn or zeroed only to be overwritten.
 enum class ClassifierStart { Fresh, FromCheckpoint };
 
+// What the trainer checks of a config before it joins any rank or reads any data (the
+// backbone's name and options for that network): config errors naming the key.
+// faceshard-config makes the same checks.
+void check_model_config(const Config& cfg);
+
 // Joins the job's ranks (the environment's), then builds the rest. On rank 0, creates
 // cfg.output. Collective.
 TrainJob build_train_job(const Config& cfg, ClassifierStart start = ClassifierStart::Fresh);

@@ -75,7 +75,7 @@ void TrainState::save(CheckpointManager& checkpoints) const {
   shard.emplace_back("rng.cpu", at::detail::getDefaultCPUGenerator().get_state());
   if (j.device.is_cuda()) shard.emplace_back("rng.cuda", at::globalContext().defaultGenerator(j.device).get_state());
 
-  checkpoints.save(p.step, j.cfg.data.num_classes, j.backbone->state_dict(), ts, shard);
+  checkpoints.save(p.step, *j.cfg.data.num_classes, j.backbone->state_dict(), ts, shard);
   log_info("checkpoint saved: ", checkpoints.root(), " step ", p.step);
 }
 
@@ -105,9 +105,9 @@ void TrainState::load(const std::string& dir) {
     return std::chrono::duration<double>(std::chrono::steady_clock::now() - a).count();
   };
   CheckpointInfo info = read_checkpoint_info(dir);
-  if (info.num_classes != j.cfg.data.num_classes)
+  if (info.num_classes != *j.cfg.data.num_classes)
     throw usage_error("checkpoint '", dir, "' has ", info.num_classes, " classes but data.num_classes is ",
-                      j.cfg.data.num_classes);
+                      *j.cfg.data.num_classes);
   // Every value is read straight from its file into where it lives (parameters, optimiser
   // state, the classifier's rows, on the job's device): a resume needs no memory beyond the
   // training's own and a staging buffer.
@@ -251,7 +251,7 @@ void export_model(const TrainJob& j, int64_t step) {
   std::ostringstream js;
   js << "{\"backbone\": \"" << j.cfg.model.backbone << "\", \"embedding_size\": " << j.cfg.model.embedding_size
      << ", \"input_size\": [112, 112], \"input\": \"RGB, (x / 255 - 0.5) / 0.5, CHW\", \"step\": " << step
-     << ", \"num_classes\": " << j.cfg.data.num_classes << ", \"precision\": \"" << j.cfg.train.precision << "\"}\n";
+     << ", \"num_classes\": " << *j.cfg.data.num_classes << ", \"precision\": \"" << j.cfg.train.precision << "\"}\n";
   write_text_durably(js.str(), j.cfg.output + "/model.json");
   log_info("exported backbone: ", out, " (+ model.json)");
 }

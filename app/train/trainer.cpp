@@ -9,10 +9,12 @@
 
 #include "app/io/checkpoint.h"
 #include "app/train/log_sinks.h"
+#include "app/train/run_folder.h"
 #include "app/train/train_job.h"
 #include "app/train/train_state.h"
 #include "app/train/train_step.h"
 #include "app/train/validation.h"
+#include "partial_fc/runtime/dist_env.h"
 #include "partial_fc/runtime/error.h"
 #include "partial_fc/runtime/log.h"
 
@@ -32,14 +34,27 @@ double seconds_since(Clock::time_point t) { return std::chrono::duration<double>
 int run_training(const TrainRequest& req) {
   // Where a resume starts is known before the job is built: the classifier's rows are then
   // only allocated, and the checkpoint is read straight into them.
-  const std::string from = req.resume_from.empty() && req.resume
-                               ? latest_checkpoint(req.config.output + "/checkpoints")
-                               : req.resume_from;
+  const std::string& output = req.config.output;
+  if (req.overwrite && req.resume)
+    throw usage_error("--overwrite starts afresh and --resume continues: give one of them");
+  const std::string from = !req.resume_from.empty() ? resolve_resume_source(req.resume_from)
+                           : req.resume           ? latest_checkpoint(output + "/checkpoints")
+                                                  : "";
+  // Runs never mix: a fresh run into a folder holding a run is refused before anything is
+  // built or written. (--resume with no checkpoint yet is the same run restarted: it starts
+  // fresh in its own folder; --resume DIR continues the checkpoint it names.)
+  if (!req.resume) check_output_free_for_fresh_run(output, req.overwrite);
+  if (req.overwrite && DistEnv::from_environment().rank == 0) {
+    const std::vector<std::string> moved = run_files_in(output);
+    const std::string aside = move_previous_run_aside(output);
+    if (!aside.empty()) log_info("--overwrite: the previous run's files (", moved.size(), ") moved into ", aside);
+  }
   TrainJob j = build_train_job(req.config, from.empty() ? ClassifierStart::Fresh : ClassifierStart::FromCheckpoint);
   const Config& cfg = j.cfg;
   Distributed& d = *j.dist;
   if (d.rank() == 0) {
     std::filesystem::create_directories(cfg.output);
+    set_log_file(cfg.output + "/training.log");
     write_text_durably(req.config_text, cfg.output + "/config.yaml");
   }
   d.barrier();
@@ -69,7 +84,7 @@ int run_training(const TrainRequest& req) {
   log_info("data: '", cfg.data.rec, "', ", j.dataset->size(), " images; ", j.steps_per_epoch, " steps/epoch, global batch ",
            j.global_batch(), "; schedule: ", j.total_steps, " steps, warm-up ", j.warmup_steps);
   log_info("model: ", cfg.model.backbone, " (", j.backbone_params.size(), " tensors in ", j.ddp->num_buckets(),
-           " gradient buckets), classifier ", cfg.data.num_classes, " classes, ", j.fc->shard().count, " on this rank, ",
+           " gradient buckets), classifier ", *cfg.data.num_classes, " classes, ", j.fc->shard().count, " on this rank, ",
            j.fc->num_sample(), " per step; head ", describe_margin_head(j.fc->options().head, j.fc->options().margin),
            "; precision ", cfg.train.precision);
   std::signal(SIGTERM, on_stop_signal);
@@ -160,6 +175,8 @@ int run_training(const TrainRequest& req) {
       log_info("stop requested (signal", signalled_here ? "" : " to another rank", "): checkpointing at step ", p.step,
                " and exiting");
       state.save(checkpoints);
+      log_info("stopped at step ", p.step, " of ", j.last_step, "; checkpoint ", checkpoints.latest(),
+               "; to continue, run the same command with --resume");
       d.shutdown();
       // Under torchrun's elastic agent, a signal to a host's workers is its agent restarting
       // them (a host joined or left). A rank that stops only because another host's agent did

@@ -14,7 +14,8 @@ struct TrainRequest {
   Config config;
   std::string config_text;  // the merged config as YAML, saved next to the outputs
   bool resume = false;      // continue from the latest committed checkpoint
-  std::string resume_from;  // ... or from this checkpoint folder
+  std::string resume_from;  // ... or from this run folder, checkpoints folder or checkpoint
+  bool overwrite = false;   // a fresh run moves a previous run's files aside instead of refusing
   FaultPlan faults;         // tests only: faults to inject (empty: none)
 };
 

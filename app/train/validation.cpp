@@ -12,7 +12,13 @@ Validation::Validation(TrainJob& job) : job_(job) {
   const std::string dir = job.cfg.data.verification_dir();
   for (const auto& t : job.cfg.data.val_targets) {
     const std::string p = dir + "/" + t + ".bin";
-    if (!std::filesystem::exists(p)) throw_config_error(job.cfg, "data.val_targets", "'" + t + "' has no file " + p);
+    // As arcface_torch: a set whose .bin is not there is skipped (a preset names LFW, CFP-FP
+    // and AgeDB-30; your data may bring other sets), said in one warning line.
+    if (!std::filesystem::exists(p)) {
+      log_warn("data.val_targets: '", t, "' skipped: ", std::filesystem::absolute(p).lexically_normal().string(),
+               " not found (put the .bin there, set data.val_dir, or leave it out of data.val_targets)");
+      continue;
+    }
     sets_.push_back(load_verification_data(p));
     check_verification_folds(sets_.back(), 10);  // before training, not at the first verification
     log_info("verification set ", t, ": ", sets_.back().issame.size(), " pairs");

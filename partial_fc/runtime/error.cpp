@@ -47,6 +47,7 @@ void set_fatal_hook(void (*hook)(const std::string& line)) { g_fatal_hook = hook
 void report_fatal(const char* prog, const std::string& line) {
   std::fprintf(stderr, "%s%s: error: %s\n", log_prefix().c_str(), prog, line.c_str());
   std::fflush(stderr);
+  append_to_log_file(log_prefix() + prog + ": error: " + line);
   if (g_fatal_hook) g_fatal_hook(line);
 }
 

@@ -3,6 +3,7 @@
 #include <atomic>
 #include <cstdio>
 #include <cstdlib>
+#include <ctime>
 #include <mutex>
 
 namespace faceshard {
@@ -10,6 +11,18 @@ namespace {
 std::atomic<int> g_rank{0};
 std::atomic<int> g_world{1};
 std::mutex g_mutex;
+FILE* g_file = nullptr;  // guarded by g_mutex
+
+void write_file_line(const std::string& line) {
+  if (!g_file) return;
+  char stamp[32];
+  const std::time_t now = std::time(nullptr);
+  std::tm utc{};
+  gmtime_r(&now, &utc);
+  std::strftime(stamp, sizeof stamp, "%Y-%m-%dT%H:%M:%SZ", &utc);
+  std::fprintf(g_file, "%s %s\n", stamp, line.c_str());
+  std::fflush(g_file);
+}
 
 LogLevel min_level() {
   static const LogLevel level = [] {
@@ -50,6 +63,19 @@ void log_message(LogLevel level, const std::string& msg) {
   FILE* out = level >= LogLevel::Warn ? stderr : stdout;
   std::fprintf(out, "%s%s%s\n", log_prefix().c_str(), tag, msg.c_str());
   std::fflush(out);
+  write_file_line(log_prefix() + tag + msg);
+}
+
+void set_log_file(const std::string& path) {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  if (g_file) std::fclose(g_file);
+  g_file = path.empty() ? nullptr : std::fopen(path.c_str(), "a");
+  if (!path.empty() && !g_file) throw runtime_error(path, ": cannot open the log file for appending");
+}
+
+void append_to_log_file(const std::string& line) {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  write_file_line(line);
 }
 
 }  // namespace faceshard

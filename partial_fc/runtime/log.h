@@ -16,6 +16,11 @@ enum class LogLevel { Debug = 0, Info = 1, Notice = 2, Warn = 3, Error = 4 };
 void set_log_rank(int rank, int world_size);
 std::string log_prefix();  // "[rank 1/3] " or "" for one process
 void log_message(LogLevel level, const std::string& msg);
+// Every line this process logs from now on (and its fatal error) is also appended to `path`,
+// each with its UTC time; "" stops. (The trainer's OUTPUT/training.log.)
+void set_log_file(const std::string& path);
+// Appends one line to the log file, if one is set (report_fatal's error line).
+void append_to_log_file(const std::string& line);
 
 template <typename... Args>
 void log_info(const Args&... args) { log_message(LogLevel::Info, detail::concat(args...)); }

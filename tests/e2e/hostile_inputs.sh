@@ -281,7 +281,8 @@ check 2 ck_nan "ck_nan/fc_shard_0.pt" "key 'rows/weight'" "class 3 is nan" -- $(
 check 2 ck_step "ck_step/train_state.pt" "key 'step' is -5" -- $(ck ck_step)
 check 2 num_classes "--set: key 'data.num_classes'" "2147483648 classes do not fit" "loss.sample_rate 1" \
   "data.batch_size 8" "world size 1" "bytes available" -- \
-  "$bin/faceshard-train" --config "$work/tiny.yaml" --set data.num_classes=2147483648 --set output="$work/big"
+  "$bin/faceshard-train" --config "$work/tiny.yaml" --set data.num_classes=2147483648 \
+  --set data.spare_classes=2147483632 --set output="$work/big"
 check 2 ijb_path "ijb_path/meta/ijbc_name_5pts_score.txt:2" "'../../../../etc/passwd' is not a path inside loose_crop/" -- \
   "$bin/faceshard-ijb" --model "$work/run" --root "$work/ijb_path" --device cpu --output "$work/ijb_out"
 check 2 ijb_face "ijb_face/meta/ijbc_name_5pts_score.txt:2" "faceness score must be > 0, got '0'" -- \

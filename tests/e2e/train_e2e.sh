@@ -300,7 +300,7 @@ print('trainer final XNorm %s threshold %s; faceshard-verify %.5f %.5f' % (line[
 assert '%.5f' % got['xnorm'] == line[-1][0], 'XNorm differs'
 assert '%.5f' % got['best_threshold'] == line[-1][1], 'threshold differs'
 lines = open(os.path.join(sys.argv[3], 'synth_roc.csv')).read().split()
-assert lines[0] == 'fpr,tpr,threshold' and len(lines) > 2, lines[:3]
+assert lines[0] == 'fpr,tpr,cosine_threshold' and len(lines) > 2, lines[:3]
 png = open(os.path.join(sys.argv[3], 'roc.png'), 'rb').read()
 assert png[:8] == b'\x89PNG\r\n\x1a\n', 'roc.png is not a PNG'
 # The checkpoint folder: every metric equal.
