@@ -259,8 +259,10 @@ void DataLoader::note_bad(uint64_t epoch, uint64_t index, const std::string& err
   if (new_in_epoch && double(epoch_bad_.size()) > limit) {
     // The error names this sample: no warning line before it.
     throw runtime_error("loader: ", epoch_bad_.size(), " of this rank's ", sampler_.size(), " samples in epoch ",
-                        epoch, " failed to load, more than max_bad_fraction = ", opt_.max_bad_fraction,
-                        "; last: ", error);
+                        epoch, " failed to load, more than data.max_bad_fraction = ", opt_.max_bad_fraction,
+                        " allows; last: ", error,
+                        ". List every bad record with faceshard-pack verify REC --decode (or pack --skip-bad), or "
+                        "raise data.max_bad_fraction");
   }
   if (bad_.insert(index).second) {  // logged once per record
     log_warn("loader: skipping a bad sample (", error, "); replaced by another sample");

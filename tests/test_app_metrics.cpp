@@ -444,7 +444,7 @@ TEST(VerificationMetrics, RocCsvReadsBack) {
   const PyResult r = run_python(dir, "csv_ref.py", R"PY(
 import csv, sys
 rows = list(csv.reader(open(sys.argv[1], newline='')))
-assert rows[0] == ['fpr', 'tpr', 'threshold'], rows[0]
+assert rows[0] == ['fpr', 'tpr', 'cosine_threshold'], rows[0]
 for r in rows[1:]:
     print('row', ' '.join(repr(float(x)) for x in r))
 )PY",

@@ -585,3 +585,20 @@ TEST(Config, HeadPresetsCarryTheAuthorsSettings) {
 
 }  // namespace
 }  // namespace faceshard
+
+namespace faceshard {
+namespace {
+
+// faceshard-config checks what faceshard-train checks before it starts: a backbone name it
+// does not know is refused naming the key and the nearest name, as the trainer refuses it.
+TEST(Config, ModelChecksAreTheTrainersOwn) {
+  const Config bad = load_config_text("data: {num_classes: 10}\nmodel: {backbone: r51}\n", "job.yaml");
+  expect_usage_error([&] { check_model_config(bad); },
+                     {"key 'model.backbone'", "'r51' is not a network faceshard knows (did you mean 'r50'?)"});
+  const Config mbf_dropout = load_config_text("data: {num_classes: 10}\nmodel: {backbone: mbf, dropout: 0.2}\n", "job.yaml");
+  expect_usage_error([&] { check_model_config(mbf_dropout); }, {"key 'model.dropout'", "MobileFaceNet has no dropout"});
+  EXPECT_NO_THROW(check_model_config(load_config_text("data: {num_classes: 10}\nmodel: {backbone: r100}\n", "job.yaml")));
+}
+
+}  // namespace
+}  // namespace faceshard

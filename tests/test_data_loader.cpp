@@ -1044,7 +1044,13 @@ TEST(DataTools, PackRoundTripIsByteIdentical) {
     files.insert(files.begin() + 5, {p, 1});
   }
   fs::create_directories(d / "out");
+  // The magic-word "image" is no image: the default check refuses it, naming it...
   Ran r = run_bin("faceshard-pack", "pack " + d / "in" + " " + d / "out/train");
+  EXPECT_EQ(r.code, 2) << r.output;
+  EXPECT_NE(r.output.find("zz_magic.jpg: not a JPEG, PNG or BMP image"), std::string::npos) << r.output;
+  EXPECT_FALSE(fs::exists(d / "out/train.rec"));
+  // ... and --no-check stores whatever bytes it is given.
+  r = run_bin("faceshard-pack", "pack " + d / "in" + " " + d / "out/train --no-check");
   ASSERT_EQ(r.code, 0) << r.output;
   const RecordIODataset ds(d / "out/train.rec", d / "out/train.idx");
   ASSERT_EQ(ds.size(), files.size());

@@ -148,6 +148,9 @@ bool read_file(const std::string& path, std::vector<uint8_t>& out, std::string& 
 // Every problem of the source, one line each, then what to do: the pack is refused unless
 // --skip-bad leaves them out (and says so).
 void report_problems(const std::vector<faceshard::PackProblem>& problems, bool skip_bad) {
+  if (problems.size() == 1 && !skip_bad)  // one problem: one line
+    throw usage_error(problems[0].path, ": ", problems[0].what,
+                      "; fix it, or pass --skip-bad to leave it out");
   for (const auto& p : problems) std::fprintf(stderr, "faceshard-pack: %s: %s\n", p.path.c_str(), p.what.c_str());
   if (problems.empty() || skip_bad) return;
   throw usage_error(problems.size(), problems.size() == 1 ? " problem" : " problems",
@@ -345,25 +348,35 @@ int cmd_verify(const Args& a) {
   // Every record is checked and every bad one listed (the first 1000 by name), not only the first.
   std::vector<uint8_t> buf;
   uint64_t bad = 0;
+  std::string first_bad;
   faceshard::Progress progress("verifying", layout.num_images(), "records");
   for (uint64_t i = 0; i < layout.num_images(); ++i) {
     const uint64_t k = layout.image_key(r, i);
     const std::string where = faceshard::detail::concat(rec, ": key ", k, " at offset ", r.offset_of(k));
+    // A record that is not the one its key names is a corrupt index, not a bad image: that
+    // ends the check at once (every later key is suspect).
+    r.read(k, buf);
+    faceshard::check_record_id(faceshard::unpack_image_record(buf, where), k, where);
     try {
-      r.read(k, buf);
       const auto v = faceshard::unpack_image_record(buf, where);
-      faceshard::check_record_id(v, k, where);
       const int64_t label = faceshard::label_to_class(v.class_label(), where);
       if (classes > 0 && label >= classes) {
         throw faceshard::runtime_error(where, ": label ", label, " is out of range [0, ", classes, ")");
       }
       if (decode) check_image(v.image, v.image_size, size, where);
     } catch (const faceshard::Error& e) {
-      if (bad++ < 1000) std::fprintf(stderr, "faceshard-pack: %s\n", e.what());
+      // The first bad record is held back: when it is the only one, it is the error itself.
+      if (bad == 0) first_bad = e.what();
+      else if (bad < 1000) {
+        if (bad == 1) std::fprintf(stderr, "faceshard-pack: %s\n", first_bad.c_str());
+        std::fprintf(stderr, "faceshard-pack: %s\n", e.what());
+      }
+      bad++;
     }
     progress.update(i + 1);
   }
   progress.finish();
+  if (bad == 1) throw faceshard::runtime_error(first_bad);
   if (bad > 0)
     throw faceshard::runtime_error(rec, ": ", bad, " of ", layout.num_images(), " image records are bad",
                                    bad > 1000 ? " (the first 1000 listed above)" : " (listed above)");

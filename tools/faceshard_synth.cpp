@@ -12,6 +12,7 @@
 #include "data/insightface_rec.h"
 #include "data/synthetic_faces.h"
 #include "partial_fc/runtime/error.h"
+#include "partial_fc/runtime/progress.h"
 
 namespace {
 
@@ -88,7 +89,13 @@ int main(int argc, char** argv) {
       std::filesystem::create_directories(out, ec);
       faceshard::InsightFaceRecWriter w(out + "/train.rec", out + "/train.idx");
       const std::vector<uint8_t> payload(payload_bytes, 0xd8);
-      for (uint64_t i = 0; i < n; ++i) w.add(int64_t(static_cast<unsigned __int128>(i) * c / n), payload);
+      {
+        faceshard::Progress progress("writing", n, "images");
+        for (uint64_t i = 0; i < n; ++i) {
+          w.add(int64_t(static_cast<unsigned __int128>(i) * c / n), payload);
+          if ((i & 4095) == 4095 || i + 1 == n) progress.update(i + 1);
+        }
+      }
       w.commit(int64_t(c));
       const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
       std::printf("faceshard-synth: %s: %llu images of %llu identities (%llu-byte placeholders) -> train.rec/train.idx "

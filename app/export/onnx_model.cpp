@@ -12,6 +12,7 @@
 
 #include "app/io/protobuf_writer.h"
 #include "partial_fc/runtime/error.h"
+#include "partial_fc/runtime/progress.h"
 
 namespace faceshard {
 namespace {
@@ -279,9 +280,12 @@ OnnxWriteResult write_onnx_model(const OnnxGraph& graph, const OnnxModelInfo& in
   if (external_data) {
     data = std::make_unique<StagedFile>(data_path);
     static const char zeros[kDataAlignment] = {};
-    uint64_t offset = 0;
+    uint64_t offset = 0, total = 0;
+    for (const auto& init : inits) total += init.second.nbytes();
+    Progress progress("writing " + data_file, total >> 20, "MiB");
     for (size_t i = 0; i < inits.size(); ++i) {
       const at::Tensor& t = inits[i].second;
+      progress.update(offset >> 20);
       if (t.nbytes() < kInlineBelow) continue;
       const uint64_t pad = (kDataAlignment - offset % kDataAlignment) % kDataAlignment;
       if (pad && std::fwrite(zeros, 1, pad, data->file()) != pad) data->fail();
@@ -290,6 +294,8 @@ OnnxWriteResult write_onnx_model(const OnnxGraph& graph, const OnnxModelInfo& in
       if (std::fwrite(t.data_ptr(), 1, t.nbytes(), data->file()) != t.nbytes()) data->fail();
       offset += t.nbytes();
     }
+    progress.update(total >> 20);
+    progress.finish();
     result.data_bytes = offset;
     result.data_path = data_path;
   }

@@ -149,8 +149,8 @@ void CheckpointManager::save(int64_t step, int64_t num_classes, const StateDict&
     std::error_code ec;
     double gb = 0;
     for (const auto& f : written) gb += static_cast<double>(fs::file_size(f, ec)) / 1e9;
-    log_info("checkpoint step ", step, ": this rank wrote ", gb, " GB in ", s, " s (", gb / std::max(s, 1e-9),
-             " GB/s, fsync included)");
+    log_info("checkpoint step ", step, ": this rank wrote ", format_bytes(gb * 1e9), " in ", format_sig(s), " s (",
+             format_bytes(gb * 1e9 / std::max(s, 1e-9)), "/s, fsync included)");
   }
   // Only when every rank has its files in place does the checkpoint exist.
   dist_.barrier();

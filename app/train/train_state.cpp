@@ -230,8 +230,8 @@ void TrainState::load(const std::string& dir) {
            info.world_size != j.dist->world_size() ? " (classifier resharded from " + std::to_string(info.world_size) +
                                                          " to " + std::to_string(j.dist->world_size()) + " ranks)"
                                                    : "",
-           "; classifier rows ", rows_gb, " GB read in ", rows_s, " s (", rows_gb / std::max(rows_s, 1e-9),
-           " GB/s), whole load ", seconds(t0), " s");
+           "; classifier rows ", format_bytes(rows_gb * 1e9), " read in ", format_sig(rows_s), " s (",
+           format_bytes(rows_gb * 1e9 / std::max(rows_s, 1e-9)), "/s), whole load ", format_sig(seconds(t0)), " s");
   // What the load itself took in this process's memory: its peak over what it held when it
   // ended (a transient: a buffer or a whole file read and dropped), and the private memory it
   // added beyond the rows it read (file pages, e.g. library code first run here, are not

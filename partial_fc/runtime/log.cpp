@@ -1,6 +1,7 @@
 #include "partial_fc/runtime/log.h"
 
 #include <atomic>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <ctime>
@@ -64,6 +65,19 @@ void log_message(LogLevel level, const std::string& msg) {
   std::fprintf(out, "%s%s%s\n", log_prefix().c_str(), tag, msg.c_str());
   std::fflush(out);
   write_file_line(log_prefix() + tag + msg);
+}
+
+std::string format_sig(double v, int digits) {
+  char buf[48];
+  std::snprintf(buf, sizeof buf, "%.*g", digits, v);
+  return buf;
+}
+
+std::string format_bytes(double bytes) {
+  static const char* units[] = {"B", "KB", "MB", "GB", "TB", "PB"};
+  int u = 0;
+  while (u < 5 && std::abs(bytes) >= 1000) bytes /= 1000, ++u;
+  return format_sig(bytes) + " " + units[u];
 }
 
 void set_log_file(const std::string& path) {

@@ -22,6 +22,11 @@ void set_log_file(const std::string& path);
 // Appends one line to the log file, if one is set (report_fatal's error line).
 void append_to_log_file(const std::string& line);
 
+// Numbers for log lines, rounded for a reader: 3 significant digits ("0.0171", "241"), and
+// byte counts in the unit that suits them ("4.12 MB", "9.01 GB").
+std::string format_sig(double v, int digits = 3);
+std::string format_bytes(double bytes);
+
 template <typename... Args>
 void log_info(const Args&... args) { log_message(LogLevel::Info, detail::concat(args...)); }
 template <typename... Args>

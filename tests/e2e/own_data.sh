@@ -140,6 +140,32 @@ train --resume "$work/run" --set output="$work/run2" > "$work/resume.log" 2>&1 |
 grep -qF "resumed from $work/run/checkpoints/step_00000004 at step 4" "$work/resume.log" ||
   { cat "$work/resume.log"; fail "--resume RUN_DIR did not take the newest checkpoint"; }
 
+# An image list (.lst, MXNet's and insightface's forms) packs as a folder does; a line that is
+# neither form is a problem listed with its line number.
+ls "$work/heldout/2" | head -3 | sed "s|^|heldout/2/|" > "$work/names2"
+ls "$work/heldout/9" | head -2 | sed "s|^|heldout/9/|" > "$work/names9"
+{ awk '{printf "%d\t7\t%s\n", NR, $0}' "$work/names2"; awk '{printf "1\t%s\t3\n", $0}' "$work/names9"; } > "$work/mine.lst"
+"$bin/faceshard-pack" pack "$work/mine.lst" "$work/lst/train" > "$work/lst.log" 2>&1 &&
+  grep -qF "5 images of 2 identities" "$work/lst.log" || { cat "$work/lst.log"; fail "packing a .lst"; }
+printf 'what is this\n' >> "$work/mine.lst"
+"$bin/faceshard-pack" pack "$work/mine.lst" "$work/lst2/train" > "$work/lst2.log" 2>&1 && fail "a bad .lst line was taken"
+grep -qF "mine.lst:6: expected 'index<TAB>label<TAB>path' or 'aligned<TAB>path<TAB>label'" "$work/lst2.log" ||
+  { cat "$work/lst2.log"; fail "the bad .lst line is not named"; }
+# Paths that are missing or of the wrong kind say which, with the absolute path.
+train --set data.rec="$work/nodata" --set output="$work/x" > "$work/nodata.log" 2>&1
+grep -qF "data.rec '$work/nodata': does not exist" "$work/nodata.log" || { cat "$work/nodata.log"; fail "missing data.rec"; }
+train --set data.rec="$work/data/train.rec" --set output="$work/x" > "$work/recfile.log" 2>&1
+grep -qF "is the .rec file itself; data.rec is the folder that holds train.rec and train.idx: $work/data" \
+  "$work/recfile.log" || { cat "$work/recfile.log"; fail "data.rec naming the .rec file"; }
+# faceshard-config refuses what the trainer refuses; faceshard-plan finds the largest count
+# of a preset that leaves it to the data.
+"$bin/faceshard-config" --config "$root/configs/ms1mv3_r50.yaml" --set model.backbone=r51 > "$work/cfg.log" 2>&1; rc=$?
+[ $rc -eq 2 ] && grep -qF "'r51' is not a network faceshard knows (did you mean 'r50'?)" "$work/cfg.log" ||
+  { cat "$work/cfg.log"; fail "faceshard-config took model.backbone r51 (rc $rc)"; }
+"$bin/faceshard-plan" --config "$root/configs/ms1mv3_r50.yaml" --ranks 8 --device-memory 32510MiB > "$work/plan.log" 2>&1 &&
+  grep -qF "classes: none given; planned at the largest number that fits the device" "$work/plan.log" &&
+  grep -qE "largest number of classes that fits: [0-9]+" "$work/plan.log" || { cat "$work/plan.log"; fail "faceshard-plan"; }
+
 # 6. Evaluate, export, deploy.
 "$bin/faceshard-verify" --model "$work/run2" --bin "$work/data/mine.bin" --device cpu --json "$work/verify.json" \
   > "$work/verify.log" 2>&1 || { cat "$work/verify.log"; fail "faceshard-verify"; }
