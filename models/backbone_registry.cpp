@@ -1,6 +1,5 @@
 #include "models/backbone_registry.h"
 
-#include <algorithm>
 #include <functional>
 #include <sstream>
 #include <utility>
@@ -9,6 +8,7 @@
 #include "models/mobilefacenet.h"
 #include "models/vit.h"
 #include "partial_fc/runtime/error.h"
+#include "partial_fc/runtime/near_name.h"
 
 namespace faceshard {
 namespace {
@@ -75,22 +75,7 @@ const Entry& find_entry(const std::string& name) {
   std::ostringstream known;
   for (const auto& n : backbone_names()) known << (known.tellp() > 0 ? ", " : "") << n;
   // The nearest name by edits, when it is close (r51 -> r50, mbf_smal -> mbf_small).
-  std::string near;
-  size_t near_d = 3;
-  for (const auto& n : backbone_names()) {
-    std::vector<size_t> row(n.size() + 1);
-    for (size_t j = 0; j <= n.size(); ++j) row[j] = j;
-    for (size_t i = 1; i <= name.size() && name.size() <= 64; ++i) {
-      size_t diag = row[0];
-      row[0] = i;
-      for (size_t j = 1; j <= n.size(); ++j) {
-        const size_t up = row[j];
-        row[j] = std::min({row[j] + 1, row[j - 1] + 1, diag + (name[i - 1] == n[j - 1] ? 0 : 1)});
-        diag = up;
-      }
-    }
-    if (name.size() <= 64 && row[n.size()] < near_d) near_d = row[n.size()], near = n;
-  }
+  const std::string near = nearest_name(name, backbone_names(), 2);
   throw option_error("backbone", "'", name, "' is not a network faceshard knows",
                      near.empty() ? std::string() : " (did you mean '" + near + "'?)", "; expected one of ", known.str());
 }

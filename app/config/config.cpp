@@ -16,6 +16,7 @@
 
 #include "partial_fc/classifier/head_catalogue.h"
 #include "partial_fc/runtime/error.h"
+#include "partial_fc/runtime/near_name.h"
 
 namespace fs = std::filesystem;
 
@@ -520,30 +521,10 @@ class Reader : public FieldVisitor {
         return mean(k);
     // The nearest spelling among keys and sections, if close: at most 2 edits, or a quarter
     // of the name for long ones.
-    std::string best;
-    if (p.size() > 64) return "";  // no key is that long; a fuzzed name costs nothing
-    size_t best_d = std::max<size_t>(2, p.size() / 4) + 1;
-    auto consider = [&](const std::string& k) {
-      const size_t d = edit_distance(p, k);
-      if (d < best_d) best_d = d, best = k;
-    };
-    for (const auto& k : known_) consider(k);
-    for (const auto& k : sections_) consider(k);
+    std::vector<std::string> names(known_.begin(), known_.end());
+    names.insert(names.end(), sections_.begin(), sections_.end());
+    const std::string best = nearest_name(p, names, std::max<size_t>(2, p.size() / 4));
     return best.empty() ? "" : mean(best);
-  }
-  static size_t edit_distance(const std::string& a, const std::string& b) {
-    std::vector<size_t> row(b.size() + 1);
-    for (size_t j = 0; j <= b.size(); ++j) row[j] = j;
-    for (size_t i = 1; i <= a.size(); ++i) {
-      size_t diag = row[0];
-      row[0] = i;
-      for (size_t j = 1; j <= b.size(); ++j) {
-        const size_t up = row[j];
-        row[j] = std::min({row[j] + 1, row[j - 1] + 1, diag + (a[i - 1] == b[j - 1] ? 0 : 1)});
-        diag = up;
-      }
-    }
-    return row[b.size()];
   }
   [[noreturn]] void fail(const std::string& p, const std::string& what) {
     throw usage_error(merged_origin(m_, p), ": key '", detail::printable(p), "': ", what);
