@@ -255,7 +255,8 @@ check 1 "pack verify corrupt.jpg" "rec-corrupt.jpg/train.rec: key 10" "corrupt J
 for kind in bomb.jpg bomb.png cut.jpg corrupt.jpg; do
   reason="declares a 30000x30000 image"
   case "$kind" in cut.jpg) reason="truncated" ;; corrupt.jpg) reason="corrupt JPEG data" ;; esac
-  check 1 "train $kind" "max_bad_fraction = 0" "rec-all-$kind/train.rec: key " "$reason" -- \
+  check 1 "train $kind" "more than data.max_bad_fraction = 0 allows" "rec-all-$kind/train.rec: key " "$reason" \
+    "faceshard-pack verify REC --decode" -- \
     "$bin/faceshard-train" --config "$work/tiny.yaml" --set data.rec="$work/rec-all-$kind" --set data.max_bad_fraction=0 \
     --set data.spare_classes=12 \
     --set output="$work/run-$kind" --set optim.total_steps=2

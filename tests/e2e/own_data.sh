@@ -178,8 +178,16 @@ grep -qF "is the .rec file itself; data.rec is the folder that holds train.rec a
 import json, os, sys
 import cv2, numpy as np, onnxruntime as ort
 work = sys.argv[1]
-acc = json.load(open(os.path.join(work, "verify.json")))["sets"][0]["accuracy"]
+v = json.load(open(os.path.join(work, "verify.json")))["sets"][0]
+acc = v["accuracy"]
 assert 0 <= acc <= 1, acc
+# The threshold names its unit, and the collapse warning follows the different-identity
+# pairs' mean cosine (printed exactly when it is above 0.9).
+assert v["best_threshold_unit"] == "squared_l2_distance", v
+assert abs(v["best_threshold_cosine"] - (1 - v["best_threshold"] / 2)) < 1e-12, v
+log = open(os.path.join(work, "verify.log")).read()
+assert "(squared L2) = cosine" in log, log
+assert ("embeddings have collapsed" in log) == (v["negative_mean_cosine"] > 0.9), (v["negative_mean_cosine"], log)
 names = [l.strip() for l in open(os.path.join(work, "emb.txt")) if l.strip()]
 want = np.load(os.path.join(work, "emb.npy"))
 imgs = []

@@ -207,6 +207,9 @@ sigterm)
   [ -n "$n" ] || { cat "$work/a.log"; fail "no stop message"; }
   dir=$(printf "%s/out/checkpoints/step_%08d" "$work" "$n")
   [ -f "$dir/COMMITTED" ] || fail "the stop checkpoint $dir is not committed"
+  # It says how to go on.
+  grep -qF "stopped at step $n of 1000; checkpoint $dir; to continue, run the same command with --resume" "$work/a.log" ||
+    { cat "$work/a.log"; fail "the stop did not say how to continue"; }
   # The run continues from exactly that step.
   train --set optim.total_steps=1000 --set train.max_steps=$((n + 1)) --resume > "$work/b.log" 2>&1 \
     || { cat "$work/b.log"; fail "resume after SIGTERM"; }
