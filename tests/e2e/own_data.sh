@@ -168,6 +168,7 @@ grep -qF "is the .rec file itself; data.rec is the folder that holds train.rec a
 
 # 6. Evaluate, export, deploy.
 "$bin/faceshard-verify" --model "$work/run2" --bin "$work/data/mine.bin" --device cpu --json "$work/verify.json" \
+  --output "$work/verify_out" \
   > "$work/verify.log" 2>&1 || { cat "$work/verify.log"; fail "faceshard-verify"; }
 "$bin/faceshard-export" --model "$work/run2" --onnx "$work/mine.onnx" > "$work/export.log" 2>&1 ||
   { cat "$work/export.log"; fail "faceshard-export"; }
