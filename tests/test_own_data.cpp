@@ -20,6 +20,7 @@
 #include "partial_fc/runtime/error.h"
 #include "partial_fc/runtime/log.h"
 #include "partial_fc/runtime/progress.h"
+#include "tests/test_errors.h"
 #include "tests/test_files.h"
 
 namespace faceshard {
@@ -33,14 +34,7 @@ void write(const std::string& path, const std::string& text) {
   std::ofstream(path) << text;
 }
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "<no error>";
-}
+using testing::error_of;
 
 TEST(RunFolder, FreshRunIntoARunIsRefusedAndOverwriteMovesItWhole) {
   TempDir d;
