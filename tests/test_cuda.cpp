@@ -12,6 +12,7 @@
 #include <set>
 
 #include "partial_fc/classifier/partial_fc.h"
+#include "partial_fc/classifier/stochastic_round.h"
 #include "partial_fc/runtime/distributed.h"
 #include "tests/harness.h"
 
@@ -152,6 +153,94 @@ TEST(PartialFCCuda, MatchesCpu) {
       }
     }
   }
+}
+
+
+// loss.logits streamed on the GPU, with the GEMMs in fp32 and in bf16 (as under autocast):
+// the loss, the gradients and the step of the buffered pass on the GPU, for every head, with
+// and without sampling; the step the backward applies itself (arm_step) equals the step
+// taken after it.
+TEST(PartialFCCuda, StreamedEqualsBuffered) {
+  if (!have_cuda()) GTEST_SKIP() << "no CUDA device";
+  auto dist = Distributed::init(DistEnv{});
+  const int64_t C = 3001, D = 64, B = 48;
+  const torch::Device cuda(torch::kCUDA, 0);
+  for (const HeadInfo& info : head_catalogue()) {
+    for (double rate : {1.0, 0.3}) {
+      for (at::ScalarType dt : {at::kFloat, at::kBFloat16}) {
+        SCOPED_TRACE(info.name + " rate " + std::to_string(rate) + " " + c10::toString(dt));
+        torch::manual_seed(12);
+        PartialFCOptions o;
+        o.num_classes = C;
+        o.embedding_size = D;
+        o.sample_rate = rate;
+        o.gemm_dtype = dt;
+        o.head.name = info.name;
+        o.update_chunk_rows = 512;  // several chunks
+        PartialFCOptions os = o;
+        os.streamed_logits = true;
+        PartialFC buffered(*dist, o, cuda), streamed(*dist, os, cuda), armed(*dist, os, cuda);
+        const at::Tensor emb = torch::randn({B, D}).to(cuda);
+        const at::Tensor labels = torch::randint(0, C, {B}, torch::kLong);
+        at::Tensor eb = emb.clone().requires_grad_(), es = emb.clone().requires_grad_(), ea = emb.clone().requires_grad_();
+        armed.arm_step(0.1);
+        PartialFCOutput ob = buffered.forward(eb, labels), os_ = streamed.forward(es, labels),
+                        oa = armed.forward(ea, labels);
+        ob.loss.backward();
+        os_.loss.backward();
+        oa.loss.backward();
+        const double tol = dt == at::kFloat ? 1e-4 : 2e-2;
+        EXPECT_LE(testing::relative_error(os_.loss.cpu(), ob.loss.cpu()), dt == at::kFloat ? 1e-5 : 1e-3);
+        EXPECT_LE(testing::relative_error(es.grad().cpu(), eb.grad().cpu()), tol);
+        EXPECT_LE(testing::relative_error(streamed.gradient().cpu(), buffered.gradient().cpu()), tol);
+        buffered.step(0.1);
+        streamed.step(0.1);
+        armed.step(0.1);
+        EXPECT_LE(testing::relative_error(streamed.weight().cpu(), buffered.weight().cpu()), tol);
+        EXPECT_LE(testing::relative_error(armed.weight().cpu(), streamed.weight().cpu()), 1e-6);
+        EXPECT_TRUE(torch::equal(ea.grad().cpu(), es.grad().cpu()));
+      }
+    }
+  }
+}
+
+// bf16 centres on the GPU: the stochastic rounding gives the CPU's bits, and a bf16
+// classifier (streamed) steps on the GPU as on the CPU: the same keys round the same fp32
+// updates alike, except a rare value whose fp32 update differs by rounding across a threshold.
+TEST(StochasticRoundCuda, SameBitsAsTheCpu) {
+  if (!have_cuda()) GTEST_SKIP() << "no CUDA device";
+  const torch::Device cuda(torch::kCUDA, 0);
+  torch::manual_seed(13);
+  const at::Tensor rows = torch::randn({300, 257}) * 0.01;
+  const at::Tensor classes = torch::randint(0, int64_t(1) << 40, {300}, torch::kLong);
+  const at::Tensor cpu = stochastic_round_bf16(rows, sr_row_keys(5, 77, classes));
+  const at::Tensor gpu = stochastic_round_bf16(rows.to(cuda), sr_row_keys(5, 77, classes.to(cuda)));
+  EXPECT_TRUE(torch::equal(gpu.cpu(), cpu));
+  auto dist = Distributed::init(DistEnv{});
+  PartialFCOptions o;
+  o.num_classes = 2003;
+  o.embedding_size = 64;
+  o.weight_dtype = at::kBFloat16;
+  o.optimizer.state_dtype = at::kBFloat16;
+  o.streamed_logits = true;
+  o.update_chunk_rows = 256;
+  o.optimizer.fused_cpu_rows = false;  // the CPU takes the GPU's path
+  PartialFC c(*dist, o), g(*dist, o, cuda);
+  const at::Tensor w0 = c.weight().clone();
+  EXPECT_TRUE(torch::equal(g.weight().cpu(), c.weight()));
+  for (int step = 0; step < 3; ++step) {
+    const at::Tensor emb = torch::randn({32, 64});
+    const at::Tensor labels = torch::randint(0, 2003, {32}, torch::kLong);
+    c.arm_step(0.5);
+    g.arm_step(0.5);
+    c.forward(emb, labels).loss.backward();
+    g.forward(emb.to(cuda), labels).loss.backward();
+    c.step(0.5);
+    g.step(0.5);
+  }
+  EXPECT_EQ(g.weight().scalar_type(), at::kBFloat16);
+  EXPECT_GE((g.weight().cpu() == c.weight()).to(at::kDouble).mean().item<double>(), 0.999);
+  EXPECT_GE((c.weight() != w0).to(at::kDouble).mean().item<double>(), 0.5) << "the centres hardly moved";
 }
 
 }  // namespace

@@ -209,6 +209,7 @@ struct HeadCase {
   std::string head;
   int world;
   const char* mode;  // full | sampled | accumulate
+  bool streamed = false;  // loss.logits: streamed
 };
 
 class MarginHeadsDistributed : public ::testing::TestWithParam<HeadCase> {};
@@ -229,6 +230,8 @@ TEST_P(MarginHeadsDistributed, EqualOneProcessWithTheWholeBatchAndWeight) {
       if (p.name == "plus") o.head.params["plus"] = 1;
     o.sample_rate = mode == "sampled" ? 0.3 : (mode == "accumulate" ? 0.2 : 1.0);
     o.optimizer = ShardOptimizerOptions{"sgd", 0.9, 0.0};  // first step: w - lr * g
+    o.streamed_logits = hc.streamed;
+    if (hc.streamed) o.update_chunk_rows = 72;  // several chunks, the last one short
     const at::Tensor full = PartialFC::initial_rows(0, C, D, o.seed);
     PartialFC fc(d, o);
     HeadReference ref{hc.head, resolve_head_params(*info, o.head.params)};
@@ -285,19 +288,24 @@ TEST_P(MarginHeadsDistributed, EqualOneProcessWithTheWholeBatchAndWeight) {
   });
 }
 
-// Every head of the catalogue, on 1 and 4 ranks, with sampling on 3 and accumulation on 2.
+// Every head of the catalogue, on 1 and 4 ranks, with sampling on 3 and accumulation on 2;
+// and with streamed logits on 2 (without sampling), 3 (sampled) and 4 (accumulated).
 std::vector<HeadCase> head_cases() {
   std::vector<HeadCase> out;
   for (const HeadInfo& h : head_catalogue()) {
     for (int w : {1, 4}) out.push_back({h.name, w, "full"});
     out.push_back({h.name, 3, "sampled"});
     out.push_back({h.name, 2, "accumulate"});
+    out.push_back({h.name, 2, "full", true});
+    out.push_back({h.name, 3, "sampled", true});
+    out.push_back({h.name, 4, "accumulate", true});
   }
   return out;
 }
 
 INSTANTIATE_TEST_SUITE_P(Heads, MarginHeadsDistributed, ::testing::ValuesIn(head_cases()), [](const auto& info) {
-  return info.param.head + "_W" + std::to_string(info.param.world) + "_" + info.param.mode;
+  return info.param.head + "_W" + std::to_string(info.param.world) + "_" + info.param.mode +
+         (info.param.streamed ? "_streamed" : "");
 });
 
 // ElasticFace's draws: a function of the run's seed and the forward count only, so every

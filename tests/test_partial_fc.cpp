@@ -195,6 +195,7 @@ Data make_data(int W, int r, int64_t C, int64_t d) {
 struct FcCase {
   int world;
   const char* margin;  // arcface | cosface | filter
+  bool streamed = false;  // loss.logits: streamed (several chunks per shard)
 };
 
 class PartialFCEquivalence : public ::testing::TestWithParam<FcCase> {};
@@ -209,6 +210,8 @@ TEST_P(PartialFCEquivalence, LossAndGradientsMatchFullSoftmax) {
     o.embedding_size = D;
     o.margin = mname == "cosface" ? CombinedMargin{1.0, 0.0, 0.4} : CombinedMargin{1.0, 0.5, 0.0};
     if (mname == "filter") o.margin.interclass_filter = 0.2;
+    o.streamed_logits = fc_case.streamed;
+    if (fc_case.streamed) o.update_chunk_rows = 100;
     Data data = make_data(d.world_size(), d.rank(), C, D);
     if (mname == "filter") data.emb.narrow(1, 0, 1).add_(3.0);  // correlated embeddings: some cosines above 0.2
     at::Tensor full_weight = PartialFC::initial_rows(0, C, D, o.seed);
@@ -230,9 +233,13 @@ TEST_P(PartialFCEquivalence, LossAndGradientsMatchFullSoftmax) {
 INSTANTIATE_TEST_SUITE_P(Worlds, PartialFCEquivalence,
                          ::testing::Values(FcCase{1, "arcface"}, FcCase{2, "arcface"}, FcCase{3, "arcface"},
                                            FcCase{4, "arcface"}, FcCase{1, "cosface"}, FcCase{2, "cosface"},
-                                           FcCase{3, "cosface"}, FcCase{4, "cosface"}, FcCase{3, "filter"}),
+                                           FcCase{3, "cosface"}, FcCase{4, "cosface"}, FcCase{3, "filter"},
+                                           FcCase{1, "arcface", true}, FcCase{2, "arcface", true},
+                                           FcCase{3, "arcface", true}, FcCase{4, "arcface", true},
+                                           FcCase{2, "cosface", true}, FcCase{3, "filter", true}),
                          [](const auto& info) {
-                           return "W" + std::to_string(info.param.world) + "_C1003_" + info.param.margin;
+                           return "W" + std::to_string(info.param.world) + "_C1003_" + info.param.margin +
+                                  (info.param.streamed ? "_streamed" : "");
                          });
 
 class PartialFCSampling : public ::testing::TestWithParam<std::string> {};
@@ -335,14 +342,17 @@ TEST(PartialFCSampling, AccumulatedMicroBatchesStepTheUnionOfRows) {
 // target turns back up), and a loss of -log(max(p_target, 1e-30)) per row (those rows'
 // target probabilities are far below 1e-30). On 1 and 2 ranks, in float64 for the reference.
 TEST(PartialFCArcfaceTorchMode, MatchesStraightThroughReference) {
-  for (int W : {1, 2}) {
-    testing::run_ranks(W, [](Distributed& d) {
+  for (int W : {1, 2})
+  for (bool streamed : {false, true}) {
+    testing::run_ranks(W, [streamed](Distributed& d) {
       const int64_t C = 61, D = 16;
       PartialFCOptions o;
       o.num_classes = C;
       o.embedding_size = D;
       o.margin = CombinedMargin{1.0, 0.5, 0.0};
       o.margin.mode = MarginMode::ArcfaceTorch;
+      o.streamed_logits = streamed;
+      o.update_chunk_rows = 16;
       Data data = make_data(d.world_size(), d.rank(), C, D);
       const at::Tensor full = PartialFC::initial_rows(0, C, D, o.seed);
       // Every third row faces away from its centre: cos(theta) near -1, theta + m2 > pi.

@@ -65,7 +65,8 @@ namespace {
 const char* kUsage =
     "usage: faceshard-bench --mode classifier [--classes-per-shard LIST] [--sample-rate LIST] [--precision LIST]\n"
     "                       [--batch B] [--dim D] [--steps K] [--windows N] [--warmup K]\n"
-    "                       [--heads LIST] [--fc-state-dtype LIST] [--row-update LIST] [--device cpu|cuda] [--json FILE]\n"
+    "                       [--heads LIST] [--fc-state-dtype LIST] [--fc-weight-dtype LIST] [--logits LIST]\n"
+    "                       [--row-update LIST] [--device cpu|cuda] [--json FILE]\n"
     "       faceshard-bench --mode step [--network NAME] [--batch B] [--classes C] [--sample-rate R]\n"
     "                       [--precision fp32|bf16|fp16] [--device cpu|cuda] [--config FILE] [--set key=value ...]\n"
     "                       [--steps K] [--windows N] [--warmup K] [--json FILE]\n"
@@ -81,6 +82,8 @@ const char* kUsage =
     "                   records at the layout's boundaries; report time and memory\n"
     "  --workers LIST   comma-separated decoding thread counts; 'all' = every core (default 1,2,all)\n"
     "  --fc-state-dtype LIST  the classifier's optimiser state: fp32, bf16 (default fp32)\n"
+    "  --fc-weight-dtype LIST  the classifier's centres: fp32, bf16 (stochastic rounding; default fp32)\n"
+    "  --logits LIST    the margin softmax: buffer (the logits held), streamed (never held); default buffer\n"
     "  --row-update LIST  the step's update of the rows: onepass (SGD on the CPU: one pass over each row\n"
     "                   where it lives), generic (gather, update, scatter: the path a GPU takes); default onepass\n";
 
@@ -90,7 +93,7 @@ struct Args {
   double sample_rate = 1.0;
   // --mode classifier: comma-separated lists, every combination is measured
   std::string classes_list = "100000", rates = "1.0", precisions = "fp32", heads = "combined", states = "fp32",
-              updates = "onepass";
+              updates = "onepass", weights = "fp32", logits = "buffer";
   std::string device = "cpu", json;
   // --mode data
   std::string data, workers = "1,2,all";
@@ -168,7 +171,7 @@ int run_classifier(const Args& a, Distributed& dist) {
   const torch::Device dev = cuda ? torch::Device(torch::kCUDA, dist.local_rank()) : torch::Device(torch::kCPU);
   const auto opts = torch::TensorOptions().device(dev);
   struct Row {
-    std::string head, precision, state, update;
+    std::string head, precision, state, update, weight, logits;
     int64_t classes;
     double rate, step_ms, gemm_ms, peak_mb, tensor_mb;
   };
@@ -187,6 +190,25 @@ int run_classifier(const Args& a, Distributed& dist) {
     std::sort(per_step.begin(), per_step.end());
     return per_step[per_step.size() / 2] * 1e3;
   };
+  // The storage and pass settings, every combination.
+  struct Variant {
+    std::string state, update, weight, logits;
+  };
+  std::vector<Variant> variants;
+  for (const std::string& state : split_list(a.states))
+    for (const std::string& update : split_list(a.updates))
+      for (const std::string& weight : split_list(a.weights))
+        for (const std::string& logits : split_list(a.logits)) {
+          if (state != "fp32" && state != "bf16")
+            throw usage_error("--fc-state-dtype entries must be fp32 or bf16, got '", state, "'");
+          if (weight != "fp32" && weight != "bf16")
+            throw usage_error("--fc-weight-dtype entries must be fp32 or bf16, got '", weight, "'");
+          if (update != "onepass" && update != "generic")
+            throw usage_error("--row-update entries must be onepass or generic, got '", update, "'");
+          if (logits != "buffer" && logits != "streamed")
+            throw usage_error("--logits entries must be buffer or streamed, got '", logits, "'");
+          variants.push_back({state, update, weight, logits});
+        }
   for (const std::string& head : split_list(a.heads))
   for (const std::string& cps : split_list(a.classes_list)) {
     const int64_t classes = parse_int("--classes-per-shard", cps) * dist.world_size();
@@ -194,12 +216,8 @@ int run_classifier(const Args& a, Distributed& dist) {
       const double rate = std::atof(rs.c_str());
       if (!(rate > 0 && rate <= 1)) throw usage_error("--sample-rate entries must be in (0, 1], got '", rs, "'");
       for (const std::string& prec : split_list(a.precisions))
-      for (const std::string& state : split_list(a.states))
-      for (const std::string& update : split_list(a.updates)) {
-        if (state != "fp32" && state != "bf16")
-          throw usage_error("--fc-state-dtype entries must be fp32 or bf16, got '", state, "'");
-        if (update != "onepass" && update != "generic")
-          throw usage_error("--row-update entries must be onepass or generic, got '", update, "'");
+      for (const Variant& v : variants) {
+        const std::string &state = v.state, &update = v.update;
         const at::ScalarType dt = prec == "fp32" ? at::kFloat : prec == "bf16" ? at::kBFloat16 : prec == "fp16" ? at::kHalf
                                                                                                  : at::kLong;
         if (dt == at::kLong) throw usage_error("--precision entries must be fp32, bf16 or fp16, got '", prec, "'");
@@ -219,9 +237,12 @@ int run_classifier(const Args& a, Distributed& dist) {
         o.gemm_dtype = dt;
         o.optimizer.state_dtype = state == "bf16" ? at::kBFloat16 : at::kFloat;
         o.optimizer.fused_cpu_rows = update == "onepass";
+        o.weight_dtype = v.weight == "bf16" ? at::kBFloat16 : at::kFloat;
+        o.streamed_logits = v.logits == "streamed";
         PartialFC fc(dist, o, dev);
         const int64_t sampled = fc.num_sample();
         const double step_ms = time_windows([&] {
+          fc.arm_step(0.1);  // as the trainer steps (used by streamed logits)
           fc.forward(emb, labels).loss.backward();
           fc.step(0.1);
           emb.mutable_grad().reset();
@@ -230,19 +251,24 @@ int run_classifier(const Args& a, Distributed& dist) {
         // CPU: the peak of the tensors the classifier allocated (what faceshard-plan plans).
         const double tensor_peak =
             cuda ? peak : static_cast<double>(AllocationMeter::peak_bytes() - tensors_before) / 1048576.0;
-        // The step's three GEMMs alone, at the same sizes and type: forward N x S x d,
-        // grad(W) S x N x d, grad(E) N x S x d.
+        // The step's GEMMs alone, at the same sizes and type: forward N x S x d, grad(W)
+        // S x N x d, grad(E) N x S x d, and with streamed logits the recomputation of the
+        // logits (N x S x d once more).
         const int64_t S = sampled, N = a.batch * dist.world_size();
         at::Tensor e = torch::randn({N, a.dim}, opts).to(dt), w = torch::randn({S, a.dim}, opts).to(dt);
         at::Tensor g = torch::randn({N, S}, opts).to(dt);
+        const bool streamed = v.logits == "streamed";
         const double gemm_ms = time_windows([&] {
           at::mm(e, w.t());
+          if (streamed) at::mm(e, w.t());
           at::mm(g.t(), e);
           at::mm(g, w);
         });
-        rows.push_back({head, prec, state, update, classes / dist.world_size(), rate, step_ms, gemm_ms, peak, tensor_peak});
+        rows.push_back({head, prec, state, update, v.weight, v.logits, classes / dist.world_size(), rate, step_ms,
+                        gemm_ms, peak, tensor_peak});
         log_info("classifier: ", head, ", ", classes / dist.world_size(), " classes/shard, rate ", rate, " (", S,
-                 " per step), ", prec, ", state ", state, ", ", update, ", batch ", a.batch, "x", dist.world_size(), ", dim ", a.dim, ": ", step_ms,
+                 " per step), ", prec, ", weight ", v.weight, ", state ", state, ", ", update, ", logits ", v.logits,
+                 ", batch ", a.batch, "x", dist.world_size(), ", dim ", a.dim, ": ", step_ms,
                  " ms/step, GEMMs alone ", gemm_ms, " ms (x", step_ms / gemm_ms, "), peak ", peak, " MB (",
                  cuda ? "GPU allocated" : "process RSS", ")", cuda ? "" : ", tensors ",
                  cuda ? "" : std::to_string(tensor_peak), cuda ? "" : " MB");
@@ -256,7 +282,8 @@ int run_classifier(const Args& a, Distributed& dist) {
      << ",\"batch_per_rank\":" << a.batch << ",\"dim\":" << a.dim << ",\"runs\":[";
   for (size_t i = 0; i < rows.size(); ++i)
     js << (i ? "," : "") << "{\"head\":\"" << rows[i].head << "\",\"precision\":\"" << rows[i].precision
-       << "\",\"fc_state_dtype\":\"" << rows[i].state << "\",\"row_update\":\"" << rows[i].update
+       << "\",\"fc_state_dtype\":\"" << rows[i].state << "\",\"fc_weight_dtype\":\"" << rows[i].weight
+       << "\",\"logits\":\"" << rows[i].logits << "\",\"row_update\":\"" << rows[i].update
        << "\",\"classes_per_shard\":" << rows[i].classes << ",\"sample_rate\":" << rows[i].rate
        << ",\"step_ms\":" << rows[i].step_ms << ",\"gemm_ms\":" << rows[i].gemm_ms
        << ",\"peak_memory_mb\":" << rows[i].peak_mb << ",\"peak_tensor_mb\":" << rows[i].tensor_mb << "}";
@@ -265,16 +292,18 @@ int run_classifier(const Args& a, Distributed& dist) {
   for (size_t i = 0; i < rows.size(); ++i)
     for (size_t k = i + 1; k < rows.size(); ++k) {
       const Row &lo = rows[i], &hi = rows[k];
-      if (lo.head != hi.head || lo.precision != hi.precision || lo.state != hi.state || lo.update != hi.update || lo.rate != hi.rate ||
-          hi.classes == lo.classes)
+      if (lo.head != hi.head || lo.precision != hi.precision || lo.state != hi.state || lo.update != hi.update ||
+          lo.weight != hi.weight || lo.logits != hi.logits || lo.rate != hi.rate || hi.classes == lo.classes)
         continue;
       const double slope = (hi.peak_mb - lo.peak_mb) * 1048576.0 / static_cast<double>(hi.classes - lo.classes);
       const double tensor_slope =
           (hi.tensor_mb - lo.tensor_mb) * 1048576.0 / static_cast<double>(hi.classes - lo.classes);
-      log_info("bytes per class, ", lo.head, ", ", lo.precision, ", state ", lo.state, ", ", lo.update, " rate ", lo.rate, ": ", slope, " (peak ", lo.peak_mb,
+      log_info("bytes per class, ", lo.head, ", ", lo.precision, ", weight ", lo.weight, ", state ", lo.state, ", ",
+               lo.update, ", logits ", lo.logits, ", rate ", lo.rate, ": ", slope, " (peak ", lo.peak_mb,
                " MB at ", lo.classes, ", ", hi.peak_mb, " MB at ", hi.classes, " classes/shard)");
       js << (first ? "" : ",") << "{\"head\":\"" << lo.head << "\",\"precision\":\"" << lo.precision
-         << "\",\"fc_state_dtype\":\"" << lo.state << "\",\"row_update\":\"" << lo.update
+         << "\",\"fc_state_dtype\":\"" << lo.state << "\",\"fc_weight_dtype\":\"" << lo.weight
+         << "\",\"logits\":\"" << lo.logits << "\",\"row_update\":\"" << lo.update
          << "\",\"sample_rate\":" << lo.rate << ",\"from\":" << lo.classes << ",\"to\":" << hi.classes
          << ",\"bytes_per_class\":" << slope << ",\"tensor_bytes_per_class\":" << tensor_slope << "}";
       first = false;
@@ -604,6 +633,8 @@ int main(int argc, char** argv) {
       else if (s == "--precision") a.precision = value(), a.precisions = *a.precision;
       else if (s == "--heads") a.heads = value();
       else if (s == "--fc-state-dtype") a.states = value();
+      else if (s == "--fc-weight-dtype") a.weights = value();
+      else if (s == "--logits") a.logits = value();
       else if (s == "--checkpointing") a.checkpointing = value();
       else if (s == "--batches") a.batches = value();
       else if (s == "--config") a.config = value();

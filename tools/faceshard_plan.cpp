@@ -27,7 +27,8 @@ const char* kUsage =
     "usage: faceshard-plan [--config FILE [--set key=value ...]] [--network NAME] [--batch B]\n"
     "                      [--precision fp32|bf16|fp16] [--checkpointing on|off] [--classes C] [--ranks W]\n"
     "                      [--sample-rate R] [--optimizer sgd|adamw] [--fc-optimizer sgd|adamw]\n"
-    "                      [--fc-update sampled|all] [--fc-state-dtype fp32|bf16] [--grad-accumulation K]\n"
+    "                      [--fc-update sampled|all] [--fc-state-dtype fp32|bf16] [--fc-weight-dtype fp32|bf16]\n"
+    "                      [--logits auto|buffer|streamed] [--grad-accumulation K]\n"
     "                      [--device-memory SIZE] [--reserve SIZE] [--activations FILE] [--json FILE]\n"
     "  --config FILE        a training config gives the settings (model.backbone, data.batch_size or\n"
     "                       data.global_batch_size, train.precision, model.checkpointing, data.num_classes,\n"
@@ -93,6 +94,7 @@ std::string choice(const std::string& flag, const std::string& v, std::initializ
       {"checkpointing", "--checkpointing"}, {"batch", "--batch"},      {"ranks", "--ranks"},
       {"classes", "--classes"},        {"num_classes", "--classes"},    {"sample_rate", "--sample-rate"},
       {"optimizer", "--optimizer"},    {"fc_state_dtype", "--fc-state-dtype"},
+      {"fc_weight_dtype", "--fc-weight-dtype"}, {"logits", "--logits"},
       {"grad_accumulation", "--grad-accumulation"}, {"embedding_size", "--embedding (model.embedding_size)"}};
   const auto f = flags.find(e.option());
   if (f == flags.end()) throw e;
@@ -129,7 +131,8 @@ int main(int argc, char** argv) {
       const std::string& s = args.rest[i];
       static const char* known[] = {"--network", "--batch", "--precision", "--checkpointing", "--classes",
                                     "--ranks", "--sample-rate", "--optimizer", "--fc-optimizer", "--fc-update",
-                                    "--fc-state-dtype", "--grad-accumulation", "--device-memory", "--reserve",
+                                    "--fc-state-dtype", "--fc-weight-dtype", "--logits", "--grad-accumulation",
+                                    "--device-memory", "--reserve",
                                     "--activations", "--json"};
       if (std::find(std::begin(known), std::end(known), s) == std::end(known))
         throw usage_error("unknown argument '", faceshard::detail::printable(s), "' (see --help)");
@@ -156,6 +159,9 @@ int main(int argc, char** argv) {
     if (has("--fc-optimizer")) in.fc_optimizer = choice("--fc-optimizer", flag["--fc-optimizer"], {"sgd", "adamw"});
     if (has("--fc-update")) in.fc_update_all = choice("--fc-update", flag["--fc-update"], {"sampled", "all"}) == "all";
     if (has("--fc-state-dtype")) in.fc_state_dtype = choice("--fc-state-dtype", flag["--fc-state-dtype"], {"fp32", "bf16"});
+    if (has("--fc-weight-dtype"))
+      in.fc_weight_dtype = choice("--fc-weight-dtype", flag["--fc-weight-dtype"], {"fp32", "bf16"});
+    if (has("--logits")) in.logits = choice("--logits", flag["--logits"], {"auto", "buffer", "streamed"});
     if (has("--grad-accumulation")) in.grad_accumulation = parse_count("--grad-accumulation", flag["--grad-accumulation"]);
     const std::optional<double> device = has("--device-memory") ? std::optional<double>(parse_size("--device-memory", flag["--device-memory"])) : std::nullopt;
     const double reserve = has("--reserve") ? parse_size("--reserve", flag["--reserve"]) : 1073741824.0;
@@ -189,13 +195,14 @@ int main(int argc, char** argv) {
     const std::string fc_opt = in.fc_optimizer.empty() ? in.optimizer : in.fc_optimizer;
     const ClassifierMemoryPlan& c = plan.classifier;
     std::printf("faceshard-plan: %s, %s, activation checkpointing %s; %lld images per rank x %d ranks%s; %lld classes "
-                "(%lld on rank 0, %lld per step), sample rate %g; optimisers %s (backbone), %s %s (classifier)\n",
+                "(%lld on rank 0, %lld per step), sample rate %g; optimisers %s (backbone), %s %s (classifier), "
+                "centres %s\n",
                 in.network.c_str(), in.precision.c_str(), plan.checkpointing ? "on" : "off",
                 static_cast<long long>(in.batch_per_rank), in.world_size,
                 in.grad_accumulation > 1 ? (" x " + std::to_string(in.grad_accumulation) + " micro-batches").c_str() : "",
                 static_cast<long long>(in.num_classes), static_cast<long long>(c.rows),
                 static_cast<long long>(c.sampled_rows), in.sample_rate, in.optimizer.c_str(), fc_opt.c_str(),
-                in.fc_state_dtype.c_str());
+                in.fc_state_dtype.c_str(), in.fc_weight_dtype.c_str());
     std::printf("per-rank memory (rank 0, the largest shard)          MiB\n");
     std::string group;
     for (const PlanPart& p : plan.parts) {
@@ -232,7 +239,9 @@ int main(int argc, char** argv) {
       js << "{\"network\":\"" << json_escape(in.network) << "\",\"precision\":\"" << in.precision
          << "\",\"checkpointing\":" << (plan.checkpointing ? "true" : "false") << ",\"batch_per_rank\":" << in.batch_per_rank
          << ",\"ranks\":" << in.world_size << ",\"classes\":" << in.num_classes << ",\"sample_rate\":" << in.sample_rate
-         << ",\"optimizer\":\"" << in.optimizer << "\",\"fc_optimizer\":\"" << fc_opt << "\",\"parameters\":"
+         << ",\"optimizer\":\"" << in.optimizer << "\",\"fc_optimizer\":\"" << fc_opt << "\",\"fc_state_dtype\":\""
+         << in.fc_state_dtype << "\",\"fc_weight_dtype\":\"" << in.fc_weight_dtype << "\",\"logits\":\""
+         << (c.streamed ? "streamed" : "buffer") << "\",\"parameters\":"
          << plan.parameters << ",\"activation_bytes_per_image\":" << plan.activation_bytes_per_image
          << ",\"shard_rows\":" << c.rows << ",\"sampled_rows\":" << c.sampled_rows << ",\"parts\":[";
       for (size_t i = 0; i < plan.parts.size(); ++i)

@@ -16,6 +16,12 @@
 #   classifier  faceshard-bench --mode classifier at 1M and 10M classes: bytes per class from
 #               the CUDA allocator's peak, beside faceshard-plan's figure
 #   loader      the data loader on a synthetic JPEG .rec with 8 and 16 workers
+#   capacity    the classifier's storage and passes (optim.fc_weight_dtype, loss.logits):
+#               faceshard-bench --mode classifier with fp32/bf16 centres and buffered/streamed
+#               logits (batch 128 at rates 1.0 and 0.1; batch 8192 at rate 0.2; 200k classes
+#               beside the GEMMs), the r50 step with buffered and streamed logits, and the
+#               largest class count faceshard-plan finds for this GPU (r50, bf16, batch 128,
+#               bf16 centres and state, streamed) trained for a few steps
 #
 # RESULTS_DIR receives three files: results.json (every figure; "records" holds one record
 # per step cell in the format of docs/benchmarks/), summary.txt (the table printed at the
@@ -31,7 +37,7 @@ here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 home="$(dirname "$here")"
 usage() { sed -n '2,31p' "$0"; }
 
-out=""; device=cuda; tiny=0; sections="env,tests,train,step,classifier,loader"; budget=420
+out=""; device=cuda; tiny=0; sections="env,tests,train,step,classifier,loader,capacity"; budget=420
 while [ $# -gt 0 ]; do
   case "$1" in
     --device) device="${2:-}"; shift 2 ;;
@@ -101,6 +107,9 @@ if [ "$tiny" = 1 ]; then
   at_args=(--classes 2000 --sample-rate 0.1 --steps 2 --windows 2 --warmup 1)
   fc_classes="2000,20000"; fc_args=(--batch 16 --steps 1 --windows 1 --warmup 1)
   loader_args=(--workers 1,2 --batch 32 --identities 20 --images-per-identity 10 --epochs 1)
+  cap_classes="2000,4000"; cap_gathered="2000,4000"; cap_gathered_batch=64; cap_200k=2000
+  cap_args=(--steps 1 --windows 1 --warmup 1); cap_step=(--classes 2000 --steps 2 --windows 1 --warmup 1)
+  cap_net=mbf_small; cap_batch=8
   tests_filter="*Cuda*:LossScaler.*"
 else
   train_first=31; train_set=()
@@ -111,6 +120,9 @@ else
   at_args=(--classes 1000000 --sample-rate 0.1 --steps 10 --windows 3 --warmup 3)
   fc_classes="1000000,10000000"; fc_args=(--batch 128 --steps 3 --windows 2 --warmup 1)
   loader_args=(--workers 8,16 --batch 256 --identities 1000 --images-per-identity 20 --epochs 2)
+  cap_classes="1000000,4000000"; cap_gathered="500000,1000000"; cap_gathered_batch=8192; cap_200k=200000
+  cap_args=(--steps 3 --windows 2 --warmup 1); cap_step=(--classes 1000000 --steps 10 --windows 2 --warmup 3)
+  cap_net=r50; cap_batch=128
   tests_filter="*Cuda*"
 fi
 
@@ -215,6 +227,42 @@ fi
 # ---------------------------------------------------------------- loader
 if want loader; then
   run loader 300 "$bin/faceshard-bench" --mode data "${loader_args[@]}" --json "$work/json/loader.json"
+fi
+
+# ---------------------------------------------------------------- capacity
+if want capacity; then
+  fc_bench=("$bin/faceshard-bench" --mode classifier --device "$device" --precision bf16 --fc-state-dtype bf16)
+  run cap_storage 300 "${fc_bench[@]}" --classes-per-shard "$cap_classes" --sample-rate 1.0,0.1 --batch 128 \
+    --fc-weight-dtype fp32,bf16 --logits buffer,streamed "${cap_args[@]}" --json "$work/json/cap_storage.json"
+  report
+  run cap_gathered 200 "${fc_bench[@]}" --classes-per-shard "$cap_gathered" --sample-rate 0.2 \
+    --batch "$cap_gathered_batch" --fc-weight-dtype bf16 --logits buffer,streamed "${cap_args[@]}" \
+    --json "$work/json/cap_gathered.json"
+  run cap_200k 200 "${fc_bench[@]}" --classes-per-shard "$cap_200k" --sample-rate 1.0 --batch 128 \
+    --fc-weight-dtype fp32,bf16 --logits buffer,streamed --steps 10 --windows 3 --warmup 2 --json "$work/json/cap_200k.json"
+  report
+  for logits in buffer streamed; do
+    run "cap_step_r50_${logits}" 200 "$bin/faceshard-bench" --mode step --device "$device" --network "$cap_net" \
+      --batch 256 --precision bf16 --sample-rate 0.1 "${cap_step[@]}" --set loss.logits=$logits \
+      --set data.num_workers=8 --json "$work/json/cap_step_${logits}.json"
+  done
+  report
+  # The largest class count for this device, planned and then trained.
+  mem=""
+  [ "$device" = cuda ] && mem="$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -n 1 | tr -d ' ')MiB"
+  [ -n "$mem" ] || mem=4GiB
+  plan=("$bin/faceshard-plan" --network "$cap_net" --precision bf16 --batch "$cap_batch" --fc-weight-dtype bf16
+        --fc-state-dtype bf16 --logits streamed --device-memory "$mem")
+  run cap_plan 60 "${plan[@]}" --json "$work/json/cap_plan.json"
+  largest=$("$py" -c 'import json,sys; print(json.load(open(sys.argv[1]))["max_classes"])' "$work/json/cap_plan.json" 2>/dev/null)
+  if [ -n "$largest" ] && [ "$largest" -gt 0 ]; then
+    [ "$tiny" = 1 ] && largest=5000
+    run cap_largest 400 "$bin/faceshard-bench" --mode step --device "$device" --network "$cap_net" --batch "$cap_batch" \
+      --precision bf16 --classes "$largest" --sample-rate 1.0 --steps 2 --windows 1 --warmup 1 \
+      --set optim.fc_weight_dtype=bf16 --set optim.fc_state_dtype=bf16 --set loss.logits=streamed \
+      --set data.num_workers=8 --json "$work/json/cap_largest.json"
+  fi
+  report
 fi
 
 # ---------------------------------------------------------------- report

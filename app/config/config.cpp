@@ -648,6 +648,7 @@ void Config::visit(FieldVisitor& v) {
   v.field("loss.scale", loss.scale, positive());
   v.field("loss.interclass_filtering_threshold", loss.interclass_filtering_threshold, range(0, 1));
   v.field("loss.sample_rate", loss.sample_rate, range(0, 1));
+  v.field("loss.logits", loss.logits, choices({"auto", "buffer", "streamed"}));
   // The heads and their parameters: the head catalogue (each head's own file registers it).
   std::vector<std::string> heads;
   for (const HeadInfo& h : head_catalogue()) heads.push_back(h.name);
@@ -680,6 +681,7 @@ void Config::visit(FieldVisitor& v) {
   v.field("optim.fc_weight_decay", optim.fc_weight_decay, at_least(0));
   v.field("optim.fc_update", optim.fc_update, choices({"sampled", "all"}));
   v.field("optim.fc_state_dtype", optim.fc_state_dtype, choices({"fp32", "bf16"}));
+  v.field("optim.fc_weight_dtype", optim.fc_weight_dtype, choices({"fp32", "bf16"}));
   v.field("optim.epochs", optim.epochs, at_least(1));
   v.field("optim.warmup_epochs", optim.warmup_epochs, at_least(0));
   v.field("optim.total_steps", optim.total_steps, at_least(1));

@@ -95,6 +95,12 @@ struct LossConfig {
   double scale = 64.0;
   double interclass_filtering_threshold = 0.0;
   double sample_rate = 1.0;
+  // auto | buffer | streamed: whether the classifier holds the global batch's logits against
+  // its (sampled) centres in one fp32 buffer, or streams through the centres chunk by chunk
+  // and recomputes them in backward (streamed_softmax.h): no memory that grows with the
+  // ranks, one more GEMM per step. auto: streamed where the buffer would take more memory
+  // than the centres and their state (streamed_logits_pay).
+  std::string logits = "auto";
   // The margin head: combined (loss.margin and loss.scale) or any head of the catalogue
   // (partial_fc/classifier/head_catalogue.h; faceshard-head --list prints it).
   std::string head = "combined";
@@ -124,6 +130,10 @@ struct OptimConfig {
   // it (the weight stays fp32 and the update's arithmetic is fp32; each row is rounded to
   // bf16 when stored back).
   std::string fc_state_dtype = "fp32";
+  // The classifier's centres: fp32, or bf16 (half the bytes; updated in fp32 and stored back
+  // with stochastic rounding, so that updates smaller than a bf16 step still count on
+  // average).
+  std::string fc_weight_dtype = "fp32";
   int64_t epochs = 20;
   double warmup_epochs = 0;
   std::optional<int64_t> total_steps;   // default: derived from images, global batch and epochs

@@ -42,6 +42,8 @@ JobPlanInputs job_plan_inputs(const Config& cfg, int world_size) {
   in.momentum = cfg.optim.momentum;
   in.fc_update_all = cfg.optim.fc_update == "all";
   in.fc_state_dtype = cfg.optim.fc_state_dtype;
+  in.fc_weight_dtype = cfg.optim.fc_weight_dtype;
+  in.logits = cfg.loss.logits;
   in.grad_accumulation = cfg.optim.grad_accumulation;
   in.embedding_size = cfg.model.embedding_size;
   return in;
@@ -74,6 +76,10 @@ JobMemoryPlan plan_job_memory(const JobPlanInputs& in, const ActivationTable& ta
       throw option_error("optimizer", "must be sgd or adamw, got '", detail::printable(*o), "'");
   if (in.fc_state_dtype != "fp32" && in.fc_state_dtype != "bf16")
     throw option_error("fc_state_dtype", "must be fp32 or bf16, got '", detail::printable(in.fc_state_dtype), "'");
+  if (in.fc_weight_dtype != "fp32" && in.fc_weight_dtype != "bf16")
+    throw option_error("fc_weight_dtype", "must be fp32 or bf16, got '", detail::printable(in.fc_weight_dtype), "'");
+  if (in.logits != "auto" && in.logits != "buffer" && in.logits != "streamed")
+    throw option_error("logits", "must be auto, buffer or streamed, got '", detail::printable(in.logits), "'");
   if (in.grad_accumulation < 1)
     throw option_error("grad_accumulation", "must be at least 1, got ", in.grad_accumulation);
   if (in.image_size != 112) throw option_error("image_size", "the activation table is measured at 112x112 images");
@@ -123,13 +129,17 @@ JobMemoryPlan plan_job_memory(const JobPlanInputs& in, const ActivationTable& ta
   po.optimizer.kind = fc_opt;
   po.step_all_rows = in.fc_update_all;
   po.optimizer.state_dtype = in.fc_state_dtype == "bf16" ? at::kBFloat16 : at::kFloat;
+  po.weight_dtype = in.fc_weight_dtype == "bf16" ? at::kBFloat16 : at::kFloat;
   po.grad_accumulation = in.grad_accumulation;
   po.gemm_dtype = in.precision == "bf16" ? at::kBFloat16 : in.precision == "fp16" ? at::kHalf : at::kFloat;
+  po.streamed_logits =
+      in.logits == "streamed" || (in.logits == "auto" && streamed_logits_pay(po, in.world_size, in.batch_per_rank));
   // Rank 0 holds the largest shard (the first C % W ranks hold one class more).
   p.classifier = classifier_memory_plan(po, in.world_size, 0, in.batch_per_rank);
   const ClassifierMemoryPlan& c = p.classifier;
   const std::string rows = num(double(c.rows)) + " rows";
-  add("classifier", "rows (centres)", c.weight_bytes, rows + " x " + num(d) + " x 4 B");
+  add("classifier", "rows (centres)", c.weight_bytes,
+      rows + " x " + num(d) + (in.fc_weight_dtype == "bf16" ? " x 2 B (bf16)" : " x 4 B (fp32)"));
   add("classifier", "optimiser state", c.state_bytes, rows + ", " + fc_opt + ", " + in.fc_state_dtype);
   add("classifier", "gradient", c.gradient_bytes,
       c.gradient_bytes == 0 ? "none materialised whole (classifier_memory_plan)"
@@ -138,8 +148,13 @@ JobMemoryPlan plan_job_memory(const JobPlanInputs& in, const ActivationTable& ta
                                                                    " micro-batches set aside"
                                                              : std::string()) +
                                   (in.fc_update_all ? ", optim.fc_update all" : ""));
-  add("classifier", "logits buffer", c.logits_bytes,
-      num(double(c.global_batch)) + " x " + num(double(c.sampled_rows)) + " x 4 B (fp32)");
+  if (po.streamed_logits)
+    add("classifier", "logits (streamed)", c.logits_bytes,
+        num(double(c.sampled_rows)) + " x 4 B (1 / ||w||; the logits are never held" +
+            (in.logits == "auto" ? ": loss.logits auto)" : ")"));
+  else
+    add("classifier", "logits buffer", c.logits_bytes,
+        num(double(c.global_batch)) + " x " + num(double(c.sampled_rows)) + " x 4 B (fp32)");
 
   add("communication", "DDP gradient buckets", 4 * P, params + " x 4 B (flat all-reduce buckets)");
   add("communication", "embedding all-gather", 4 * B * W * d * 4 + (mixed ? B * W * d * 2 : 0.0),

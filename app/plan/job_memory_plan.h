@@ -31,6 +31,8 @@ struct JobPlanInputs {
   double momentum = 0.9;               // SGD keeps no momentum buffer at 0
   bool fc_update_all = false;          // optim.fc_update: all
   std::string fc_state_dtype = "fp32"; // optim.fc_state_dtype: fp32 | bf16
+  std::string fc_weight_dtype = "fp32"; // optim.fc_weight_dtype: fp32 | bf16
+  std::string logits = "auto";          // loss.logits: auto | buffer | streamed
   int64_t grad_accumulation = 1;       // micro-batches per step (batch_per_rank is one micro-batch)
   int64_t embedding_size = 512;
   int64_t image_size = 112;

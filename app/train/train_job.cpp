@@ -186,13 +186,19 @@ void build_model(TrainJob& j, ClassifierStart start) {
   po.optimizer.beta2 = cfg.optim.betas[1];
   po.optimizer.eps = cfg.optim.eps;
   po.optimizer.state_dtype = cfg.optim.fc_state_dtype == "bf16" ? at::kBFloat16 : at::kFloat;
+  po.weight_dtype = cfg.optim.fc_weight_dtype == "bf16" ? at::kBFloat16 : at::kFloat;
   po.grad_accumulation = cfg.optim.grad_accumulation;
   std::vector<std::pair<std::string, std::string>> keys = {
       {"num_classes", "data.num_classes"}, {"sample_rate", "loss.sample_rate"}, {"margin", "loss.margin"},
       {"margin_mode", "loss.margin_mode"}, {"embedding_size", "model.embedding_size"},
-      {"optimizer", "optim.fc_optimizer"}, {"head", "loss.head"}, {"fc_state_dtype", "optim.fc_state_dtype"}};
+      {"optimizer", "optim.fc_optimizer"}, {"head", "loss.head"}, {"fc_state_dtype", "optim.fc_state_dtype"},
+      {"fc_weight_dtype", "optim.fc_weight_dtype"}};
   if (const HeadInfo* h = find_head_info(cfg.loss.head))
     for (const HeadParam& p : h->params) keys.emplace_back(p.name, "loss." + h->name + "." + p.name);
+  po.streamed_logits = cfg.loss.logits == "streamed" ||
+                       (cfg.loss.logits == "auto" && with_config_keys(cfg, keys, [&] {
+                          return streamed_logits_pay(po, d.world_size(), cfg.data.batch_size);
+                        }));
   j.fc = with_config_keys(cfg, keys, [&] {
     // Before anything of the classifier is allocated: a shard that cannot fit is a config
     // error naming the keys that size it, not the allocator's message deep in training.

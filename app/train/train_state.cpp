@@ -172,12 +172,16 @@ void TrainState::load(const std::string& dir) {
     if (std::none_of(mine.begin(), mine.end(), [&](const auto& m) { return m.first == name; }))
       throw usage_error(ssrc, ": classifier state '", name, "' does not belong to the '", j.fc->options().optimizer.kind,
                         "' optimiser");
-  // A state saved in another dtype (optim.fc_state_dtype changed between the runs) is
-  // converted as it is read: bf16 -> fp32 is exact, fp32 -> bf16 rounds each value once.
+  // Rows saved in another dtype (optim.fc_weight_dtype or fc_state_dtype changed between the
+  // runs) are converted as they are read: bf16 -> fp32 is exact, fp32 -> bf16 rounds each
+  // value to nearest once.
   for (const auto& m : mine)
-    if (rows.has(m.first) && rows.dtype(m.first) != m.second.scalar_type() && m.second.is_floating_point())
-      log_info("resume: classifier state '", m.first, "' was saved as ", rows.dtype(m.first), ", converted to ",
-               m.second.scalar_type(), " (optim.fc_state_dtype ", j.cfg.optim.fc_state_dtype, ")");
+    if (rows.has(m.first) && rows.dtype(m.first) != m.second.scalar_type() && m.second.is_floating_point()) {
+      const bool weight = m.first == "weight";
+      log_info("resume: classifier ", weight ? "centres" : "state", " '", m.first, "' saved as ", rows.dtype(m.first),
+               ", converted to ", m.second.scalar_type(), " (", weight ? "optim.fc_weight_dtype " : "optim.fc_state_dtype ",
+               weight ? j.cfg.optim.fc_weight_dtype : j.cfg.optim.fc_state_dtype, ")");
+    }
   const auto t_rows = std::chrono::steady_clock::now();
   double rows_gb = 0;
   j.fc->fill_state([&](const std::string& name, const at::Tensor& dst) {

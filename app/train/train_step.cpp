@@ -48,6 +48,9 @@ StepResult TrainStep::run(const BatchSource& next, int64_t step) {
   PhaseClock clock(timing_, j.device);
   const auto zero = torch::TensorOptions().device(j.device);
   at::Tensor loss_sum = torch::zeros({}, zero), acc_sum = torch::zeros({}, zero);
+  // A step that is never skipped nor inspected before it is taken: the classifier's
+  // backward applies it as it goes (streamed logits; PartialFC::arm_step).
+  if (!j.loss_scaling && j.micro == 1 && !gradient_hook_) j.fc->arm_step(r.fc_lr);
   for (int64_t k = 0; k < j.micro; ++k) {
     Batch batch = next();
     clock.lap(r.times.data);

@@ -85,8 +85,10 @@ int run_training(const TrainRequest& req) {
            j.global_batch(), "; schedule: ", j.total_steps, " steps, warm-up ", j.warmup_steps);
   log_info("model: ", cfg.model.backbone, " (", j.backbone_params.size(), " tensors in ", j.ddp->num_buckets(),
            " gradient buckets), classifier ", *cfg.data.num_classes, " classes, ", j.fc->shard().count, " on this rank, ",
-           j.fc->num_sample(), " per step; head ", describe_margin_head(j.fc->options().head, j.fc->options().margin),
-           "; precision ", cfg.train.precision);
+           j.fc->num_sample(), " per step (centres ", j.fc->options().weight_dtype == at::kBFloat16 ? "bf16" : "fp32",
+           ", logits ", j.fc->options().streamed_logits ? "streamed" : "buffered",
+           cfg.loss.logits == "auto" ? " by loss.logits auto" : "", "); head ",
+           describe_margin_head(j.fc->options().head, j.fc->options().margin), "; precision ", cfg.train.precision);
   std::signal(SIGTERM, on_stop_signal);
   std::signal(SIGINT, on_stop_signal);
 

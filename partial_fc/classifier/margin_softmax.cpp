@@ -4,21 +4,17 @@
 #include <cmath>
 #include <utility>
 
+#include "partial_fc/classifier/softmax_columns.h"
 #include "partial_fc/parallel/saved_value.h"
 
 namespace faceshard {
 namespace {
 
+using softmax_columns::columns;
+using softmax_columns::mm_low;
+using softmax_columns::row_dot;
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
-
-// A low-precision GEMM for an fp32 destination: CUDA computes an fp32 result directly (mm's
-// out_dtype); the CPU backend returns the input type, which the caller's copy_ or add_
-// converts in the same pass.
-at::Tensor mm_low(const at::Tensor& a, const at::Tensor& b) {
-  if (a.is_cuda()) return at::mm(a, b, at::kFloat);
-  return at::mm(a, b);
-}
 
 // out [N, S] = a [N, d] . b [S, d]^T
 void gemm_forward(const at::Tensor& a, const at::Tensor& b, at::Tensor& out, const MarginSoftmaxOptions& o) {
@@ -50,27 +46,9 @@ std::pair<at::Tensor, at::Tensor> gemm_backward(const at::Tensor& g, const at::T
   return {gt_a, g_b};
 }
 
-// Row-wise dot products of two [S, d] tensors, in chunks of rows small enough for the
-// product to stay in cache (no [S, d] temporary).
-at::Tensor row_dot(const at::Tensor& x, const at::Tensor& y) {
-  constexpr int64_t kRows = 256;
-  at::Tensor out = at::empty({x.size(0)}, x.options());
-  for (int64_t j = 0; j < x.size(0); j += kRows) {
-    const int64_t n = std::min(kRows, x.size(0) - j);
-    at::Tensor dst = out.narrow(0, j, n);
-    at::sum_out(dst, x.narrow(0, j, n) * y.narrow(0, j, n), {1});
-  }
-  return out;
-}
-
-// Columns [j, j + n) of the step: rows of w, through `rows` when sampled.
-at::Tensor columns(const at::Tensor& w, const at::Tensor& rows, int64_t j, int64_t n) {
-  return rows.defined() ? w.index_select(0, rows.narrow(0, j, n)) : w.narrow(0, j, n);
-}
-
 // dL/dE = g [N, S] . W [S, d] (W = the columns o.rows of w when sampled, read in chunks).
 at::Tensor gemm_emb_grad(const at::Tensor& g, const at::Tensor& w, const MarginSoftmaxOptions& o) {
-  if (o.gemm_dtype == at::kFloat && !o.rows.defined()) return at::mm(g, w);
+  if (o.gemm_dtype == at::kFloat && !o.rows.defined() && w.scalar_type() == at::kFloat) return at::mm(g, w);
   at::Tensor out = at::zeros({g.size(0), w.size(1)}, w.options().dtype(at::kFloat));
   for (int64_t j = 0; j < g.size(1); j += o.chunk_classes) {
     const int64_t n = std::min(o.chunk_classes, g.size(1) - j);
@@ -120,13 +98,14 @@ struct MarginSoftmaxFn : public torch::autograd::Function<MarginSoftmaxFn> {
     const at::Tensor e = emb.detach(), w = weight.detach();
     at::Tensor buf = at::empty({N, S}, e.options().dtype(at::kFloat));
     at::Tensor inv_norm;
-    if (!o.rows.defined()) {
+    if (!o.rows.defined() && w.scalar_type() == at::kFloat) {
       // 1/max(||w_j||, eps), as torch's normalize divides.
       inv_norm = w.norm(2, {1}).clamp_min(1e-12).reciprocal();
       gemm_forward(e, w, buf, o);
     } else {
-      // The sampled columns a chunk at a time: no copy of them exists whole.
-      inv_norm = at::empty({S}, w.options());
+      // The sampled columns (or those of a bf16 weight) a chunk at a time, in fp32: no copy
+      // of them exists whole.
+      inv_norm = at::empty({S}, w.options().dtype(at::kFloat));
       const at::Tensor e_low = o.gemm_dtype == at::kFloat ? e : e.to(o.gemm_dtype);
       for (int64_t j = 0; j < S; j += o.chunk_classes) {
         const int64_t n = std::min(o.chunk_classes, S - j);
@@ -228,7 +207,7 @@ struct MarginSoftmaxFn : public torch::autograd::Function<MarginSoftmaxFn> {
     const double s = head.scale();
     const int64_t N = g.size(0), S = g.size(1);
     if (S == 0) {
-      if (o.deferred) *o.deferred = DeferredWeightGrad{g, e, inv_norm, o.gemm_dtype};
+      if (o.deferred) *o.deferred = DeferredWeightGrad{g, e, inv_norm, o.gemm_dtype, {}, {}, {}, {}, false};
       return {torch::zeros_like(e), o.deferred ? at::Tensor() : torch::zeros_like(w), at::Tensor(), at::Tensor(),
               at::Tensor(), at::Tensor()};
     }
@@ -260,7 +239,7 @@ struct MarginSoftmaxFn : public torch::autograd::Function<MarginSoftmaxFn> {
     if (o.deferred) {
       // dL/dW is the caller's (DeferredWeightGrad::rows, chunk by chunk): keep G', E and
       // the norms; only dL/dE = G' W flows on.
-      *o.deferred = DeferredWeightGrad{g, e, inv_norm, o.gemm_dtype};
+      *o.deferred = DeferredWeightGrad{g, e, inv_norm, o.gemm_dtype, {}, {}, {}, {}, false};
       return {gemm_emb_grad(g, w, o), at::Tensor(), at::Tensor(), grad_norms, at::Tensor(), at::Tensor()};
     }
     auto [gw, ge] = gemm_backward(g, e, w, o);
@@ -271,11 +250,12 @@ struct MarginSoftmaxFn : public torch::autograd::Function<MarginSoftmaxFn> {
 
 }  // namespace
 
-at::Tensor DeferredWeightGrad::raw_rows(int64_t first, int64_t n) const {
+at::Tensor DeferredWeightGrad::raw_rows(int64_t first, int64_t n) const { return raw_of(g_columns(first, n)); }
+
+at::Tensor DeferredWeightGrad::raw_of(const at::Tensor& gc) const {
   torch::NoGradGuard ng;
-  const at::Tensor gc = g.narrow(1, first, n);
   if (gemm_dtype == at::kFloat) return at::mm(gc.t(), e);
-  at::Tensor gw = mm_low(gc.to(gemm_dtype).t(), e.to(gemm_dtype));
+  at::Tensor gw = mm_low(gc.to(gemm_dtype).t(), e_low.defined() ? e_low : e.to(gemm_dtype));
   return gw.scalar_type() == at::kFloat ? gw : gw.to(at::kFloat);
 }
 
@@ -300,6 +280,8 @@ at::Tensor margin_softmax_loss(const at::Tensor& emb, const at::Tensor& weight, 
               "margin_softmax_loss: chunk_classes must be a positive multiple of 4");
   TORCH_CHECK(options.head != nullptr, "margin_softmax_loss: no head");
   TORCH_CHECK(!options.rows.defined() || options.deferred, "margin_softmax_loss: sampled rows need a deferred gradient");
+  TORCH_CHECK(weight.scalar_type() == at::kFloat || options.deferred,
+              "margin_softmax_loss: centres stored in ", weight.scalar_type(), " need a deferred gradient");
   TORCH_CHECK(!options.head->needs_norms() || (norms.defined() && norms.size(0) == emb.size(0)),
               "margin_softmax_loss: the ", options.head->name(), " head needs the rows' feature norms");
   // An autograd input must be a tensor: heads without norms get an empty one.

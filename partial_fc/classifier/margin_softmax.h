@@ -19,7 +19,9 @@
 // G' (the buffer), E and 1/||w|| there, from which the caller computes dL/dW a chunk of
 // rows at a time (DeferredWeightGrad::rows), so that no [S, d] gradient exists whole.
 #pragma once
+#include <functional>
 #include <memory>
+#include <vector>
 
 #include <torch/torch.h>
 
@@ -35,8 +37,23 @@ struct DeferredWeightGrad {
   at::Tensor e;         // [N, d] fp32: the normalised embeddings of the forward
   at::Tensor inv_norm;  // [S] fp32: 1 / max(||w_j||, eps) of the forward
   at::ScalarType gemm_dtype = at::kFloat;  // the type of the forward's GEMMs
-  // Set by backward: the three tensors above are defined.
-  bool ready() const { return g.defined(); }
+  at::Tensor e_low;     // E in gemm_dtype when kept (else converted where needed)
+  // The streamed softmax (streamed_softmax.h) holds no G': it recomputes columns
+  // [first, first + n) of it ([N, n] fp32) from E, the centres and a few values per row;
+  // `row_terms` are those values, finite exactly when G' is (given finite E and centres).
+  std::function<at::Tensor(int64_t first, int64_t n)> recompute;
+  at::Tensor row_terms;
+  // Set by the caller before backward: the streamed backward hands it each chunk's G' as it
+  // forms it (the caller's update of those rows, which the backward has read for the last
+  // time), and sets `applied`.
+  std::function<void(int64_t first, int64_t n, const at::Tensor& g)> on_chunk;
+  bool applied = false;
+  // Set by backward: G' (held or recomputable), E and the norms are there.
+  bool ready() const { return g.defined() || static_cast<bool>(recompute); }
+  // Columns [first, first + n) of G' [N, n].
+  at::Tensor g_columns(int64_t first, int64_t n) const { return g.defined() ? g.narrow(1, first, n) : recompute(first, n); }
+  // What decides whether dW is finite: G' (or the row terms that make it) and E.
+  std::vector<at::Tensor> finiteness_parts() const { return {g.defined() ? g : row_terms, e}; }
   // dL/dW of columns [first, first + n) [n, d] fp32, given those columns' centres w [n, d]
   // fp32 (the forward's values: the weight has not moved since). The same arithmetic as the
   // materialised gradient (G'^T E per chunk, in gemm_dtype when that is reduced).
@@ -45,6 +62,8 @@ struct DeferredWeightGrad {
   // radial part, which needs the centres (ShardOptimizer::update_projected_rows forms it
   // where it reads them anyway).
   at::Tensor raw_rows(int64_t first, int64_t n) const;
+  // The same product from given columns of G' [N, n].
+  at::Tensor raw_of(const at::Tensor& g_columns) const;
   // raw_rows' result made the gradient in place, given the columns' centres w [n, d]:
   // raw - (w . raw) / ||w||^2 * w per row (rows() is raw_rows followed by this).
   void remove_radial(at::Tensor& raw, int64_t first, const at::Tensor& w) const;

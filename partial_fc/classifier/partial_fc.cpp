@@ -8,6 +8,7 @@
 #endif
 
 #include "partial_fc/classifier/margin_softmax.h"
+#include "partial_fc/classifier/streamed_softmax.h"
 #include "partial_fc/parallel/all_gather.h"
 #include "partial_fc/runtime/error.h"
 
@@ -52,6 +53,8 @@ const PartialFCOptions& checked(const PartialFCOptions& o) {
   if (o.optimizer.state_dtype != at::kFloat && o.optimizer.state_dtype != at::kBFloat16)
     throw option_error("fc_state_dtype", "the classifier's optimiser state must be fp32 or bf16, got ",
                        o.optimizer.state_dtype);
+  if (o.weight_dtype != at::kFloat && o.weight_dtype != at::kBFloat16)
+    throw option_error("fc_weight_dtype", "the classifier's centres must be fp32 or bf16, got ", o.weight_dtype);
   if (o.head.name == "combined") o.margin.validate();
   return o;
 }
@@ -65,11 +68,13 @@ ClassifierMemoryPlan classifier_memory_plan(const PartialFCOptions& o, int world
   p.sampled_rows = std::min<int64_t>(shard.count, static_cast<int64_t>(o.sample_rate * static_cast<double>(shard.count)));
   p.embedding_size = o.embedding_size;
   p.global_batch = batch_per_rank * world_size;
-  const double row = static_cast<double>(o.embedding_size) * 4.0;  // one fp32 row
+  p.streamed = o.streamed_logits;
+  const double row = static_cast<double>(o.embedding_size) * 4.0;  // one fp32 row (a gradient's)
+  const double weight_row = static_cast<double>(o.embedding_size) * (o.weight_dtype == at::kBFloat16 ? 2.0 : 4.0);
   const double n = static_cast<double>(p.rows), s = static_cast<double>(p.sampled_rows);
   const bool sampling = p.sampled_rows < p.rows;
   const double state_row = static_cast<double>(o.embedding_size) * (o.optimizer.state_dtype == at::kBFloat16 ? 2.0 : 4.0);
-  p.weight_bytes = n * row;
+  p.weight_bytes = n * weight_row;
   p.state_bytes = o.optimizer.kind == "adamw" ? n * (2 * state_row + 8) : n * state_row;
   // The step's own gradient is G' in the logits buffer and one chunk of rows: nothing per
   // class. What materialises one (partial_fc.h):
@@ -77,8 +82,15 @@ ClassifierMemoryPlan classifier_memory_plan(const PartialFCOptions& o, int world
   if (sampling && o.step_all_rows) p.gradient_bytes += s * row + n * row;
   const double k = static_cast<double>(std::max<int64_t>(1, o.grad_accumulation));
   if (k > 1) p.gradient_bytes += sampling ? 2 * k * s * row + std::min(k * s, n) * row : n * row;
-  p.logits_bytes = static_cast<double>(p.global_batch) * s * 4.0;
+  p.logits_bytes = o.streamed_logits ? s * 4.0 : static_cast<double>(p.global_batch) * s * 4.0;
   return p;
+}
+
+bool streamed_logits_pay(const PartialFCOptions& o, int world_size, int64_t batch_per_rank) {
+  PartialFCOptions buffered = o;
+  buffered.streamed_logits = false;
+  const ClassifierMemoryPlan p = classifier_memory_plan(buffered, world_size, 0, batch_per_rank);
+  return p.logits_bytes > p.weight_bytes + p.state_bytes;
 }
 
 at::Tensor PartialFC::initial_rows(int64_t start, int64_t count, int64_t dim, uint64_t seed) {
@@ -102,11 +114,20 @@ PartialFC::PartialFC(Distributed& dist, const PartialFCOptions& opts, torch::Dev
       opts_(checked(opts)),
       shard_(ClassShard::of(opts.num_classes, dist.world_size(), dist.rank())),
       num_sample_(std::min<int64_t>(shard_.count, static_cast<int64_t>(opts.sample_rate * shard_.count))),
-      weight_(opts.initialise_rows ? initial_rows(shard_.start, shard_.count, opts.embedding_size, opts.seed).to(device)
-                                   : torch::empty({shard_.count, opts.embedding_size}, torch::TensorOptions(device))),
+      weight_(torch::empty({shard_.count, opts.embedding_size}, torch::TensorOptions(device).dtype(opts.weight_dtype))),
       optimizer_(weight_, opts.optimizer, opts.initialise_rows),
       head_(make_margin_head(opts.head, opts.margin)),
-      rows_ready_(opts.initialise_rows) {}
+      rows_ready_(opts.initialise_rows) {
+  if (!opts.initialise_rows) return;
+  // Drawn in blocks of classes straight into the storage: no fp32 copy of a bf16 shard, and
+  // no host copy of a device one, exists whole.
+  constexpr int64_t kBlock = 8 * kInitBlock;
+  torch::NoGradGuard ng;
+  for (int64_t j = 0; j < shard_.count; j += kBlock) {
+    const int64_t n = std::min(kBlock, shard_.count - j);
+    weight_.narrow(0, j, n).copy_(initial_rows(shard_.start + j, n, opts.embedding_size, opts.seed));
+  }
+}
 
 PartialFCOutput PartialFC::forward(const at::Tensor& local_emb, const at::Tensor& local_labels) {
   TORCH_CHECK(local_emb.dim() == 2 && local_emb.size(1) == opts_.embedding_size, "PartialFC: embeddings must be [B, ",
@@ -147,7 +168,7 @@ PartialFCOutput PartialFC::forward(const at::Tensor& local_emb, const at::Tensor
     } else {
       at::Generator gen = sampling_generator(dev, opts_.seed * 7919ULL + static_cast<uint64_t>(shard_.rank) * 104729ULL +
                                                       static_cast<uint64_t>(forwards_));
-      at::Tensor score = at::rand({shard_.count}, gen, weight_.options().requires_grad(false));
+      at::Tensor score = at::rand({shard_.count}, gen, weight_.options().dtype(at::kFloat).requires_grad(false));
       score.index_fill_(0, to_device(positive, dev), 2.0);
       index_ = std::get<0>(std::get<1>(score.topk(num_sample_)).sort());
     }
@@ -168,18 +189,30 @@ PartialFCOutput PartialFC::forward(const at::Tensor& local_emb, const at::Tensor
   mo.gemm_dtype = opts_.gemm_dtype;
   // The sampled rows are read from the weight in chunks, and the weight's gradient stays
   // deferred: backward fills grad_ and step() updates chunk by chunk.
-  if (samples()) {
-    mo.rows = index_;
+  // The streamed pass and bf16 centres read every column a chunk at a time as well.
+  if (samples() || opts_.streamed_logits || weight_.scalar_type() != at::kFloat)
     mo.chunk_classes = std::max<int64_t>(4, chunk_rows(opts_, dev) / 4 * 4);
-  }
+  if (samples()) mo.rows = index_;
   grad_ = std::make_shared<DeferredWeightGrad>();
   mo.deferred = grad_;
+  // An armed step is applied by the streamed backward, chunk by chunk, as it forms each
+  // chunk's gradient: the step's last recomputation of the logits is saved. Not where the
+  // gradient must exist first: accumulation, loss scaling, a dense step of every row.
+  if (armed_lr_ && opts_.streamed_logits && opts_.grad_accumulation == 1 && !(samples() && opts_.step_all_rows) &&
+      pending_grad_.empty()) {
+    const double lr = *armed_lr_;
+    grad_->on_chunk = [this, lr](int64_t first, int64_t n, const at::Tensor& g) {
+      update_chunk(first, n, grad_->raw_of(g), lr);
+    };
+  }
+  armed_lr_.reset();
   forwards_++;
   PartialFCOutput out;
   // The weight enters as a leaf alias (no copy) that requires grad, so that the loss has a
   // backward even when the embeddings do not; it receives no gradient.
   const at::Tensor anchor = weight_.detach().requires_grad_(true);
-  out.loss = margin_softmax_loss(e, anchor, target, norms, mo, dist_, &out.accuracy);
+  out.loss = opts_.streamed_logits ? streamed_margin_softmax_loss(e, anchor, target, norms, mo, dist_, &out.accuracy)
+                                   : margin_softmax_loss(e, anchor, target, norms, mo, dist_, &out.accuracy);
   if (at::Tensor extra = head_->extra_loss(norms); extra.defined()) {
     // Every rank computes this term of the global loss from the whole gathered batch, and
     // the gather's backward sums the ranks' embedding gradients: each rank passes 1/W of
@@ -193,11 +226,11 @@ PartialFCOutput PartialFC::forward(const at::Tensor& local_emb, const at::Tensor
 at::Tensor PartialFC::materialise() const {
   torch::NoGradGuard ng;
   const int64_t rows = samples() ? index_.size(0) : shard_.count, step = chunk_rows(opts_, weight_.device());
-  at::Tensor out = at::empty({rows, opts_.embedding_size}, weight_.options().requires_grad(false));
+  at::Tensor out = at::empty({rows, opts_.embedding_size}, weight_.options().dtype(at::kFloat).requires_grad(false));
   for (int64_t j = 0; j < rows; j += step) {
     const int64_t n = std::min(step, rows - j);
     const at::Tensor w = samples() ? weight_.index_select(0, index_.narrow(0, j, n)) : weight_.narrow(0, j, n);
-    out.narrow(0, j, n).copy_(grad_->rows(j, n, w));
+    out.narrow(0, j, n).copy_(grad_->rows(j, n, w.to(at::kFloat)));
   }
   return out;
 }
@@ -229,7 +262,7 @@ void PartialFC::accumulate() {
     const int64_t step = chunk_rows(opts_, weight_.device());
     for (int64_t j = 0; j < shard_.count; j += step) {
       const int64_t n = std::min(step, shard_.count - j);
-      pending_grad_[0].narrow(0, j, n).add_(grad_->rows(j, n, weight_.narrow(0, j, n)));
+      pending_grad_[0].narrow(0, j, n).add_(grad_->rows(j, n, weight_.narrow(0, j, n).to(at::kFloat)));
     }
   }
   grad_.reset();
@@ -254,7 +287,7 @@ void PartialFC::merge_accumulated() {
 
 at::Tensor PartialFC::unscale_(const at::Tensor& inv_scale) {
   merge_accumulated();
-  at::Tensor found_inf = torch::zeros({1}, weight_.options().requires_grad(false));
+  at::Tensor found_inf = torch::zeros({1}, weight_.options().dtype(at::kFloat).requires_grad(false));
   torch::NoGradGuard ng;
   if (merged_.defined()) {
     std::vector<at::Tensor> grads{merged_};
@@ -263,46 +296,60 @@ at::Tensor PartialFC::unscale_(const at::Tensor& inv_scale) {
     // dW = G'^T E (less its radial part) is non-finite only where G' or E is: the check
     // needs no gradient (the kernel with a factor of 1 changes no value). The factor itself
     // is applied to each chunk of dW, as the kernel would have to the whole of it.
-    std::vector<at::Tensor> parts{grad_->g, grad_->e};
+    std::vector<at::Tensor> parts = grad_->finiteness_parts();
     at::_amp_foreach_non_finite_check_and_unscale_(parts, found_inf, torch::ones({1}, found_inf.options()));
     inv_scale_ = inv_scale.to(weight_.device(), at::kFloat).clone();
   }
   return found_inf;
 }
 
-void PartialFC::chunked_step(double lr) {
+void PartialFC::update_chunk(int64_t j, int64_t n, at::Tensor raw, double lr) {
   torch::NoGradGuard ng;
+  const at::Tensor ix = samples() ? index_.narrow(0, j, n) : at::Tensor();
+  const RowRounding round = rounding();
+  // Where the optimiser has a one-pass update of the rows in place (SGD on the CPU), the
+  // gradient's radial part is formed there; the factor of loss scaling is linear in it.
+  if (inv_scale_.defined()) raw.mul_(inv_scale_);
+  if (optimizer_.update_projected_rows(weight_, raw, grad_->inv_norm.narrow(0, j, n), samples() ? 0 : j, ix, lr, round))
+    return;
+  // The rows as the forward saw them (nothing has moved them since): a view of fp32 rows
+  // without sampling, updated in place; otherwise an fp32 copy, written back (rounded to
+  // the storage's dtype).
+  const bool fp32 = weight_.scalar_type() == at::kFloat;
+  at::Tensor w = samples() ? weight_.index_select(0, ix) : weight_.narrow(0, j, n);
+  if (!fp32) w = w.to(at::kFloat);
+  grad_->remove_radial(raw, j, w);
+  optimizer_.update_rows(w, raw, samples() ? 0 : j, ix, lr);
+  if (samples()) weight_.index_copy_(0, ix, round.round(w, ix, 0, weight_.scalar_type()));
+  else if (!fp32) weight_.narrow(0, j, n).copy_(round.round(w, at::Tensor(), j, weight_.scalar_type()));
+}
+
+void PartialFC::chunked_step(double lr) {
   const int64_t rows = samples() ? index_.size(0) : shard_.count, step = chunk_rows(opts_, weight_.device());
   for (int64_t j = 0; j < rows; j += step) {
     const int64_t n = std::min(step, rows - j);
-    const at::Tensor ix = samples() ? index_.narrow(0, j, n) : at::Tensor();
-    // Where the optimiser has a one-pass update of the rows in place (SGD on the CPU), the
-    // gradient's radial part is formed there; the factor of loss scaling is linear in it.
-    at::Tensor raw = grad_->raw_rows(j, n);
-    if (inv_scale_.defined()) raw.mul_(inv_scale_);
-    if (optimizer_.update_projected_rows(weight_, raw, grad_->inv_norm.narrow(0, j, n), samples() ? 0 : j, ix, lr))
-      continue;
-    // The rows as the forward saw them (nothing has moved them since): a view without
-    // sampling, updated in place; a copy of the sampled rows, written back.
-    const at::Tensor w = samples() ? weight_.index_select(0, ix) : weight_.narrow(0, j, n);
-    grad_->remove_radial(raw, j, w);
-    optimizer_.update_rows(w, raw, samples() ? 0 : j, ix, lr);
-    if (samples()) weight_.index_copy_(0, ix, w);
+    update_chunk(j, n, grad_->raw_rows(j, n), lr);
   }
 }
 
+void PartialFC::arm_step(double lr) { armed_lr_ = lr; }
+
 void PartialFC::step(double lr) {
+  if (grad_ && grad_->applied) {  // the backward has stepped (arm_step)
+    zero_grad();
+    return;
+  }
   merge_accumulated();
   torch::NoGradGuard ng;
   const bool deferred = !merged_.defined() && grad_ && grad_->ready();
   if (samples() && opts_.step_all_rows && (merged_.defined() || deferred)) {
     // The dense gradient arcface_torch's optimiser sees: zero on the unsampled rows (this
     // path materialises the sampled rows' gradient and the dense one).
-    at::Tensor dense = torch::zeros_like(weight_, weight_.options().requires_grad(false));
+    at::Tensor dense = torch::zeros_like(weight_, weight_.options().dtype(at::kFloat).requires_grad(false));
     dense.index_copy_(0, index_, gradient());
-    optimizer_.step(weight_, at::Tensor(), dense, lr);
+    optimizer_.step(weight_, at::Tensor(), dense, lr, rounding());
   } else if (merged_.defined()) {
-    optimizer_.step(weight_, samples() ? index_ : at::Tensor(), merged_, lr);
+    optimizer_.step(weight_, samples() ? index_ : at::Tensor(), merged_, lr, rounding());
   } else if (deferred) {
     chunked_step(lr);
   }

@@ -26,6 +26,7 @@
 #pragma once
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -74,6 +75,16 @@ struct PartialFCOptions {
   // The type the big GEMMs run in (the body's precision: kBFloat16/kHalf under mixed
   // precision); the logits and the softmax stay fp32 (margin_softmax.h).
   at::ScalarType gemm_dtype = at::kFloat;
+  // How the centres are stored (optim.fc_weight_dtype): kFloat, or kBFloat16, read into
+  // fp32 a chunk at a time and updated in fp32, each updated row written back with
+  // stochastic rounding keyed by (seed, step, global class, element) (stochastic_round.h),
+  // so that a run rounds alike on any number of ranks. Anything else is an option error
+  // naming "fc_weight_dtype".
+  at::ScalarType weight_dtype = at::kFloat;
+  // loss.logits: false = the [batch x world, sampled] fp32 logits buffer
+  // (margin_softmax.h); true = never held (streamed_softmax.h): the classifier's memory
+  // does not grow with the number of ranks, at the price of one more GEMM per step.
+  bool streamed_logits = false;
 };
 
 struct PartialFCOutput {
@@ -85,11 +96,12 @@ struct PartialFCOutput {
 using ShardRows = std::vector<std::pair<std::string, at::Tensor>>;
 
 // What one rank's classifier takes in memory, computed from the options alone (before
-// anything is allocated): the shard's rows x embedding x 4 B for the weight, the
+// anything is allocated): the shard's rows x embedding x 4 B (2 B in bf16) for the weight, the
 // optimiser's rows (SGD momentum: one more; AdamW: two more and an int64 step per row; the
 // moments at 2 B an element with optimizer.state_dtype bf16), and the fp32 logits buffer
 // [batch x world, sampled rows], which after backward holds the gradient G' that the
-// chunked step turns into the weight's gradient a chunk of rows at a time. The step's
+// chunked step turns into the weight's gradient a chunk of rows at a time (streamed logits:
+// no buffer, 1 / ||w_j|| of each sampled row, 4 B). The step's
 // gradient (gradient_bytes) is therefore zero per class except where one is materialised:
 // with step_all_rows and sampling, the sampled rows' gradient and a dense [shard, d] one;
 // with grad_accumulation k > 1, the set-aside micro-batch gradients: with sampling k
@@ -103,9 +115,18 @@ struct ClassifierMemoryPlan {
   int64_t sampled_rows = 0;  // rows that take part in a step
   int64_t embedding_size = 0;
   int64_t global_batch = 0;  // batch per rank x ranks: the logits' rows
+  bool streamed = false;     // the logits are streamed (never held)
   double weight_bytes = 0, state_bytes = 0, gradient_bytes = 0, logits_bytes = 0;
   double total_bytes() const { return weight_bytes + state_bytes + gradient_bytes + logits_bytes; }
 };
+// loss.logits auto: whether streamed logits are the better choice for these options. The
+// streamed pass costs one more GEMM over the (sampled) classes per step (1.2x the
+// classifier's step on a CPU, docs/performance.md) and saves the buffer's 4 B x the global
+// batch x the sample rate per class: it is chosen where that buffer would take more memory
+// than the centres and their optimiser state together, which is where the buffer decides
+// how many classes fit (many ranks, large batches).
+bool streamed_logits_pay(const PartialFCOptions& opts, int world_size, int64_t batch_per_rank);
+
 // Option errors as PartialFC's ("num_classes" when there are fewer classes than ranks).
 ClassifierMemoryPlan classifier_memory_plan(const PartialFCOptions& opts, int world_size, int rank,
                                             int64_t batch_per_rank);
@@ -141,6 +162,13 @@ class PartialFC {
   // step_all_rows) and drops the gradient. A step without a classifier gradient changes
   // nothing.
   void step(double lr);
+  // With streamed logits: the next forward's backward applies the step with this learning
+  // rate itself, each chunk of rows as soon as its gradient is formed (the step then only
+  // drops the gradient), which saves the step's recomputation of the logits. Ignored where
+  // the step needs the whole gradient first (gradient accumulation, a dense step of every
+  // row) and by buffered logits; never arm a step whose gradient is to be unscaled,
+  // inspected or skipped.
+  void arm_step(double lr);
   // Drops the step's gradient (set-aside micro-batches included) without moving anything.
   void zero_grad();
 
@@ -167,7 +195,7 @@ class PartialFC {
   MarginHead& head() const { return *head_; }
   int64_t num_sample() const { return num_sample_; }
   bool samples() const { return num_sample_ < shard_.count; }
-  // The whole shard [count, d], fp32.
+  // The whole shard [count, d], in weight_dtype.
   const at::Tensor& weight() const { return weight_; }
   // The rows (local indices, sorted) of the step so far: the last forward's, or the union
   // of the micro-batches' once merged (after unscale_/step). Undefined without sampling.
@@ -184,10 +212,14 @@ class PartialFC {
 
  private:
   void merge_accumulated();
+  // How updated bf16 rows are written back (the keys of this step's rounding).
+  RowRounding rounding() const { return RowRounding{opts_.seed, forwards_, shard_.start}; }
   // The current micro-batch's dL/dW of the step's rows, materialised ([rows, d]).
   at::Tensor materialise() const;
   // The step without materialising: the optimiser chunk by chunk from grad_.
   void chunked_step(double lr);
+  // The update of the step's rows [j, j + n) from raw = (G'^T E) of those columns.
+  void update_chunk(int64_t j, int64_t n, at::Tensor raw, double lr);
 
   Distributed& dist_;
   PartialFCOptions opts_;
@@ -205,6 +237,7 @@ class PartialFC {
   std::vector<at::Tensor> pending_index_, pending_grad_;
   at::Tensor merged_;  // the set-aside gradients summed over the union of their rows
   int64_t forwards_ = 0;
+  std::optional<double> armed_lr_;
   bool rows_ready_ = true;  // false from a construction without initialise_rows until filled
 };
 

@@ -10,18 +10,22 @@
 #pragma once
 #include <torch/torch.h>
 
+#include "partial_fc/classifier/stochastic_round.h"
+
 namespace faceshard {
 
 struct RowSgd {
   double lr = 0, momentum = 0.9, weight_decay = 0;
 };
 
-// weight [rows, d] fp32 and momentum [rows, d] fp32 or bf16 (undefined when momentum is
+// weight [rows, d] fp32 or bf16 (optim.fc_weight_dtype; a bf16 row is updated in fp32 and
+// written back stochastically rounded with `rounding`'s keys, stochastic_round.h) and momentum [rows, d] fp32 or bf16 (undefined when momentum is
 // 0), contiguous CPU tensors; raw [n, d] fp32 contiguous: M of the chunk's rows, which are
 // index [n] (int64, unique) or, with index undefined, rows [first, first + n); inv_norm
 // [n] fp32: 1 / ||w_j|| of the forward. A bf16 momentum is updated in fp32 and stored
 // rounded to bf16.
 void sgd_projected_rows_cpu(at::Tensor& weight, at::Tensor& momentum, const at::Tensor& raw, const at::Tensor& inv_norm,
-                            int64_t first, const at::Tensor& index, const RowSgd& sgd);
+                            int64_t first, const at::Tensor& index, const RowSgd& sgd,
+                            const RowRounding& rounding = RowRounding{});
 
 }  // namespace faceshard

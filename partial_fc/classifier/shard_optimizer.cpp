@@ -40,26 +40,32 @@ std::vector<std::pair<std::string, at::Tensor>> ShardOptimizer::state() const {
   return {{"exp_avg", exp_avg_}, {"exp_avg_sq", exp_avg_sq_}, {"row_steps", row_steps_}};
 }
 
-void ShardOptimizer::step(at::Tensor& W, const at::Tensor& idx, const at::Tensor& g, double lr) {
+void ShardOptimizer::step(at::Tensor& W, const at::Tensor& idx, const at::Tensor& g, double lr,
+                          const RowRounding& rounding) {
   torch::NoGradGuard ng;
-  const bool all = !idx.defined();
+  const bool all = !idx.defined(), fp32 = W.scalar_type() == at::kFloat;
   const int64_t rows = all ? W.size(0) : idx.size(0);
   for (int64_t j = 0; j < rows; j += kChunkRows) {
     const int64_t n = std::min(kChunkRows, rows - j);
     const at::Tensor ix = all ? at::Tensor() : idx.narrow(0, j, n);
-    // A view of the rows when all move; a copy of the selected rows, written back, when not.
-    const at::Tensor w = all ? W.narrow(0, j, n) : W.index_select(0, ix);
+    // A view of fp32 rows when all move; otherwise an fp32 copy of the rows, written back.
+    at::Tensor w = all ? W.narrow(0, j, n) : W.index_select(0, ix);
+    if (!fp32) w = w.to(at::kFloat);
     update_rows(w, g.narrow(0, j, n), all ? j : 0, ix, lr);
-    if (!all) W.index_copy_(0, ix, w);
+    if (all && fp32) continue;
+    const at::Tensor stored = rounding.round(w, ix, j, W.scalar_type());
+    if (all) W.narrow(0, j, n).copy_(stored);
+    else W.index_copy_(0, ix, stored);
   }
 }
 
 bool ShardOptimizer::update_projected_rows(at::Tensor& weight, const at::Tensor& raw, const at::Tensor& inv_norm,
-                                           int64_t first, const at::Tensor& index, double lr) {
+                                           int64_t first, const at::Tensor& index, double lr,
+                                           const RowRounding& rounding) {
   if (opts_.kind != "sgd" || !opts_.fused_cpu_rows || !weight.device().is_cpu() || !weight.is_contiguous()) return false;
   torch::NoGradGuard ng;
   sgd_projected_rows_cpu(weight, momentum_, raw.contiguous(), inv_norm.contiguous(), first, index,
-                         RowSgd{lr, opts_.momentum, opts_.weight_decay});
+                         RowSgd{lr, opts_.momentum, opts_.weight_decay}, rounding);
   return true;
 }
 

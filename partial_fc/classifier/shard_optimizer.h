@@ -11,6 +11,8 @@
 
 #include <torch/torch.h>
 
+#include "partial_fc/classifier/stochastic_round.h"
+
 namespace faceshard {
 
 struct ShardOptimizerOptions {
@@ -33,8 +35,10 @@ class ShardOptimizer {
   ShardOptimizer(const at::Tensor& weight, const ShardOptimizerOptions& opts, bool initialise = true);
 
   // Updates rows `index` (sorted, unique; undefined = every row) of `weight` with `grad`
-  // [index.size(0) or rows, d], in chunks of kChunkRows rows.
-  void step(at::Tensor& weight, const at::Tensor& index, const at::Tensor& grad, double lr);
+  // [index.size(0) or rows, d], in chunks of kChunkRows rows. A bf16 weight is updated in
+  // fp32 copies of the rows, written back rounded by `rounding` (stochastic_round.h).
+  void step(at::Tensor& weight, const at::Tensor& index, const at::Tensor& grad, double lr,
+            const RowRounding& rounding = RowRounding{});
 
   // One chunk of an update: `rows` [n, d] fp32 are weight rows (a view of the weight,
   // updated in place, or a copy the caller writes back), `grad` [n, d] their gradient;
@@ -48,8 +52,9 @@ class ShardOptimizer {
   // where the rows live. Returns false, having done nothing, where that pass does not exist
   // (AdamW, a weight off the CPU, fused_cpu_rows off): the caller forms the gradient and
   // calls update_rows.
+  // A bf16 weight's rows are written back rounded by `rounding`.
   bool update_projected_rows(at::Tensor& weight, const at::Tensor& raw, const at::Tensor& inv_norm, int64_t first,
-                             const at::Tensor& index, double lr);
+                             const at::Tensor& index, double lr, const RowRounding& rounding = RowRounding{});
 
   static constexpr int64_t kChunkRows = 4096;
 

@@ -1,0 +1,68 @@
+#include "partial_fc/classifier/stochastic_round.h"
+
+namespace faceshard {
+namespace {
+
+// Tensors of int64 holding uint32 values: the hash's arithmetic modulo 2^32 without a
+// signed overflow (a 32 x 32-bit product does not fit an int64, so the constant is taken in
+// two 16-bit halves).
+constexpr int64_t kMask32 = 0xffffffffLL;
+
+at::Tensor mul32(const at::Tensor& x, uint32_t c) {
+  const int64_t lo = c & 0xffffU, hi = c >> 16;
+  return (x * lo + at::bitwise_left_shift(at::bitwise_and(x * hi, 0xffff), 16)).bitwise_and_(kMask32);
+}
+
+at::Tensor xorshift(const at::Tensor& x, int64_t s) { return at::bitwise_xor(x, at::bitwise_right_shift(x, s)); }
+
+at::Tensor mix32(const at::Tensor& x) {
+  at::Tensor y = mul32(xorshift(x, 16), 0x7feb352dU);
+  y = mul32(xorshift(y, 15), 0x846ca68bU);
+  return xorshift(y, 16);
+}
+
+at::Tensor mix_in(const at::Tensor& k, const at::Tensor& v) { return mix32(at::bitwise_xor(k, v)); }
+
+}  // namespace
+
+at::Tensor sr_row_keys(uint64_t seed, int64_t step, const at::Tensor& classes) {
+  torch::NoGradGuard ng;
+  // The part that does not depend on the class, as sr_row_key computes it.
+  using sr_detail::mix32;
+  const auto st = static_cast<uint64_t>(step);
+  uint32_t k = mix32(static_cast<uint32_t>(seed) ^ sr_detail::kGolden);
+  k = mix32(k ^ static_cast<uint32_t>(seed >> 32));
+  k = mix32(k ^ static_cast<uint32_t>(st));
+  k = mix32(k ^ static_cast<uint32_t>(st >> 32));
+  const at::Tensor c = classes.to(at::kLong);
+  const at::Tensor lo = c.bitwise_and(kMask32), hi = at::bitwise_right_shift(c, 32).bitwise_and_(kMask32);
+  return mix_in(mix_in(at::full_like(c, static_cast<int64_t>(k)), lo), hi);
+}
+
+at::Tensor stochastic_round_bf16(const at::Tensor& rows, const at::Tensor& keys) {
+  torch::NoGradGuard ng;
+  TORCH_CHECK(rows.dim() == 2 && rows.scalar_type() == at::kFloat && keys.dim() == 1 && keys.size(0) == rows.size(0),
+              "stochastic_round_bf16: fp32 rows [n, d] and one key per row, got ", rows.sizes(), " and ", keys.sizes());
+  const int64_t d = rows.size(1);
+  const at::Tensor element =
+      (at::arange(d, keys.options()) * static_cast<int64_t>(sr_detail::kGolden)).bitwise_and_(kMask32);
+  const at::Tensor r = at::bitwise_right_shift(mix32(at::bitwise_xor(keys.unsqueeze(1), element.unsqueeze(0))), 16);
+  const at::Tensor x = rows.contiguous();
+  // The fp32 bits as int64 (sign-extended: adding to them and clearing the low half is the
+  // same on the two's complement as on the bit pattern), plus r, the low 16 bits cut.
+  at::Tensor bits = x.view(at::kInt).to(at::kLong).add_(r).bitwise_and_(~int64_t(0xffff));
+  at::Tensor rounded = bits.to(at::kInt).view(at::kFloat).to(at::kBFloat16);
+  // inf and NaN round to nearest (their low bits are not a fraction to round).
+  return at::where(x.isfinite(), rounded, x.to(at::kBFloat16));
+}
+
+at::Tensor RowRounding::round(const at::Tensor& rows, const at::Tensor& index, int64_t first,
+                              at::ScalarType dtype) const {
+  if (dtype == rows.scalar_type()) return rows;
+  TORCH_CHECK(dtype == at::kBFloat16, "RowRounding: rows are stored in fp32 or bf16, not ", dtype);
+  const at::Tensor local =
+      index.defined() ? index : at::arange(first, first + rows.size(0), rows.options().dtype(at::kLong));
+  return stochastic_round_bf16(rows, sr_row_keys(seed, step, local.to(at::kLong) + class_start));
+}
+
+}  // namespace faceshard

@@ -1,0 +1,80 @@
+// Stochastic rounding of fp32 classifier rows to bf16 storage (optim.fc_weight_dtype bf16).
+// A value v between two neighbouring bf16 numbers lo < v < hi is stored as hi with
+// probability (v - lo) / (hi - lo) and as lo otherwise, so that E[stored] = v: an update far
+// smaller than a bf16 ulp of its centre still moves the centre on average, where round to
+// nearest would drop it every time. Implemented on the bit pattern: a uniform 16-bit number
+// is added to the fp32 bits and the low 16 bits are cut (bf16 is the upper half of fp32).
+//
+// The random bits come from a counter-based hash keyed by (seed, step, global class id,
+// element), never from a generator's stream: a class's rounding is the same whichever rank
+// holds it and however many ranks there are (the elastic invariance), and a resumed run
+// rounds as the uninterrupted one. The same hash runs in tensor operations (any device) and
+// in the CPU's one-pass row update (row_update_cpu.h); both give the same bits.
+#pragma once
+#include <cstdint>
+#include <cstring>
+
+#include <c10/util/BFloat16.h>
+#include <torch/torch.h>
+
+namespace faceshard {
+
+namespace sr_detail {
+// A 32-bit integer hash with full avalanche (two multiply-xorshift rounds).
+inline uint32_t mix32(uint32_t x) {
+  x ^= x >> 16;
+  x *= 0x7feb352dU;
+  x ^= x >> 15;
+  x *= 0x846ca68bU;
+  x ^= x >> 16;
+  return x;
+}
+constexpr uint32_t kGolden = 0x9e3779b9U;
+}  // namespace sr_detail
+
+// The key of one row's rounding at one step.
+inline uint32_t sr_row_key(uint64_t seed, int64_t step, int64_t global_class) {
+  using sr_detail::mix32;
+  const auto st = static_cast<uint64_t>(step), cl = static_cast<uint64_t>(global_class);
+  uint32_t k = mix32(static_cast<uint32_t>(seed) ^ sr_detail::kGolden);
+  k = mix32(k ^ static_cast<uint32_t>(seed >> 32));
+  k = mix32(k ^ static_cast<uint32_t>(st));
+  k = mix32(k ^ static_cast<uint32_t>(st >> 32));
+  k = mix32(k ^ static_cast<uint32_t>(cl));
+  return mix32(k ^ static_cast<uint32_t>(cl >> 32));
+}
+
+// The 16 random bits of element `element` of a row keyed `row_key`.
+inline uint32_t sr_bits(uint32_t row_key, uint32_t element) {
+  return sr_detail::mix32(row_key ^ (element * sr_detail::kGolden)) >> 16;
+}
+
+// v rounded to bf16 with the random bits r (0..65535); inf and NaN round to nearest.
+inline c10::BFloat16 sr_round(float v, uint32_t r) {
+  uint32_t bits;
+  std::memcpy(&bits, &v, sizeof bits);
+  if ((bits & 0x7f800000U) == 0x7f800000U) return c10::BFloat16(v);
+  bits = (bits + r) & 0xffff0000U;
+  return c10::BFloat16(static_cast<uint16_t>(bits >> 16), c10::BFloat16::from_bits());
+}
+
+// Row keys [n] (int64 holding uint32 values) of global classes `classes` [n] (int64, any
+// device) at `step`: sr_row_key in tensor operations.
+at::Tensor sr_row_keys(uint64_t seed, int64_t step, const at::Tensor& classes);
+
+// rows [n, d] fp32 stochastically rounded to bf16 with the keys of sr_row_keys: element k
+// of row i uses sr_bits(keys[i], k). On the rows' device, no host synchronisation.
+at::Tensor stochastic_round_bf16(const at::Tensor& rows, const at::Tensor& keys);
+
+// How a classifier's bf16 rows are written back after an update: the keys' seed and step,
+// and the global class of local row 0 (the shard's first class).
+struct RowRounding {
+  uint64_t seed = 0;
+  int64_t step = 0;
+  int64_t class_start = 0;
+  // rows [n, d] fp32 of local rows `index` [n] (or, undefined, [first, first + n)) rounded
+  // for storage in `dtype`: stochastically for bf16, unchanged for fp32.
+  at::Tensor round(const at::Tensor& rows, const at::Tensor& index, int64_t first, at::ScalarType dtype) const;
+};
+
+}  // namespace faceshard
