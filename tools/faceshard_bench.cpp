@@ -33,6 +33,8 @@
 
 #include <torch/version.h>
 
+#include <ATen/CPUGeneratorImpl.h>
+
 #ifdef FACESHARD_WITH_CUDA
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
@@ -73,11 +75,19 @@ const char* kUsage =
     "       faceshard-bench --mode data [--data DIR] [--workers LIST] [--batch B] [--epochs E]\n"
     "                       [--identities N] [--images-per-identity M] [--json FILE]\n"
     "       faceshard-bench --mode data --open-only --data DIR [--index-cache DIR|off] [--json FILE]\n"
+    "       faceshard-bench --mode storage [--identities N] [--dim D] [--epochs E] [--batch B] [--seeds LIST]\n"
+    "                       [--json FILE]\n"
     "       faceshard-bench --mode activations [--network LIST] [--precision LIST] [--checkpointing LIST]\n"
     "                       [--batches LIST] [--json FILE]\n"
     "  --network LIST   (activations) networks, default mbf,mbf_small,r18,r50,vit_t\n"
     "  --checkpointing LIST  (activations) off,on (default both; MobileFaceNet has none)\n"
     "  --batches LIST   (activations) batch sizes; the slope between the first and the last (default 2,6)\n"
+    "  --mode storage   does the classifier still learn with bf16 centres? The classifier alone on\n"
+    "                   fixed synthetic embeddings (N identities, each a random prototype; 5 noisy\n"
+    "                   views per identity to train on, 5 fresh ones to test), SGD with the learning\n"
+    "                   rate decaying linearly to 1% of its peak: fp32 centres, bf16 with stochastic\n"
+    "                   rounding, bf16 rounded to nearest, each seed of --seeds (default 1,2,3); final\n"
+    "                   loss, test accuracy and the share of updates rounding lost\n"
     "  --open-only      open DIR's train.rec/.idx, look every image key up once, read the\n"
     "                   records at the layout's boundaries; report time and memory\n"
     "  --workers LIST   comma-separated decoding thread counts; 'all' = every core (default 1,2,all)\n"
@@ -94,7 +104,7 @@ struct Args {
   // --mode classifier: comma-separated lists, every combination is measured
   std::string classes_list = "100000", rates = "1.0", precisions = "fp32", heads = "combined", states = "fp32",
               updates = "onepass", weights = "fp32", logits = "buffer";
-  std::string device = "cpu", json;
+  std::string device = "cpu", json, seeds = "1,2,3";
   // --mode data
   std::string data, workers = "1,2,all";
   int64_t epochs = 2, identities = 200, images_per_identity = 25;
@@ -161,6 +171,87 @@ void write_json(const std::string& path, const std::string& text) {
   std::string tmp = path + ".tmp";
   std::ofstream(tmp) << text << "\n";
   std::rename(tmp.c_str(), path.c_str());
+}
+
+// Does the classifier still learn with its centres in bf16? The classifier alone, trained on
+// fixed embeddings: identity c is a random unit prototype p_c, an image of it the unit vector
+// of p_c + noise (per dimension N(0, 2 / sqrt(d)): hard enough that the centres need many
+// small updates late in the schedule). Three storages, the same data, batches and
+// schedule: fp32 centres; bf16 stochastically rounded; bf16 rounded to nearest.
+int run_storage(const Args& a) {
+  auto dist = Distributed::init(DistEnv{});
+  const int64_t C = a.identities, d = a.dim, views = 5, B = a.batch;
+  struct Row {
+    std::string storage;
+    int64_t seed;
+    double loss, accuracy, lost;
+  };
+  std::vector<Row> rows;
+  for (const std::string& seed_text : split_list(a.seeds)) {
+    const int64_t seed = parse_int("--seeds", seed_text);
+    torch::manual_seed(seed);
+    namespace F = torch::nn::functional;
+    const at::Tensor protos = F::normalize(torch::randn({C, d}), F::NormalizeFuncOptions().dim(1));
+    auto views_of = [&](int64_t n) {
+      const at::Tensor y = torch::arange(C, torch::kLong).repeat_interleave(n);
+      const at::Tensor x = protos.index_select(0, y) + torch::randn({C * n, d}) * (2.0 / std::sqrt(double(d)));
+      return std::make_pair(F::normalize(x, F::NormalizeFuncOptions().dim(1)) * 20.0, y);
+    };
+    const auto [train_x, train_y] = views_of(views);
+    const auto [test_x, test_y] = views_of(views);
+    const int64_t steps_per_epoch = train_x.size(0) / B, total = steps_per_epoch * a.epochs;
+    for (const std::string storage : {"fp32", "bf16_stochastic", "bf16_nearest"}) {
+      PartialFCOptions o;
+      o.num_classes = C;
+      o.embedding_size = d;
+      o.margin = CombinedMargin{1.0, 0.0, 0.35};
+      o.margin.scale = 32;
+      o.seed = static_cast<uint64_t>(seed);
+      o.optimizer = ShardOptimizerOptions{"sgd", 0.9, 5e-4};
+      o.weight_dtype = storage == "fp32" ? at::kFloat : at::kBFloat16;
+      o.weight_round_nearest = storage == "bf16_nearest";
+      PartialFC fc(*dist, o);
+      at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(static_cast<uint64_t>(seed) * 31 + 7);
+      double last_epoch_loss = 0;
+      int64_t step = 0;
+      double lost = 0;
+      int64_t lost_reads = 0;
+      for (int64_t e = 0; e < a.epochs; ++e) {
+        const at::Tensor order = at::randperm(train_x.size(0), gen);
+        last_epoch_loss = 0;
+        for (int64_t i = 0; i < steps_per_epoch; ++i, ++step) {
+          const at::Tensor idx = order.narrow(0, i * B, B);
+          const double lr = 0.1 * (0.01 + 0.99 * (1.0 - static_cast<double>(step) / static_cast<double>(total)));
+          fc.arm_step(lr);
+          at::Tensor loss = fc.forward(train_x.index_select(0, idx), train_y.index_select(0, idx)).loss;
+          loss.backward();
+          fc.step(lr);
+          last_epoch_loss += loss.item<double>() / static_cast<double>(steps_per_epoch);
+        }
+        // The share lost over this epoch (the last one is the late, small-update one).
+        const auto taken = fc.take_lost_updates();
+        if (e + 1 == a.epochs) lost = taken.first, lost_reads = taken.second;
+      }
+      (void)lost_reads;
+      const at::Tensor w = F::normalize(fc.weight().to(at::kFloat), F::NormalizeFuncOptions().dim(1));
+      const at::Tensor pred = std::get<1>(torch::mm(test_x, w.t()).max(1));
+      const double acc = (pred == test_y).to(at::kDouble).mean().item<double>();
+      rows.push_back({storage, seed, last_epoch_loss, acc, lost});
+      log_info("storage ", storage, ", seed ", seed, ": ", C, " identities, ", total, " steps; last epoch's loss ",
+               last_epoch_loss, ", test accuracy ", acc, o.weight_dtype == at::kBFloat16 ? ", updates lost in the last epoch " : "",
+               o.weight_dtype == at::kBFloat16 ? std::to_string(lost) : "");
+    }
+  }
+  std::ostringstream js;
+  js << "{\"mode\":\"storage\",\"identities\":" << C << ",\"dim\":" << d << ",\"epochs\":" << a.epochs
+     << ",\"batch\":" << B << ",\"runs\":[";
+  for (size_t i = 0; i < rows.size(); ++i)
+    js << (i ? "," : "") << "{\"storage\":\"" << rows[i].storage << "\",\"seed\":" << rows[i].seed
+       << ",\"loss\":" << rows[i].loss << ",\"accuracy\":" << rows[i].accuracy << ",\"lost_updates\":" << rows[i].lost
+       << "}";
+  js << "]}";
+  write_json(a.json, js.str());
+  return 0;
 }
 
 // The classifier step alone, at every shard size x sample rate x precision asked for: median
@@ -641,19 +732,22 @@ int main(int argc, char** argv) {
       else if (s == "--set") a.overrides.push_back(value());
       else if (s == "--json") a.json = value();
       else if (s == "--row-update") a.updates = value();
+      else if (s == "--seeds") a.seeds = value();
       else throw usage_error("unknown argument '", s, "' (see --help)");
     }
     if (a.device != "cpu" && a.device != "cuda") throw usage_error("--device must be cpu or cuda");
     if (a.mode != "classifier" && (a.sample_rate <= 0 || a.sample_rate > 1))
       throw usage_error("--sample-rate must be in (0, 1]");
-    if (a.mode != "classifier" && a.mode != "data" && a.mode != "step" && a.mode != "activations")
-      throw usage_error("--mode '", a.mode, "' is not known (classifier, step, data, activations)");
+    if (a.mode != "classifier" && a.mode != "data" && a.mode != "step" && a.mode != "activations" &&
+        a.mode != "storage")
+      throw usage_error("--mode '", a.mode, "' is not known (classifier, step, data, activations, storage)");
     // CPU memory of tensors counted at c10's allocator (before any tensor of the run exists).
     // The step allocates as faceshard-train does: on the CPU block cache (its limit from the
     // job's config), which the meter, installed after it, sits above.
     if (a.mode == "step") CpuBlockCache::install();
     if (a.device == "cpu" && a.mode != "data") AllocationMeter::install();
     if (a.mode == "activations") return run_activations(a);
+    if (a.mode == "storage") return run_storage(a);
     // The step mode allocates as faceshard-train does, so that its rate is the trainer's.
     if (a.mode == "step") return run_step(a);
     // Classifier mode: CPU peak memory is read as the process's peak RSS. With a fixed mmap

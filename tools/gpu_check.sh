@@ -120,7 +120,7 @@ else
   at_args=(--classes 1000000 --sample-rate 0.1 --steps 10 --windows 3 --warmup 3)
   fc_classes="1000000,10000000"; fc_args=(--batch 128 --steps 3 --windows 2 --warmup 1)
   loader_args=(--workers 8,16 --batch 256 --identities 1000 --images-per-identity 20 --epochs 2)
-  cap_classes="1000000,4000000"; cap_gathered="500000,1000000"; cap_gathered_batch=8192; cap_200k=200000
+  cap_classes="1000000,2000000"; cap_gathered="500000,1000000"; cap_gathered_batch=8192; cap_200k=200000
   cap_args=(--steps 3 --windows 2 --warmup 1); cap_step=(--classes 1000000 --steps 10 --windows 2 --warmup 3)
   cap_net=r50; cap_batch=128
   tests_filter="*Cuda*"
@@ -247,12 +247,15 @@ if want capacity; then
       --set data.num_workers=8 --json "$work/json/cap_step_${logits}.json"
   done
   report
-  # The largest class count for this device, planned and then trained.
+  # The largest class count for this device, planned and then trained: the memory CUDA lets
+  # a process allocate (torch's total_memory, less than nvidia-smi's figure), with 2 GiB
+  # kept for the CUDA context, cuBLAS and cuDNN workspaces and fragmentation (1.3 GiB
+  # measured outside PyTorch's allocator on an H100).
   mem=""
-  [ "$device" = cuda ] && mem="$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -n 1 | tr -d ' ')MiB"
-  [ -n "$mem" ] || mem=4GiB
+  [ "$device" = cuda ] && mem="$("$py" -c 'import torch; print(torch.cuda.get_device_properties(0).total_memory)' 2>/dev/null)B"
+  [ "$mem" != B ] && [ -n "$mem" ] || mem=4GiB
   plan=("$bin/faceshard-plan" --network "$cap_net" --precision bf16 --batch "$cap_batch" --fc-weight-dtype bf16
-        --fc-state-dtype bf16 --logits streamed --device-memory "$mem")
+        --fc-state-dtype bf16 --logits streamed --device-memory "$mem" --reserve 2GiB)
   run cap_plan 60 "${plan[@]}" --json "$work/json/cap_plan.json"
   largest=$("$py" -c 'import json,sys; print(json.load(open(sys.argv[1]))["max_classes"])' "$work/json/cap_plan.json" 2>/dev/null)
   if [ -n "$largest" ] && [ "$largest" -gt 0 ]; then

@@ -134,6 +134,9 @@ struct OptimConfig {
   // with stochastic rounding, so that updates smaller than a bf16 step still count on
   // average).
   std::string fc_weight_dtype = "fp32";
+  // How bf16 centres are stored back: stochastic (unbiased), or nearest (the control that
+  // drops every update below half a bf16 step: for comparisons, not for training).
+  std::string fc_weight_rounding = "stochastic";
   int64_t epochs = 20;
   double warmup_epochs = 0;
   std::optional<int64_t> total_steps;   // default: derived from images, global batch and epochs

@@ -187,6 +187,7 @@ void build_model(TrainJob& j, ClassifierStart start) {
   po.optimizer.eps = cfg.optim.eps;
   po.optimizer.state_dtype = cfg.optim.fc_state_dtype == "bf16" ? at::kBFloat16 : at::kFloat;
   po.weight_dtype = cfg.optim.fc_weight_dtype == "bf16" ? at::kBFloat16 : at::kFloat;
+  po.weight_round_nearest = cfg.optim.fc_weight_rounding == "nearest";
   po.grad_accumulation = cfg.optim.grad_accumulation;
   std::vector<std::pair<std::string, std::string>> keys = {
       {"num_classes", "data.num_classes"}, {"sample_rate", "loss.sample_rate"}, {"margin", "loss.margin"},

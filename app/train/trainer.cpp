@@ -154,6 +154,9 @@ int run_training(const TrainRequest& req) {
       rec.memory_gb = device_peak_memory_gb(j.device);
       for (const auto& kv : j.fc->head().state())  // a host read at log steps only
         rec.head_state.emplace_back("head/" + j.fc->head().name() + "/" + kv.first, kv.second.item<double>());
+      // bf16 centres: the share of this rank's moved values whose stored bf16 stayed the same.
+      if (j.fc->options().weight_dtype == at::kBFloat16)
+        rec.head_state.emplace_back("fc/unchanged_updates", j.fc->take_lost_updates().first);
       sinks.train(rec);
       loss_sum.zero_();
       acc_sum.zero_();

@@ -44,6 +44,17 @@ int64_t chunk_rows(const PartialFCOptions& o, const torch::Device& dev) {
   return std::max<int64_t>(64, ((int64_t(1) << 21) / (4 * o.embedding_size)) / 4 * 4);
 }
 
+// Columns per chunk of the margin softmax's passes over the logits of `global_rows` rows:
+// the update's chunk on the CPU (and wherever update_chunk_rows is set); on a GPU at least
+// 2^24 logits (64 MiB of fp32), so that a pass is a few large kernels instead of dozens of
+// launches per 8192 columns. A constant, however many classes there are.
+int64_t logits_chunk(const PartialFCOptions& o, const torch::Device& dev, int64_t global_rows) {
+  int64_t c = chunk_rows(o, dev);
+  if (dev.is_cuda() && o.update_chunk_rows == 0)
+    c = std::max(c, (int64_t(1) << 24) / std::max<int64_t>(1, global_rows));
+  return std::max<int64_t>(4, c / 4 * 4);
+}
+
 const PartialFCOptions& checked(const PartialFCOptions& o) {
   if (!(o.sample_rate >= 0 && o.sample_rate <= 1))
     throw option_error("sample_rate", "must be in [0, 1], got ", o.sample_rate);
@@ -118,6 +129,7 @@ PartialFC::PartialFC(Distributed& dist, const PartialFCOptions& opts, torch::Dev
       optimizer_(weight_, opts.optimizer, opts.initialise_rows),
       head_(make_margin_head(opts.head, opts.margin)),
       rows_ready_(opts.initialise_rows) {
+  if (opts.weight_dtype != at::kFloat) lost_ = torch::zeros({2}, torch::TensorOptions(device).dtype(at::kLong));
   if (!opts.initialise_rows) return;
   // Drawn in blocks of classes straight into the storage: no fp32 copy of a bf16 shard, and
   // no host copy of a device one, exists whole.
@@ -190,8 +202,9 @@ PartialFCOutput PartialFC::forward(const at::Tensor& local_emb, const at::Tensor
   // The sampled rows are read from the weight in chunks, and the weight's gradient stays
   // deferred: backward fills grad_ and step() updates chunk by chunk.
   // The streamed pass and bf16 centres read every column a chunk at a time as well.
-  if (samples() || opts_.streamed_logits || weight_.scalar_type() != at::kFloat)
-    mo.chunk_classes = std::max<int64_t>(4, chunk_rows(opts_, dev) / 4 * 4);
+  if (dev.is_cuda() || samples() || opts_.streamed_logits || weight_.scalar_type() != at::kFloat)
+    mo.chunk_classes = logits_chunk(opts_, dev, emb.size(0));
+  logits_chunk_ = mo.chunk_classes;
   if (samples()) mo.rows = index_;
   grad_ = std::make_shared<DeferredWeightGrad>();
   mo.deferred = grad_;
@@ -201,9 +214,7 @@ PartialFCOutput PartialFC::forward(const at::Tensor& local_emb, const at::Tensor
   if (armed_lr_ && opts_.streamed_logits && opts_.grad_accumulation == 1 && !(samples() && opts_.step_all_rows) &&
       pending_grad_.empty()) {
     const double lr = *armed_lr_;
-    grad_->on_chunk = [this, lr](int64_t first, int64_t n, const at::Tensor& g) {
-      update_chunk(first, n, grad_->raw_of(g), lr);
-    };
+    grad_->on_chunk = [this, lr](int64_t first, int64_t n, const at::Tensor& g) { update_columns(first, n, g, lr); };
   }
   armed_lr_.reset();
   forwards_++;
@@ -320,15 +331,42 @@ void PartialFC::update_chunk(int64_t j, int64_t n, at::Tensor raw, double lr) {
   if (!fp32) w = w.to(at::kFloat);
   grad_->remove_radial(raw, j, w);
   optimizer_.update_rows(w, raw, samples() ? 0 : j, ix, lr);
-  if (samples()) weight_.index_copy_(0, ix, round.round(w, ix, 0, weight_.scalar_type()));
-  else if (!fp32) weight_.narrow(0, j, n).copy_(round.round(w, at::Tensor(), j, weight_.scalar_type()));
+  if (fp32) {
+    if (samples()) weight_.index_copy_(0, ix, w);
+    return;
+  }
+  const at::Tensor old = samples() ? weight_.index_select(0, ix) : weight_.narrow(0, j, n);
+  const at::Tensor stored = round.round(w, ix, samples() ? 0 : j, weight_.scalar_type());
+  round.count(old, w, stored);
+  if (samples()) weight_.index_copy_(0, ix, stored);
+  else weight_.narrow(0, j, n).copy_(stored);
+}
+
+std::pair<double, int64_t> PartialFC::take_lost_updates() {
+  if (!lost_.defined()) return {0.0, 0};
+  const at::Tensor c = lost_.cpu().clone();  // .cpu() of a CPU tensor is the tensor itself
+  lost_.zero_();
+  const int64_t lost = c[0].item<int64_t>(), moved = c[1].item<int64_t>();
+  return {moved > 0 ? static_cast<double>(lost) / static_cast<double>(moved) : 0.0, moved};
+}
+
+void PartialFC::update_columns(int64_t first, int64_t n, const at::Tensor& g, double lr) {
+  const int64_t step = chunk_rows(opts_, weight_.device());
+  for (int64_t j = 0; j < n; j += step) {
+    const int64_t m = std::min(step, n - j);
+    update_chunk(first + j, m, grad_->raw_of(m == n ? g : g.narrow(1, j, m)), lr);
+  }
 }
 
 void PartialFC::chunked_step(double lr) {
   const int64_t rows = samples() ? index_.size(0) : shard_.count, step = chunk_rows(opts_, weight_.device());
-  for (int64_t j = 0; j < rows; j += step) {
-    const int64_t n = std::min(step, rows - j);
-    update_chunk(j, n, grad_->raw_rows(j, n), lr);
+  // Streamed logits: G' is recomputed a chunk of the forward's columns at a time (a GEMM
+  // each), and each chunk's rows updated in the update's pieces.
+  const int64_t outer = grad_->g.defined() ? step : std::max(step, logits_chunk_);
+  for (int64_t j = 0; j < rows; j += outer) {
+    const int64_t n = std::min(outer, rows - j);
+    if (grad_->g.defined()) update_chunk(j, n, grad_->raw_rows(j, n), lr);
+    else update_columns(j, n, grad_->g_columns(j, n), lr);
   }
 }
 

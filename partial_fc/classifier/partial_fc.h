@@ -81,6 +81,9 @@ struct PartialFCOptions {
   // so that a run rounds alike on any number of ranks. Anything else is an option error
   // naming "fc_weight_dtype".
   at::ScalarType weight_dtype = at::kFloat;
+  // optim.fc_weight_rounding nearest: bf16 centres rounded to nearest instead (the control
+  // that drops updates below half a bf16 step; for comparison, not for training).
+  bool weight_round_nearest = false;
   // loss.logits: false = the [batch x world, sampled] fp32 logits buffer
   // (margin_softmax.h); true = never held (streamed_softmax.h): the classifier's memory
   // does not grow with the number of ranks, at the price of one more GEMM per step.
@@ -206,6 +209,12 @@ class PartialFC {
   // the inv_scale of unscale_ once that has run; the sum so far under accumulation.
   at::Tensor gradient() const;
 
+  // bf16 centres: the share of the values that the steps since the last call moved in fp32
+  // but whose stored bf16 did not change (updates lost to rounding), and how many values
+  // moved; a host read (a sync on a GPU: call it where the loss is read). Without bf16
+  // centres nothing is counted.
+  std::pair<double, int64_t> take_lost_updates();
+
   // Deterministic initial centres N(0, 0.01) for global classes [start, start+count): the
   // same class gets the same initial centre whatever the number of ranks.
   static at::Tensor initial_rows(int64_t start, int64_t count, int64_t dim, uint64_t seed);
@@ -213,13 +222,18 @@ class PartialFC {
  private:
   void merge_accumulated();
   // How updated bf16 rows are written back (the keys of this step's rounding).
-  RowRounding rounding() const { return RowRounding{opts_.seed, forwards_, shard_.start}; }
+  RowRounding rounding() const {
+    return RowRounding{opts_.seed, forwards_, shard_.start, opts_.weight_round_nearest, lost_};
+  }
   // The current micro-batch's dL/dW of the step's rows, materialised ([rows, d]).
   at::Tensor materialise() const;
   // The step without materialising: the optimiser chunk by chunk from grad_.
   void chunked_step(double lr);
   // The update of the step's rows [j, j + n) from raw = (G'^T E) of those columns.
   void update_chunk(int64_t j, int64_t n, at::Tensor raw, double lr);
+  // The update of rows [first, first + n) from their columns of G' ([N, n]), in pieces of
+  // the update's chunk.
+  void update_columns(int64_t first, int64_t n, const at::Tensor& g, double lr);
 
   Distributed& dist_;
   PartialFCOptions opts_;
@@ -238,6 +252,8 @@ class PartialFC {
   at::Tensor merged_;  // the set-aside gradients summed over the union of their rows
   int64_t forwards_ = 0;
   std::optional<double> armed_lr_;
+  int64_t logits_chunk_ = 1;  // the last forward's columns per chunk
+  at::Tensor lost_;           // [2] int64: RowRounding::lost (bf16 centres)
   bool rows_ready_ = true;  // false from a construction without initialise_rows until filled
 };
 

@@ -3,6 +3,7 @@
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 
+#include <atomic>
 #include <type_traits>
 #include <vector>
 
@@ -66,8 +67,16 @@ struct WeightRow<c10::BFloat16> {
     for (int64_t k = 0; k < d; ++k) buf[k] = static_cast<float>(w[k]);
   }
   float* data() { return buf; }
-  void commit(int64_t d, uint32_t key) {
-    for (int64_t k = 0; k < d; ++k) row[k] = sr_round(buf[k], sr_bits(key, static_cast<uint32_t>(k)));
+  // Stores the row rounded; counts the values the update moved and those of them whose
+  // stored value did not change.
+  void commit(int64_t d, uint32_t key, bool nearest, int64_t& lost, int64_t& moved) {
+    for (int64_t k = 0; k < d; ++k) {
+      const c10::BFloat16 v = nearest ? c10::BFloat16(buf[k]) : sr_round(buf[k], sr_bits(key, static_cast<uint32_t>(k)));
+      const bool m = buf[k] != static_cast<float>(row[k]);
+      moved += m;
+      lost += m && v.x == row[k].x;
+      row[k] = v;
+    }
   }
 };
 
@@ -76,8 +85,10 @@ void rows_loop(WT* W, S* M, const float* raw, const float* inv_norm, int64_t fir
                int64_t d, const RowSgd& o, const RowRounding& rounding) {
   const float lr = static_cast<float>(o.lr), mom = static_cast<float>(o.momentum),
               wd = static_cast<float>(o.weight_decay);
+  std::atomic<int64_t> lost_all{0}, moved_all{0};
   at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
     std::vector<float> scratch;
+    int64_t lost = 0, moved = 0;
     for (int64_t r = begin; r < end; ++r) {
       const int64_t row = index ? index[r] : first + r;
       WeightRow<WT> wr(W + row * d, d, scratch);
@@ -87,9 +98,15 @@ void rows_loop(WT* W, S* M, const float* raw, const float* inv_norm, int64_t fir
       if (M == nullptr) sgd_row(w, g, d, c, lr, wd);
       else sgd_row(w, M + row * d, g, d, c, lr, mom, wd);
       if constexpr (!std::is_same_v<WT, float>)
-        wr.commit(d, sr_row_key(rounding.seed, rounding.step, rounding.class_start + row));
+        wr.commit(d, sr_row_key(rounding.seed, rounding.step, rounding.class_start + row), rounding.nearest, lost, moved);
     }
+    lost_all += lost;
+    moved_all += moved;
   });
+  if (rounding.lost.defined() && !std::is_same_v<WT, float>) {
+    at::Tensor(rounding.lost).narrow(0, 0, 1).add_(lost_all.load());
+    at::Tensor(rounding.lost).narrow(0, 1, 1).add_(moved_all.load());
+  }
 }
 
 template <typename WT>

@@ -1,5 +1,11 @@
 #include "partial_fc/classifier/stochastic_round.h"
 
+#ifdef FACESHARD_WITH_CUDA
+#include <c10/cuda/CUDAStream.h>
+
+#include "partial_fc/classifier/stochastic_round_cuda.h"
+#endif
+
 namespace faceshard {
 namespace {
 
@@ -44,6 +50,16 @@ at::Tensor stochastic_round_bf16(const at::Tensor& rows, const at::Tensor& keys)
   TORCH_CHECK(rows.dim() == 2 && rows.scalar_type() == at::kFloat && keys.dim() == 1 && keys.size(0) == rows.size(0),
               "stochastic_round_bf16: fp32 rows [n, d] and one key per row, got ", rows.sizes(), " and ", keys.sizes());
   const int64_t d = rows.size(1);
+#ifdef FACESHARD_WITH_CUDA
+  if (rows.is_cuda()) {  // one pass (stochastic_round_cuda.h)
+    const at::Tensor x = rows.contiguous(), k = keys.to(rows.device(), at::kLong).contiguous();
+    at::Tensor out = at::empty(x.sizes(), x.options().dtype(at::kBFloat16));
+    stochastic_round_bf16_cuda(x.data_ptr<float>(), k.data_ptr<int64_t>(),
+                               reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()), x.size(0), d,
+                               c10::cuda::getCurrentCUDAStream(x.device().index()).stream());
+    return out;
+  }
+#endif
   const at::Tensor element =
       (at::arange(d, keys.options()) * static_cast<int64_t>(sr_detail::kGolden)).bitwise_and_(kMask32);
   const at::Tensor r = at::bitwise_right_shift(mix32(at::bitwise_xor(keys.unsqueeze(1), element.unsqueeze(0))), 16);
@@ -60,9 +76,18 @@ at::Tensor RowRounding::round(const at::Tensor& rows, const at::Tensor& index, i
                               at::ScalarType dtype) const {
   if (dtype == rows.scalar_type()) return rows;
   TORCH_CHECK(dtype == at::kBFloat16, "RowRounding: rows are stored in fp32 or bf16, not ", dtype);
+  if (nearest) return rows.to(dtype);
   const at::Tensor local =
       index.defined() ? index : at::arange(first, first + rows.size(0), rows.options().dtype(at::kLong));
   return stochastic_round_bf16(rows, sr_row_keys(seed, step, local.to(at::kLong) + class_start));
+}
+
+void RowRounding::count(const at::Tensor& old, const at::Tensor& rows, const at::Tensor& stored) const {
+  if (!lost.defined()) return;
+  torch::NoGradGuard ng;
+  const at::Tensor moved = rows != old.to(at::kFloat);
+  at::Tensor(lost).narrow(0, 0, 1).add_((moved & (stored == old)).sum().reshape({1}));
+  at::Tensor(lost).narrow(0, 1, 1).add_(moved.sum().reshape({1}));
 }
 
 }  // namespace faceshard

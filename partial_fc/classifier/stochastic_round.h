@@ -72,9 +72,18 @@ struct RowRounding {
   uint64_t seed = 0;
   int64_t step = 0;
   int64_t class_start = 0;
+  // Round to nearest instead (optim.fc_weight_rounding nearest: the control that loses every
+  // update smaller than half a bf16 step).
+  bool nearest = false;
+  // Where set: [2] int64 on the rows' device, += (values whose fp32 update moved them but
+  // whose stored bf16 did not change, values whose fp32 update moved them).
+  at::Tensor lost = {};
   // rows [n, d] fp32 of local rows `index` [n] (or, undefined, [first, first + n)) rounded
-  // for storage in `dtype`: stochastically for bf16, unchanged for fp32.
+  // for storage in `dtype`: stochastically (or to nearest) for bf16, unchanged for fp32.
   at::Tensor round(const at::Tensor& rows, const at::Tensor& index, int64_t first, at::ScalarType dtype) const;
+  // Counts into `lost` what storing `stored` (bf16) over `old` (bf16, the rows before the
+  // update) for the updated fp32 `rows` did; nothing without `lost`.
+  void count(const at::Tensor& old, const at::Tensor& rows, const at::Tensor& stored) const;
 };
 
 }  // namespace faceshard
