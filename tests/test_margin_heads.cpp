@@ -14,6 +14,7 @@
 #include "partial_fc/classifier/heads/elasticface.h"
 #include "partial_fc/classifier/partial_fc.h"
 #include "partial_fc/runtime/error.h"
+#include "tests/classifier_batches.h"
 #include "tests/harness.h"
 
 namespace faceshard {
@@ -180,29 +181,9 @@ int64_t rows_of(int r) { return 4 + (r % 2); }
 
 // The global batch: every rank builds all of it from the same seeds, with feature norms from
 // 2 to 140 and target cosines from negative to 0.8.
-struct Batch {
-  at::Tensor emb, labels;
-  int64_t offset = 0, rows = 0;
-};
+using Batch = testing::ClassBatch;
 Batch make_batch(int W, int r, int64_t C, int64_t D, const at::Tensor& weight, int salt) {
-  Batch b;
-  std::vector<at::Tensor> es, ls;
-  for (int q = 0; q < W; ++q) {
-    torch::manual_seed(900 + 31 * salt + q);
-    const int64_t n = rows_of(q);
-    at::Tensor y = torch::randint(0, C, {n}, torch::kLong);
-    at::Tensor e = torch::randn({n, D});
-    const at::Tensor wy = F::normalize(weight.index_select(0, y), F::NormalizeFuncOptions().dim(1));
-    e = F::normalize(e, F::NormalizeFuncOptions().dim(1)) + (torch::rand({n, 1}) * 2.2 - 0.6) * wy;
-    e = F::normalize(e, F::NormalizeFuncOptions().dim(1)) * (torch::rand({n, 1}) * 138 + 2);
-    es.push_back(e);
-    ls.push_back(y);
-    if (q < r) b.offset += n;
-  }
-  b.rows = rows_of(r);
-  b.emb = torch::cat(es);
-  b.labels = torch::cat(ls);
-  return b;
+  return testing::class_batch(W, r, C, D, weight, 900 + 31 * salt, rows_of, -0.6, 2.2);
 }
 
 struct HeadCase {

@@ -14,6 +14,7 @@
 #include "app/plan/allocation_meter.h"
 #include "partial_fc/classifier/head_catalogue.h"
 #include "partial_fc/classifier/partial_fc.h"
+#include "tests/classifier_batches.h"
 #include "tests/harness.h"
 
 namespace faceshard {
@@ -23,33 +24,10 @@ namespace F = torch::nn::functional;
 
 int64_t rows_of(int r) { return 5 + (r % 3); }  // uneven batches across ranks
 
-struct Batch {
-  at::Tensor emb, labels;
-  int64_t offset = 0, rows = 0;
-};
-
-// Embeddings near their class centres (margins active, some beyond pi) with norms in
-// [2, 140] (the norm-adaptive heads), the same on every rank.
+using Batch = testing::ClassBatch;
 Batch make_batch(int W, int r, int64_t C, int64_t D, int salt) {
-  const at::Tensor weight = PartialFC::initial_rows(0, C, D, PartialFCOptions{}.seed);
-  Batch b;
-  std::vector<at::Tensor> es, ls;
-  for (int q = 0; q < W; ++q) {
-    torch::manual_seed(4100 + 37 * salt + q);
-    const int64_t n = rows_of(q);
-    at::Tensor y = torch::randint(0, C, {n}, torch::kLong);
-    const at::Tensor wy = F::normalize(weight.index_select(0, y), F::NormalizeFuncOptions().dim(1));
-    at::Tensor e = F::normalize(torch::randn({n, D}), F::NormalizeFuncOptions().dim(1)) +
-                   (torch::rand({n, 1}) * 2.4 - 0.7) * wy;
-    e = F::normalize(e, F::NormalizeFuncOptions().dim(1)) * (torch::rand({n, 1}) * 138 + 2);
-    es.push_back(e);
-    ls.push_back(y);
-    if (q < r) b.offset += n;
-  }
-  b.rows = rows_of(r);
-  b.emb = torch::cat(es);
-  b.labels = torch::cat(ls);
-  return b;
+  return testing::class_batch(W, r, C, D, PartialFC::initial_rows(0, C, D, PartialFCOptions{}.seed), 4100 + 37 * salt,
+                              rows_of, -0.7, 2.4);
 }
 
 double max_abs(const at::Tensor& a, const at::Tensor& b) { return (a - b).abs().max().item<double>(); }

@@ -175,7 +175,7 @@ void write_json(const std::string& path, const std::string& text) {
 
 // Does the classifier still learn with its centres in bf16? The classifier alone, trained on
 // fixed embeddings: identity c is a random unit prototype p_c, an image of it the unit vector
-// of p_c + noise (per dimension N(0, 2 / sqrt(d)): hard enough that the centres need many
+// of p_c + noise (per dimension N(0, 3 / sqrt(d)): hard enough that the centres need many
 // small updates late in the schedule). Three storages, the same data, batches and
 // schedule: fp32 centres; bf16 stochastically rounded; bf16 rounded to nearest.
 int run_storage(const Args& a) {
@@ -194,7 +194,7 @@ int run_storage(const Args& a) {
     const at::Tensor protos = F::normalize(torch::randn({C, d}), F::NormalizeFuncOptions().dim(1));
     auto views_of = [&](int64_t n) {
       const at::Tensor y = torch::arange(C, torch::kLong).repeat_interleave(n);
-      const at::Tensor x = protos.index_select(0, y) + torch::randn({C * n, d}) * (2.0 / std::sqrt(double(d)));
+      const at::Tensor x = protos.index_select(0, y) + torch::randn({C * n, d}) * (3.0 / std::sqrt(double(d)));
       return std::make_pair(F::normalize(x, F::NormalizeFuncOptions().dim(1)) * 20.0, y);
     };
     const auto [train_x, train_y] = views_of(views);

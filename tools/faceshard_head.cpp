@@ -28,10 +28,12 @@ const char* kUsage =
     "                     their defaults, ranges and meaning\n"
     "  --head NAME        one of the heads --list prints\n"
     "  --set KEY=VALUE    a head parameter (loss.adaface.m=0.5) or loss.margin / loss.scale /\n"
-    "                     loss.margin_mode for the combined head; the config's rules apply\n"
+    "                     loss.margin_mode for the combined head; loss.logits (buffer | streamed) and\n"
+    "                     optim.fc_weight_dtype (fp32 | bf16: the centres stored as the trainer stores\n"
+    "                     them); the config's rules apply\n"
     "  --embeddings E.npy raw (unnormalised) embeddings [N, D], float32\n"
     "  --labels L.npy     class ids [N], int64\n"
-    "  --centres C.npy    raw centres [C, D], float32\n"
+    "  --centres C.npy    raw centres [C, D], float32 or float16\n"
     "  --steps K          forward/backward passes on the same batch (default 1); the head's\n"
     "                     state (AdaFace's norm statistics, CurricularFace's t) moves each time\n"
     "  --out DIR          writes grad_embeddings.npy, grad_centres.npy (the last pass's) and state.json\n"
@@ -106,7 +108,8 @@ int main(int argc, char** argv) {
     if (head.empty() || emb_path.empty() || label_path.empty() || centre_path.empty() || out.empty())
       throw usage_error("--head, --embeddings, --labels, --centres and --out are required (see --help)");
     for (const auto& s : sets)
-      if (s.rfind("loss.", 0) != 0) throw usage_error("--set ", s, ": only loss.* keys apply to a head");
+      if (s.rfind("loss.", 0) != 0 && s.rfind("optim.fc_weight_dtype=", 0) != 0)
+        throw usage_error("--set ", s, ": only loss.* keys and optim.fc_weight_dtype apply to a head");
     // The head's keys go through the config's validation (names, types, ranges).
     const Config cfg = load_config_text("data: {num_classes: 1}\nloss: {head: " + head + "}\n", "--head", sets);
 
@@ -115,9 +118,10 @@ int main(int argc, char** argv) {
       throw usage_error(emb_path, ": expected float32 embeddings [N, D], got ", E.scalar_type(), " ", E.sizes());
     if (L.dim() != 1 || (L.scalar_type() != at::kLong && L.scalar_type() != at::kInt) || L.size(0) != E.size(0))
       throw usage_error(label_path, ": expected int64 labels [", E.size(0), "], got ", L.scalar_type(), " ", L.sizes());
-    if (Cn.dim() != 2 || Cn.scalar_type() != at::kFloat || Cn.size(1) != E.size(1) || Cn.size(0) < 1)
-      throw usage_error(centre_path, ": expected float32 centres [C, ", E.size(1), "], got ", Cn.scalar_type(), " ",
-                        Cn.sizes());
+    if (Cn.dim() != 2 || (Cn.scalar_type() != at::kFloat && Cn.scalar_type() != at::kHalf) || Cn.size(1) != E.size(1) ||
+        Cn.size(0) < 1)
+      throw usage_error(centre_path, ": expected float32 or float16 centres [C, ", E.size(1), "], got ",
+                        Cn.scalar_type(), " ", Cn.sizes());
 
     auto dist = Distributed::init(DistEnv::from_environment(), DistOptions{});
     if (dist->world_size() != 1) throw usage_error("faceshard-head runs as one process");
@@ -129,6 +133,8 @@ int main(int argc, char** argv) {
     po.head.name = cfg.loss.head;
     po.head.params = cfg.loss.chosen_head_params();
     po.seed = static_cast<uint64_t>(cfg.seed);
+    po.weight_dtype = cfg.optim.fc_weight_dtype == "bf16" ? at::kBFloat16 : at::kFloat;
+    po.streamed_logits = cfg.loss.logits == "streamed";
     std::vector<std::pair<std::string, std::string>> keys{{"head", "loss.head"}, {"margin", "loss.margin"}};
     if (const HeadInfo* h = find_head_info(cfg.loss.head))
       for (const HeadParam& p : h->params) keys.emplace_back(p.name, "loss." + h->name + "." + p.name);

@@ -248,14 +248,16 @@ if want capacity; then
   done
   report
   # The largest class count for this device, planned and then trained: the memory CUDA lets
-  # a process allocate (torch's total_memory, less than nvidia-smi's figure), with 2 GiB
-  # kept for the CUDA context, cuBLAS and cuDNN workspaces and fragmentation (1.3 GiB
-  # measured outside PyTorch's allocator on an H100).
+  # a process allocate (torch's total_memory, less than nvidia-smi's figure), with 3 GiB
+  # kept for what the plan does not count: the CUDA context and libraries (1.48 GiB outside
+  # PyTorch's allocator on an H100), cuDNN's benchmark workspaces and cuBLAS's (inside it),
+  # the classifier's chunk temporaries and fragmentation. (With 2 GiB an H100 ran out of
+  # memory 0.5 GiB past the plan.)
   mem=""
   [ "$device" = cuda ] && mem="$("$py" -c 'import torch; print(torch.cuda.get_device_properties(0).total_memory)' 2>/dev/null)B"
   [ "$mem" != B ] && [ -n "$mem" ] || mem=4GiB
   plan=("$bin/faceshard-plan" --network "$cap_net" --precision bf16 --batch "$cap_batch" --fc-weight-dtype bf16
-        --fc-state-dtype bf16 --logits streamed --device-memory "$mem" --reserve 2GiB)
+        --fc-state-dtype bf16 --logits streamed --device-memory "$mem" --reserve 3GiB)
   run cap_plan 60 "${plan[@]}" --json "$work/json/cap_plan.json"
   largest=$("$py" -c 'import json,sys; print(json.load(open(sys.argv[1]))["max_classes"])' "$work/json/cap_plan.json" 2>/dev/null)
   if [ -n "$largest" ] && [ "$largest" -gt 0 ]; then

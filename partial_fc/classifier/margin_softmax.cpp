@@ -271,19 +271,24 @@ void DeferredWeightGrad::remove_radial(at::Tensor& raw, int64_t first, const at:
   raw.addcmul_(w, (row_dot(w, raw) * inv_norm.narrow(0, first, raw.size(0)).pow(2)).unsqueeze(1), -1.0);
 }
 
+void check_margin_softmax_inputs(const char* who, const at::Tensor& emb, const at::Tensor& weight,
+                                 const at::Tensor& norms, const MarginSoftmaxOptions& options) {
+  TORCH_CHECK(emb.dim() == 2 && weight.dim() == 2 && emb.size(1) == weight.size(1), who, ": embeddings ", emb.sizes(),
+              " and centres ", weight.sizes(), " do not match");
+  TORCH_CHECK(options.chunk_classes > 0 && options.chunk_classes % 4 == 0, who,
+              ": chunk_classes must be a positive multiple of 4");
+  TORCH_CHECK(options.head != nullptr, who, ": no head");
+  TORCH_CHECK(!options.rows.defined() || options.deferred, who, ": sampled rows need a deferred gradient");
+  TORCH_CHECK(weight.scalar_type() == at::kFloat || options.deferred, who, ": centres stored in ", weight.scalar_type(),
+              " need a deferred gradient");
+  TORCH_CHECK(!options.head->needs_norms() || (norms.defined() && norms.size(0) == emb.size(0)), who, ": the ",
+              options.head->name(), " head needs the rows' feature norms");
+}
+
 at::Tensor margin_softmax_loss(const at::Tensor& emb, const at::Tensor& weight, const at::Tensor& target,
                                const at::Tensor& norms, const MarginSoftmaxOptions& options, Distributed& dist,
                                at::Tensor* accuracy) {
-  TORCH_CHECK(emb.dim() == 2 && weight.dim() == 2 && emb.size(1) == weight.size(1),
-              "margin_softmax_loss: embeddings ", emb.sizes(), " and centres ", weight.sizes(), " do not match");
-  TORCH_CHECK(options.chunk_classes > 0 && options.chunk_classes % 4 == 0,
-              "margin_softmax_loss: chunk_classes must be a positive multiple of 4");
-  TORCH_CHECK(options.head != nullptr, "margin_softmax_loss: no head");
-  TORCH_CHECK(!options.rows.defined() || options.deferred, "margin_softmax_loss: sampled rows need a deferred gradient");
-  TORCH_CHECK(weight.scalar_type() == at::kFloat || options.deferred,
-              "margin_softmax_loss: centres stored in ", weight.scalar_type(), " need a deferred gradient");
-  TORCH_CHECK(!options.head->needs_norms() || (norms.defined() && norms.size(0) == emb.size(0)),
-              "margin_softmax_loss: the ", options.head->name(), " head needs the rows' feature norms");
+  check_margin_softmax_inputs("margin_softmax_loss", emb, weight, norms, options);
   // An autograd input must be a tensor: heads without norms get an empty one.
   auto out = MarginSoftmaxFn::apply(emb, weight, target, norms.defined() ? norms : at::empty({0}, emb.options()),
                                     options, dist);

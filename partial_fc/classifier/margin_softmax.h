@@ -92,6 +92,10 @@ struct MarginSoftmaxOptions {
   std::shared_ptr<DeferredWeightGrad> deferred;
 };
 
+// The argument checks both passes make (streamed_softmax.h too), errors prefixed by `who`.
+void check_margin_softmax_inputs(const char* who, const at::Tensor& emb, const at::Tensor& weight,
+                                 const at::Tensor& norms, const MarginSoftmaxOptions& options);
+
 // emb: [N, d] fp32, rows L2-normalised (differentiable); weight: [S, d] fp32, this rank's
 // (sampled) centres, not normalised (differentiable unless options.deferred); target: [N] int64 on the same
 // device, the row's class column in `weight` when this rank owns it, else -1. Returns the

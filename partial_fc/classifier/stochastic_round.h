@@ -17,20 +17,9 @@
 #include <c10/util/BFloat16.h>
 #include <torch/torch.h>
 
-namespace faceshard {
+#include "partial_fc/classifier/sr_hash.h"
 
-namespace sr_detail {
-// A 32-bit integer hash with full avalanche (two multiply-xorshift rounds).
-inline uint32_t mix32(uint32_t x) {
-  x ^= x >> 16;
-  x *= 0x7feb352dU;
-  x ^= x >> 15;
-  x *= 0x846ca68bU;
-  x ^= x >> 16;
-  return x;
-}
-constexpr uint32_t kGolden = 0x9e3779b9U;
-}  // namespace sr_detail
+namespace faceshard {
 
 // The key of one row's rounding at one step.
 inline uint32_t sr_row_key(uint64_t seed, int64_t step, int64_t global_class) {
@@ -45,9 +34,7 @@ inline uint32_t sr_row_key(uint64_t seed, int64_t step, int64_t global_class) {
 }
 
 // The 16 random bits of element `element` of a row keyed `row_key`.
-inline uint32_t sr_bits(uint32_t row_key, uint32_t element) {
-  return sr_detail::mix32(row_key ^ (element * sr_detail::kGolden)) >> 16;
-}
+inline uint32_t sr_bits(uint32_t row_key, uint32_t element) { return sr_detail::element_bits(row_key, element); }
 
 // v rounded to bf16 with the random bits r (0..65535); inf and NaN round to nearest.
 inline c10::BFloat16 sr_round(float v, uint32_t r) {

@@ -2,17 +2,10 @@
 
 #include <cuda_runtime.h>
 
+#include "partial_fc/classifier/sr_hash.h"
+
 namespace faceshard {
 namespace {
-
-__device__ __forceinline__ uint32_t mix32(uint32_t x) {
-  x ^= x >> 16;
-  x *= 0x7feb352dU;
-  x ^= x >> 15;
-  x *= 0x846ca68bU;
-  x ^= x >> 16;
-  return x;
-}
 
 __global__ void round_rows(const float* __restrict__ rows, const int64_t* __restrict__ keys, uint16_t* __restrict__ out,
                            int64_t n, int64_t d) {
@@ -22,7 +15,7 @@ __global__ void round_rows(const float* __restrict__ rows, const int64_t* __rest
     const int64_t row = i / d;
     const uint32_t element = static_cast<uint32_t>(i - row * d);
     const uint32_t key = static_cast<uint32_t>(keys[row]);
-    const uint32_t r = mix32(key ^ (element * 0x9e3779b9U)) >> 16;
+    const uint32_t r = sr_detail::element_bits(key, element);
     uint32_t bits = __float_as_uint(rows[i]);
     if ((bits & 0x7f800000U) == 0x7f800000U) {
       // inf keeps its bits; NaN becomes the quiet NaN of its sign (as a conversion rounds it).

@@ -242,17 +242,7 @@ struct StreamedSoftmaxFn : public torch::autograd::Function<StreamedSoftmaxFn> {
 at::Tensor streamed_margin_softmax_loss(const at::Tensor& emb, const at::Tensor& weight, const at::Tensor& target,
                                         const at::Tensor& norms, const MarginSoftmaxOptions& options, Distributed& dist,
                                         at::Tensor* accuracy) {
-  TORCH_CHECK(emb.dim() == 2 && weight.dim() == 2 && emb.size(1) == weight.size(1),
-              "streamed_margin_softmax_loss: embeddings ", emb.sizes(), " and centres ", weight.sizes(),
-              " do not match");
-  TORCH_CHECK(options.chunk_classes > 0, "streamed_margin_softmax_loss: chunk_classes must be positive");
-  TORCH_CHECK(options.head != nullptr, "streamed_margin_softmax_loss: no head");
-  TORCH_CHECK(!options.rows.defined() || options.deferred,
-              "streamed_margin_softmax_loss: sampled rows need a deferred gradient");
-  TORCH_CHECK(weight.scalar_type() == at::kFloat || options.deferred, "streamed_margin_softmax_loss: centres stored in ",
-              weight.scalar_type(), " need a deferred gradient");
-  TORCH_CHECK(!options.head->needs_norms() || (norms.defined() && norms.size(0) == emb.size(0)),
-              "streamed_margin_softmax_loss: the ", options.head->name(), " head needs the rows' feature norms");
+  check_margin_softmax_inputs("streamed_margin_softmax_loss", emb, weight, norms, options);
   auto out = StreamedSoftmaxFn::apply(emb, weight, target, norms.defined() ? norms : at::empty({0}, emb.options()),
                                       options, dist);
   if (accuracy) *accuracy = out[1];

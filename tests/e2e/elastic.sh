@@ -16,7 +16,9 @@
 #                   run is not made invariant, measured the same way: per-rank BatchNorm
 #                   (sync_bn false) and sampled classes (sample rate 0.5), on 2 vs 3 ranks;
 #                   and a 2-rank run with 2% larger updates: each must differ by more than
-#                   the tolerance (the comparison can tell). lr 1e-4: the ranks' fp32
+#                   the tolerance (the comparison can tell). The same invariance with bf16
+#                   centres and state (stochastic rounding) and streamed logits, on 1 and 3
+#                   ranks and across 3 -> 2. lr 1e-4: the ranks' fp32
 #                   summation orders differ, and training amplifies any difference (at lr
 #                   5e-4 to about 1e-4 in 10 steps; README "Elastic and preemptible runs").
 #   slurm_requeue:  srun's variables (SLURM_PROCID, SLURM_NTASKS, SLURM_JOB_NODELIST, ...):
@@ -200,6 +202,12 @@ YAML
   run w3to2 3 --set train.max_steps=5
   run w3to2 2 --resume auto
   grep -q "resharded from 3 to 2 ranks" "$work/w3to2.log" || { cat "$work/w3to2.log"; fail "no 3 -> 2 reshard"; }
+  # bf16 centres and state (stochastic rounding keyed by class, not by rank) with streamed
+  # logits: the same invariance, on 1 and 3 ranks and across a 3 -> 2 change.
+  bf=(--set optim.fc_weight_dtype=bf16 --set optim.fc_state_dtype=bf16 --set loss.logits=streamed)
+  run wb1 1 "${bf[@]}"; run wb3 3 "${bf[@]}"
+  run wb3to2 3 "${bf[@]}" --set train.max_steps=5
+  run wb3to2 2 "${bf[@]}" --resume auto
   # What is not invariant: per-rank BatchNorm statistics, and the sampled classes.
   run bn2 2 --set model.sync_bn=false; run bn3 3 --set model.sync_bn=false
   run sr2 2 --set loss.sample_rate=0.5; run sr3 3 --set loss.sample_rate=0.5
@@ -230,6 +238,11 @@ for name, what in (("w2", "2 ranks"), ("w3", "3 ranks"), ("w3to2", "3 ranks, the
 d = worst(losses("w3to2"), losses("w3"))
 print("%-45s max relative difference to 3 ranks throughout: %.2e" % ("3 -> 2 ranks", d))
 if d > tol: bad.append("3 -> 2 against 3")
+bref = losses("wb1")
+for name, what in (("wb3", "bf16 centres, streamed: 3 ranks"), ("wb3to2", "bf16 centres, streamed: 3 -> 2 ranks")):
+    d = worst(losses(name), bref)
+    print("%-45s max relative difference to 1 rank over 10 steps: %.2e" % (what, d))
+    if d > tol: bad.append(what)
 for a, b, what in (("bn2", "bn3", "per-rank BatchNorm (sync_bn false), 3 ranks against 2"),
                   ("sr2", "sr3", "sample rate 0.5, 3 ranks against 2"),
                   ("lr2", "w1", "updates 2% larger on 2 ranks, against 1 rank")):
@@ -239,7 +252,7 @@ for a, b, what in (("bn2", "bn3", "per-rank BatchNorm (sync_bn false), 3 ranks a
 if bad:
     print("FAIL: " + "; ".join(bad)); sys.exit(1)
 PY
-  echo "PASS: the losses of 10 steps agree on 1, 2 and 3 ranks and across a 3 -> 2 change to 1e-5" ;;
+  echo "PASS: the losses of 10 steps agree on 1, 2 and 3 ranks and across a 3 -> 2 change to 1e-5 (fp32 centres; bf16 centres with streamed logits)" ;;
 slurm_requeue)
   trap 'rm -rf "$work"' EXIT
   cat > "$work/tiny.yaml" <<YAML

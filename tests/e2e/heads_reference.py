@@ -2,7 +2,9 @@
 float64 with plain torch ops after the authors' code (AdaFace head.py, CurricularFace
 head/metrics.py, MagFace models/magface.py, ElasticFace utils/losses.py, arcface_torch's
 CombinedMarginLoss): loss of every step, the gradients of the last one with respect to the
-raw embeddings and raw centres, and the head's state, after 1 and 3 steps.
+raw embeddings and raw centres, and the head's state, after 1 and 3 steps; each with the
+logits buffered, streamed (loss.logits), and streamed with bf16 centres
+(optim.fc_weight_dtype: the reference then takes the centres rounded to bf16).
 
 usage: heads_reference.py BIN_DIR
 """
@@ -216,14 +218,22 @@ def main():
         np.save(os.path.join(d, "C.npy"), K.numpy().astype(np.float32))
         E32 = torch.from_numpy(np.load(os.path.join(d, "E.npy"))).double()
         K32 = torch.from_numpy(np.load(os.path.join(d, "C.npy"))).double()
-        for name, sets, make in CASES:
-            for steps in (1, 3):
+        # Each head with the logits buffered, streamed, and streamed with bf16 centres (the
+        # reference then takes the centres rounded to bf16, as faceshard stores them).
+        for name, sets, make, variant, steps in [(n, st, m, v, k) for n, st, m in CASES
+                                                 for v in ("buffer", "streamed", "bf16") for k in (1, 3)]:
+            if True:
                 out = os.path.join(d, "out")
                 cmd = [os.path.join(BIN, "faceshard-head"), "--head", name, "--embeddings", os.path.join(d, "E.npy"),
                        "--labels", os.path.join(d, "L.npy"), "--centres", os.path.join(d, "C.npy"),
                        "--steps", str(steps), "--out", out]
                 for s in sets:
                     cmd += ["--set", s]
+                if variant != "buffer":
+                    cmd += ["--set", "loss.logits=streamed"]
+                if variant == "bf16":
+                    cmd += ["--set", "optim.fc_weight_dtype=bf16"]
+                K_ref = K32.to(torch.bfloat16).double() if variant == "bf16" else K32
                 r = subprocess.run(cmd, capture_output=True, text=True)
                 if r.returncode != 0:
                     failures.append("%s %s: exit %d: %s" % (name, sets, r.returncode, r.stderr.strip()))
@@ -235,7 +245,7 @@ def main():
                 head = make()
                 for _ in range(steps):
                     e = E32.clone().requires_grad_(True)
-                    k = K32.t().clone().requires_grad_(True)  # the authors' kernel is [D, C]
+                    k = K_ref.t().clone().requires_grad_(True)  # the authors' kernel is [D, C]
                     logits, extra = head(e, Y, k)
                     loss = F.cross_entropy(logits, Y)
                     if extra is not None:
@@ -246,7 +256,7 @@ def main():
                 ge = np.load(os.path.join(out, "grad_embeddings.npy"))
                 gc = np.load(os.path.join(out, "grad_centres.npy"))
                 state = json.load(open(os.path.join(out, "state.json")))["state"]
-                key = "%s%s/%d" % (name, "".join(" " + s.split(".", 2)[2] for s in sets), steps)
+                key = "%s%s %s/%d" % (name, "".join(" " + s.split(".", 2)[2] for s in sets), variant, steps)
                 assert len(head._losses) == steps, (len(head._losses), steps)
                 errs = {
                     "loss": rel(got_losses, head._losses),
