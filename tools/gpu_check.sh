@@ -256,17 +256,21 @@ if want capacity; then
   mem=""
   [ "$device" = cuda ] && mem="$("$py" -c 'import torch; print(torch.cuda.get_device_properties(0).total_memory)' 2>/dev/null)B"
   [ "$mem" != B ] && [ -n "$mem" ] || mem=4GiB
-  plan=("$bin/faceshard-plan" --network "$cap_net" --precision bf16 --batch "$cap_batch" --fc-weight-dtype bf16
-        --fc-state-dtype bf16 --logits streamed --device-memory "$mem" --reserve 3GiB)
-  run cap_plan 60 "${plan[@]}" --json "$work/json/cap_plan.json"
-  largest=$("$py" -c 'import json,sys; print(json.load(open(sys.argv[1]))["max_classes"])' "$work/json/cap_plan.json" 2>/dev/null)
-  if [ -n "$largest" ] && [ "$largest" -gt 0 ]; then
+  # A plan that does not run is tried once more with 1 GiB more reserve: either way the log
+  # says what the card needs beyond the plan.
+  for reserve in 3 4; do
+    plan=("$bin/faceshard-plan" --network "$cap_net" --precision bf16 --batch "$cap_batch" --fc-weight-dtype bf16
+          --fc-state-dtype bf16 --logits streamed --device-memory "$mem" --reserve "${reserve}GiB")
+    run "cap_plan_${reserve}GiB" 60 "${plan[@]}" --json "$work/json/cap_plan_${reserve}GiB.json"
+    largest=$("$py" -c 'import json,sys; print(json.load(open(sys.argv[1]))["max_classes"])' \
+      "$work/json/cap_plan_${reserve}GiB.json" 2>/dev/null)
+    [ -n "$largest" ] && [ "$largest" -gt 0 ] || break
     [ "$tiny" = 1 ] && largest=5000
-    run cap_largest 400 "$bin/faceshard-bench" --mode step --device "$device" --network "$cap_net" --batch "$cap_batch" \
-      --precision bf16 --classes "$largest" --sample-rate 1.0 --steps 2 --windows 1 --warmup 1 \
+    run "cap_largest_${reserve}GiB" 400 "$bin/faceshard-bench" --mode step --device "$device" --network "$cap_net" \
+      --batch "$cap_batch" --precision bf16 --classes "$largest" --sample-rate 1.0 --steps 2 --windows 1 --warmup 1 \
       --set optim.fc_weight_dtype=bf16 --set optim.fc_state_dtype=bf16 --set loss.logits=streamed \
-      --set data.num_workers=8 --json "$work/json/cap_largest.json"
-  fi
+      --set data.num_workers=8 --json "$work/json/cap_largest_${reserve}GiB.json" && break
+  done
   report
 fi
 
