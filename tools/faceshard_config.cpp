@@ -32,11 +32,13 @@ int main(int argc, char** argv) {
       po.embedding_size = cfg.model.embedding_size;
       po.optimizer.kind = cfg.optim.classifier_optimizer();
       po.optimizer.state_dtype = cfg.optim.fc_state_dtype == "bf16" ? at::kBFloat16 : at::kFloat;
+      po.weight_dtype = cfg.optim.fc_weight_dtype == "bf16" ? at::kBFloat16 : at::kFloat;
       const ClassifierMemoryPlan all = classifier_memory_plan(po, 1, 0, cfg.data.batch_size);
-      std::printf("%s: ok\nclassifier: %lld classes x %lld fp32: %.0f bytes (%.3g GB) of centres + %.0f bytes (%.3g GB) "
+      std::printf("%s: ok\nclassifier: %lld classes x %lld %s: %.0f bytes (%.3g GB) of centres + %.0f bytes (%.3g GB) "
                   "of optimiser state (%s), split over the ranks\n",
                   args.config.c_str(), static_cast<long long>(*cfg.data.num_classes),
-                  static_cast<long long>(cfg.model.embedding_size), all.weight_bytes, all.weight_bytes / 1e9,
+                  static_cast<long long>(cfg.model.embedding_size), cfg.optim.fc_weight_dtype.c_str(), all.weight_bytes,
+                  all.weight_bytes / 1e9,
                   all.state_bytes, all.state_bytes / 1e9, cfg.optim.fc_state_dtype.c_str());
     }
     return 0;
