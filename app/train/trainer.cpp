@@ -187,7 +187,9 @@ int run_training(const TrainRequest& req) {
       // them (a host joined or left). A rank that stops only because another host's agent did
       // exits non-zero, so that its own agent restarts it into the new round too, instead of
       // taking the run for finished and leaving the job (its agent counts one restart).
-      if (!signalled_here && d.env().agent_store) {
+      // (torchrun's variables, with or without its agent's store: TORCH_DISABLE_SHARE_RDZV_TCP_STORE
+      // makes rank 0 host the workers' store, and the agent restarts its workers all the same.)
+      if (!signalled_here && d.env().source == "torchrun") {
         log_info("stopped for another host's restart: exit status ", kStoppedForPeerRestart,
                  " so that this host's torchrun agent restarts its workers too");
         return kStoppedForPeerRestart;
