@@ -319,32 +319,33 @@ TEST(PartialFCChunkedUpdate, MemoryPlanAndConfigKey) {
   EXPECT_NE(msg.find("fp32, bf16"), std::string::npos) << msg;
 }
 
-// A checkpoint keeps the state in its dtype; a resume with the other optim.fc_state_dtype
-// converts it (bf16 -> fp32 exactly, fp32 -> bf16 rounded), resharded or not.
-TEST(PartialFCChunkedUpdate, ResumeConvertsTheStateDtype) {
-  const std::string dir = testing::temp_dir("fc_state_dtype");
+// A checkpoint keeps a classifier entry in its dtype; a resume with the other dtype key
+// converts it (bf16 -> fp32 exactly, fp32 -> bf16 rounded), resharded or not. `key` is the
+// optim.* key ("fc_state_dtype", "fc_weight_dtype"), `entry` the state's row entry.
+void check_resume_converts(const std::string& key, const std::string& entry) {
+  const std::string dir = testing::temp_dir(key);
   std::shared_ptr<Distributed> dist = Distributed::init(DistEnv{});
   auto config = [&](const std::string& dtype) {
     return load_config_text("output: " + dir + "/out_" + dtype + "\n" + R"(data: {rec: synthetic, num_classes: 10, batch_size: 4, num_workers: 1}
 model: {backbone: mbf, embedding_size: 8}
 train: {verify_every: 0, tensorboard: false}
 dist: {device: cpu}
-optim: {fc_state_dtype: )" + dtype + "}\n",
+optim: {)" + key + ": " + dtype + "}\n",
                             "job.yaml");
   };
   for (const std::string from : {"bf16", "fp32"}) {
     const std::string to = from == "bf16" ? "fp32" : "bf16";
-    SCOPED_TRACE(from + " -> " + to);
-    const at::Tensor momentum = torch::randn({10, 8});
+    SCOPED_TRACE(key + " " + from + " -> " + to);
+    const at::Tensor rows = torch::randn({10, 8});
     // Each check below finds its entry by name; a renamed entry must fail, not skip it.
     int found = 0;
     {
       TrainJob job = build_train_job(config(from), dist);
       for (const auto& kv : job.fc->state())
-        if (kv.first == "opt.momentum") {
+        if (kv.first == entry) {
           ++found;
           EXPECT_EQ(kv.second.scalar_type(), from == "bf16" ? at::kBFloat16 : at::kFloat);
-          kv.second.copy_(momentum);
+          kv.second.copy_(rows);
         }
       TrainState state(job);
       state.progress().step = 2;
@@ -354,23 +355,27 @@ optim: {fc_state_dtype: )" + dtype + "}\n",
     const std::string ck = dir + "/ck_" + from + "/step_00000002";
     // Saved in its own dtype.
     for (const auto& kv : read_state_dict(ck + "/fc_shard_0.pt"))
-      if (kv.first == "rows/opt.momentum") {
+      if (kv.first == "rows/" + entry) {
         ++found;
         EXPECT_EQ(kv.second.scalar_type(), from == "bf16" ? at::kBFloat16 : at::kFloat);
       }
-    EXPECT_EQ(ReshardedRows(read_checkpoint_info(ck), 0, 10).dtype("opt.momentum"),
-              from == "bf16" ? at::kBFloat16 : at::kFloat);
+    EXPECT_EQ(ReshardedRows(read_checkpoint_info(ck), 0, 10).dtype(entry), from == "bf16" ? at::kBFloat16 : at::kFloat);
     TrainJob job = build_train_job(config(to), dist, ClassifierStart::FromCheckpoint);
     TrainState(job).load(ck);
     for (const auto& kv : job.fc->state())
-      if (kv.first == "opt.momentum") {
+      if (kv.first == entry) {
         ++found;
         EXPECT_EQ(kv.second.scalar_type(), to == "bf16" ? at::kBFloat16 : at::kFloat);
-        EXPECT_TRUE(torch::equal(kv.second.to(at::kFloat), momentum.to(at::kBFloat16).to(at::kFloat)));
+        EXPECT_TRUE(torch::equal(kv.second.to(at::kFloat), rows.to(at::kBFloat16).to(at::kFloat)));
       }
-    EXPECT_EQ(found, 3) << "the momentum entry was not found in the state, the file and the resumed state";
+    EXPECT_EQ(found, 3) << "the " << entry << " entry was not found in the state, the file and the resumed state";
   }
 }
+
+TEST(PartialFCChunkedUpdate, ResumeConvertsTheStateDtype) { check_resume_converts("fc_state_dtype", "opt.momentum"); }
+
+// The same for the centres (optim.fc_weight_dtype: rows/weight).
+TEST(PartialFCChunkedUpdate, ResumeConvertsTheCentresDtype) { check_resume_converts("fc_weight_dtype", "weight"); }
 
 }  // namespace
 }  // namespace faceshard

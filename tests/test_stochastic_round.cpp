@@ -8,11 +8,6 @@
 #include <cstring>
 
 #include "app/config/config.h"
-#include "app/io/checkpoint.h"
-#include "app/io/resharded_rows.h"
-#include "app/train/train_job.h"
-#include "app/train/train_state.h"
-#include "models/state_dict_io.h"
 #include "partial_fc/classifier/partial_fc.h"
 #include "partial_fc/classifier/stochastic_round.h"
 #include "tests/harness.h"
@@ -214,54 +209,9 @@ TEST(StochasticRound, StateKeepsTheCentresDtype) {
 }
 
 
-// A checkpoint keeps the centres in their dtype (rows/weight); a resume with the other
-// optim.fc_weight_dtype converts them (bf16 -> fp32 exactly, fp32 -> bf16 to nearest), and
-// the config keys take only what they name.
-TEST(StochasticRound, ResumeConvertsTheCentresDtype) {
-  const std::string dir = testing::temp_dir("fc_weight_dtype");
-  std::shared_ptr<Distributed> dist = Distributed::init(DistEnv{});
-  auto config = [&](const std::string& dtype) {
-    return load_config_text("output: " + dir + "/out_" + dtype + "\n" + R"(data: {rec: synthetic, num_classes: 10, batch_size: 4, num_workers: 1}
-model: {backbone: mbf, embedding_size: 8}
-train: {verify_every: 0, tensorboard: false}
-dist: {device: cpu}
-optim: {fc_weight_dtype: )" + dtype + "}\n",
-                            "job.yaml");
-  };
-  for (const std::string from : {"bf16", "fp32"}) {
-    const std::string to = from == "bf16" ? "fp32" : "bf16";
-    SCOPED_TRACE(from + " -> " + to);
-    const at::Tensor centres = torch::randn({10, 8});
-    int found = 0;
-    {
-      TrainJob job = build_train_job(config(from), dist);
-      for (const auto& kv : job.fc->state())
-        if (kv.first == "weight") {
-          ++found;
-          EXPECT_EQ(kv.second.scalar_type(), from == "bf16" ? at::kBFloat16 : at::kFloat);
-          kv.second.copy_(centres);
-        }
-      TrainState state(job);
-      state.progress().step = 2;
-      CheckpointManager checkpoints(dir + "/ck_" + from, *dist, 100);
-      state.save(checkpoints);
-    }
-    const std::string ck = dir + "/ck_" + from + "/step_00000002";
-    for (const auto& kv : read_state_dict(ck + "/fc_shard_0.pt"))
-      if (kv.first == "rows/weight") {
-        ++found;
-        EXPECT_EQ(kv.second.scalar_type(), from == "bf16" ? at::kBFloat16 : at::kFloat);
-      }
-    TrainJob job = build_train_job(config(to), dist, ClassifierStart::FromCheckpoint);
-    TrainState(job).load(ck);
-    for (const auto& kv : job.fc->state())
-      if (kv.first == "weight") {
-        ++found;
-        EXPECT_EQ(kv.second.scalar_type(), to == "bf16" ? at::kBFloat16 : at::kFloat);
-        EXPECT_TRUE(torch::equal(kv.second.to(at::kFloat), centres.to(at::kBFloat16).to(at::kFloat)));
-      }
-    EXPECT_EQ(found, 3) << "the weight entry was not found in the state, the file and the resumed state";
-  }
+// The config keys of bf16 centres and streamed logits take only what they name (the resume's
+// dtype conversion: PartialFCChunkedUpdate.ResumeConvertsTheCentresDtype).
+TEST(StochasticRound, ConfigKeysNameTheirValues) {
   for (const char* bad : {"optim: {fc_weight_dtype: fp16}", "optim: {fc_weight_rounding: up}", "loss: {logits: held}"}) {
     const std::string msg = testing::error_of([&] { load_config_text(std::string("data: {num_classes: 10}\n") + bad + "\n", "s.yaml"); });
     const std::string key = std::string(bad).find("logits") != std::string::npos ? "loss.logits"
