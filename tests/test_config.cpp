@@ -11,6 +11,7 @@
 #include "app/config/config.h"
 #include "partial_fc/classifier/head_catalogue.h"
 #include "app/train/train_job.h"
+#include "app/plan/job_memory_plan.h"
 #include "models/backbone_registry.h"
 #include "partial_fc/classifier/partial_fc.h"
 #include "partial_fc/runtime/error.h"
@@ -101,6 +102,23 @@ TEST(Config, DefaultsAndRequiredKey) {
                      {"mem.yaml", "data.spare_classes"});
 }
 
+TEST(Config, PrecisionAutoIsBf16WhereTheDeviceHasIt) {
+  const Config c = load_config_text("data:\n  num_classes: 10\n", "mem.yaml");
+  EXPECT_EQ(c.train.precision, "auto");
+  EXPECT_TRUE(c.train.tf32);
+  EXPECT_EQ(resolve_precision("auto", true), "bf16");
+  EXPECT_EQ(resolve_precision("auto", false), "fp32");
+  for (const char* p : {"fp32", "bf16", "fp16"}) {
+    EXPECT_EQ(resolve_precision(p, true), p);
+    EXPECT_EQ(resolve_precision(p, false), p);
+  }
+  EXPECT_FALSE(device_has_bf16(torch::kCPU));
+  // A plan is made for a GPU: auto plans bf16's activations.
+  EXPECT_EQ(job_plan_inputs(c, 1).precision, "bf16");
+  EXPECT_EQ(job_plan_inputs(load_config_text("data:\n  num_classes: 10\ntrain:\n  precision: fp32\n", "m.yaml"), 1).precision,
+            "fp32");
+}
+
 TEST(Config, InheritanceLaterKeysOverride) {
   ConfigFiles f;
   f.write("base.yaml", "data:\n  num_classes: 100\n  batch_size: 64\noptim:\n  lr: 0.1\n  epochs: 20\n");
@@ -165,7 +183,7 @@ TEST(Config, WrongTypeAndRange) {
   expect_usage_error([] { load_config_text("data:\n  num_classes: 10\nloss:\n  margin: [1, 0.5]\n", "t.yaml"); },
                      {"key 'loss.margin'", "list of 3 values"});
   expect_usage_error([] { load_config_text("data:\n  num_classes: 10\ntrain:\n  precision: fp8\n", "t.yaml"); },
-                     {"key 'train.precision'", "one of {fp32, bf16, fp16}", "'fp8'"});
+                     {"key 'train.precision'", "one of {auto, fp32, bf16, fp16}", "'fp8'"});
   expect_usage_error([] { load_config_text("data: 3\n", "t.yaml"); }, {"key 'data'", "mapping"});
 }
 

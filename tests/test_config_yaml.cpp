@@ -76,7 +76,7 @@ TEST(ConfigYaml, ValueErrorsNameTheLine) {
             "job.yaml:4: unknown key 'optim.learning_rate' (did you mean 'optim.lr'?)");
   // A scalar that holds line breaks stays on one line in the message.
   EXPECT_EQ(config_error(kHead + "train:\n  precision: \"fp\n    32\\n\\tx\"\n"),
-            "job.yaml:4: key 'train.precision': expected one of {fp32, bf16, fp16}, got 'fp 32\\x0a\\x09x'");
+            "job.yaml:4: key 'train.precision': expected one of {auto, fp32, bf16, fp16}, got 'fp 32\\x0a\\x09x'");
   // --set values have no line.
   EXPECT_EQ(config_error(kHead, "job.yaml", {"optim.lr=fast"}), "--set: key 'optim.lr': expected a number, got 'fast'");
 }

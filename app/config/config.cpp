@@ -691,7 +691,7 @@ void Config::visit(FieldVisitor& v) {
   v.field("optim.grad_clip", optim.grad_clip, at_least(0));
   v.field("optim.grad_accumulation", optim.grad_accumulation, range(1, 1024));
 
-  v.field("train.precision", train.precision, choices({"fp32", "bf16", "fp16"}));
+  v.field("train.precision", train.precision, choices({"auto", "fp32", "bf16", "fp16"}));
   v.field("train.log_every", train.log_every, at_least(1));
   v.field("train.verify_every", train.verify_every, at_least(0));
   v.field("train.checkpoint_every", train.checkpoint_every, at_least(0));
@@ -704,6 +704,7 @@ void Config::visit(FieldVisitor& v) {
   v.field("train.loss_scale_growth_interval", train.loss_scale_growth_interval, at_least(1));
   v.field("train.tensorboard", train.tensorboard, none);
   v.field("train.cudnn_benchmark", train.cudnn_benchmark, none);
+  v.field("train.tf32", train.tf32, none);
   v.field("train.cpu_cache_gb", train.cpu_cache_gb, at_least(0));
 
   v.field("dist.device", dist.device, choices({"auto", "cpu", "cuda"}));

@@ -151,7 +151,12 @@ struct OptimConfig {
 };
 
 struct TrainConfig {
-  std::string precision = "fp32";  // fp32 | bf16 | fp16
+  // auto | fp32 | bf16 | fp16. auto: bf16 autocast (no loss scaler) on a GPU that has bf16
+  // arithmetic (compute capability 8.0 and later), fp32 elsewhere (resolve_precision).
+  std::string precision = "auto";
+  // fp32 matrix products and convolutions on the GPU in TF32 (10-bit mantissa inputs, fp32
+  // accumulation), as cuDNN's convolutions already are by default.
+  bool tf32 = true;
   int64_t log_every = 10;
   int64_t verify_every = 2000;
   int64_t checkpoint_every = 0;  // steps, 0: at the end of every epoch

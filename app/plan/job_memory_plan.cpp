@@ -32,7 +32,8 @@ JobPlanInputs job_plan_inputs(const Config& cfg, int world_size) {
                                         cfg.optim.grad_accumulation, " micro-batches (optim.grad_accumulation)"));
     in.batch_per_rank = g / parts;
   }
-  in.precision = cfg.train.precision;
+  // A plan is made for a GPU: auto is bf16 there (resolve_precision).
+  in.precision = cfg.train.precision == "auto" ? "bf16" : cfg.train.precision;
   in.checkpointing = cfg.model.checkpointing;
   in.num_classes = cfg.data.num_classes.value_or(0);  // 0: counted from the data at start-up
   in.world_size = world_size;

@@ -5,6 +5,7 @@
 #ifdef FACESHARD_WITH_CUDA
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
+#include <ATen/cuda/CUDAContext.h>
 #endif
 
 #include <algorithm>
@@ -343,13 +344,35 @@ void configure_cpu_block_cache(const Config& cfg, const DistEnv& env) {
   CpuBlockCache::set_limit(static_cast<int64_t>(bytes));
 }
 
+std::string resolve_precision(const std::string& configured, bool bf16_capable) {
+  if (configured != "auto") return configured;
+  return bf16_capable ? "bf16" : "fp32";
+}
+
+bool device_has_bf16(torch::Device device) {
+#ifdef FACESHARD_WITH_CUDA
+  if (device.is_cuda()) {
+    const c10::DeviceIndex index = device.has_index() ? device.index() : c10::cuda::current_device();
+    return at::cuda::getDeviceProperties(index)->major >= 8;
+  }
+#endif
+  (void)device;
+  return false;  // the CPU: bf16 autocast is slower than fp32 on most CPUs, and fp32 is the reference
+}
+
 TrainJob build_train_job(const Config& cfg, std::shared_ptr<Distributed> dist, ClassifierStart start) {
   configure_cpu_block_cache(cfg, DistEnv::from_environment());
   TrainJob j;
   j.cfg = cfg;
   j.device = pick_device(cfg, DistEnv::from_environment());
   j.dist = std::move(dist);
+  j.cfg.train.precision = resolve_precision(cfg.train.precision, device_has_bf16(j.device));
+  if (cfg.train.precision == "auto") log_info("train.precision auto: ", j.cfg.train.precision, " on ", j.device.str());
   if (j.device.is_cuda() && cfg.train.cudnn_benchmark) at::globalContext().setBenchmarkCuDNN(true);
+  if (j.device.is_cuda()) {
+    at::globalContext().setAllowTF32CuBLAS(cfg.train.tf32);
+    at::globalContext().setAllowTF32CuDNN(cfg.train.tf32);
+  }
   adapt_batch_to_world(j.cfg, *j.dist);
   build_data(j);
   build_model(j, start);
