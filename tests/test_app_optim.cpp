@@ -263,6 +263,128 @@ TEST(AppOptim, AdamWResumeIsBitIdentical) {
   check_resume(o);
 }
 
+// --- the fused step over flat buffers against the per-parameter one ---------------------
+
+// Gradients of step s with every one defined (over flat buffers a param always has one: a
+// missing gradient there is zeros, so the per-parameter reference gets zeros too).
+std::vector<at::Tensor> dense_grads_of_step(const std::vector<at::Tensor>& ps, int s) {
+  std::vector<at::Tensor> gs = grads_of_step(ps, s);
+  for (size_t i = 0; i < gs.size(); ++i)
+    if (!gs[i].defined()) gs[i] = torch::zeros_like(ps[i]);
+  return gs;
+}
+
+// The flat side's params: the same values, the conv weight channels-last (its layout must
+// survive the move into the buffer and the state must follow it).
+std::vector<at::Tensor> flat_side_params(const std::vector<at::Tensor>& ps) {
+  std::vector<at::Tensor> out;
+  for (const auto& p : ps) {
+    at::Tensor c = p.dim() == 4 ? p.detach().contiguous(at::MemoryFormat::ChannelsLast).clone(at::MemoryFormat::Preserve)
+                                : p.detach().clone();
+    out.push_back(c.requires_grad_(true));
+  }
+  return out;
+}
+
+void write_grads(const std::vector<at::Tensor>& ps, const std::vector<at::Tensor>& gs) {
+  at::NoGradGuard ng;
+  for (size_t i = 0; i < ps.size(); ++i) ps[i].grad().copy_(gs[i]);  // into the flat views
+}
+
+void check_fused_matches_per_parameter(const BackboneOptimizerOptions& opts) {
+  std::vector<at::Tensor> ref = make_params(21), mine = flat_side_params(ref);
+  FlatParameters flat(mine, 0.0002);  // a few buckets
+  ASSERT_GT(flat.buckets().size(), 1u);
+  BackboneOptimizer fused(flat, opts), plain(ref, opts);
+  const at::Tensor& buffer = flat.groups().at(0).values;
+  for (size_t i = 0; i < mine.size(); ++i) {
+    // The params live in the buffer, with their own layout, and their grads in the other.
+    EXPECT_EQ(mine[i].storage().data_ptr().get(), buffer.storage().data_ptr().get()) << "param " << i;
+    EXPECT_EQ(mine[i].grad().storage().data_ptr().get(), flat.groups()[0].grads.storage().data_ptr().get());
+    EXPECT_TRUE(torch::equal(mine[i], ref[i])) << "param " << i;
+  }
+  EXPECT_TRUE(mine[0].is_contiguous(at::MemoryFormat::ChannelsLast));
+  EXPECT_FALSE(mine[0].is_contiguous());
+  for (int s = 0; s < 5; ++s) {
+    const auto gs = dense_grads_of_step(ref, s);
+    set_grads(ref, gs);
+    write_grads(mine, gs);
+    plain.step(lr_of_step(s));
+    fused.step(lr_of_step(s));
+    for (size_t i = 0; i < mine.size(); ++i)
+      EXPECT_LT(testing::relative_error(mine[i], ref[i]), 1e-6) << "step " << s << " param " << i;
+    fused.zero_grad();
+    plain.zero_grad();
+    for (auto& p : mine) EXPECT_EQ(p.grad().abs().max().item<float>(), 0.0f);
+  }
+  const auto sf = fused.state(), sp = plain.state();
+  ASSERT_EQ(sf.size(), sp.size());
+  for (size_t k = 0; k < sf.size(); ++k) {
+    EXPECT_EQ(sf[k].first, sp[k].first);
+    EXPECT_EQ(sf[k].second.sizes(), sp[k].second.sizes()) << sf[k].first;
+    EXPECT_LT(testing::relative_error(sf[k].second.to(at::kDouble), sp[k].second.to(at::kDouble)), 1e-6) << sf[k].first;
+  }
+  // A checkpoint of either kind resumes in the other: three more steps stay together.
+  std::vector<std::pair<std::string, at::Tensor>> from_fused, from_plain;
+  for (const auto& kv : sf) from_fused.emplace_back(kv.first, kv.second.clone());
+  for (const auto& kv : sp) from_plain.emplace_back(kv.first, kv.second.clone());
+  // (The per-parameter side's params contiguous, as its gradients here are: its AdamW
+  // kernel reads a param, its gradient and its state as laid out alike, which autograd's
+  // gradients are.)
+  std::vector<at::Tensor> ref2, mine2 = flat_side_params(ref);
+  for (const auto& p : mine) ref2.push_back(p.detach().contiguous().clone().requires_grad_(true));
+  FlatParameters flat2(mine2, 0.0002);
+  BackboneOptimizer plain2(ref2, opts), fused2(flat2, opts);
+  plain2.load_state(from_fused, "fused.pt");
+  fused2.load_state(from_plain, "plain.pt");
+  for (int s = 5; s < 8; ++s) {
+    const auto gs = dense_grads_of_step(ref, s);
+    set_grads(ref2, gs);
+    write_grads(mine2, gs);
+    plain2.step(lr_of_step(s));
+    fused2.step(lr_of_step(s));
+    for (size_t i = 0; i < mine.size(); ++i)
+      EXPECT_LT(testing::relative_error(mine2[i], ref2[i]), 1e-6) << "resumed step " << s << " param " << i;
+  }
+  const auto start = make_params(21);
+  for (size_t i = 0; i < mine2.size(); ++i) EXPECT_GT(testing::relative_error(mine2[i], start[i]), 1e-3) << "param " << i;
+}
+
+TEST(AppOptim, FusedFlatSgdMatchesPerParameterSgd) {
+  BackboneOptimizerOptions o;
+  check_fused_matches_per_parameter(o);
+  o.momentum = 0;
+  o.weight_decay = 0;
+  check_fused_matches_per_parameter(o);
+}
+
+TEST(AppOptim, FusedFlatAdamWMatchesPerParameterAdamW) {
+  BackboneOptimizerOptions o;
+  o.kind = "adamw";
+  o.weight_decay = 0.05;
+  check_fused_matches_per_parameter(o);
+}
+
+TEST(AppOptim, FusedFlatAdamWNeedsOneStepCount) {
+  // A per-parameter checkpoint whose params stepped unequally (one went unused) cannot be
+  // held by one step count: one line naming the keys and the way out.
+  BackboneOptimizerOptions o;
+  o.kind = "adamw";
+  std::vector<at::Tensor> ps = make_params(3);
+  BackboneOptimizer plain(ps, o);
+  for (int s = 0; s < 3; ++s) {
+    set_grads(ps, grads_of_step(ps, s));  // param 2 has no grad at step 2
+    plain.step(1e-3);
+  }
+  std::vector<at::Tensor> mine = flat_side_params(ps);
+  FlatParameters flat(mine, 25);
+  BackboneOptimizer fused(flat, o);
+  const std::string msg = what_of([&] { fused.load_state(plain.state(), "ck.pt"); });
+  EXPECT_NE(msg.find("ck.pt"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("'step.2'"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("optim.fused: false"), std::string::npos) << msg;
+}
+
 TEST(AppOptim, StateNamesAndUnusedParamStepCount) {
   BackboneOptimizerOptions o;
   o.kind = "adamw";

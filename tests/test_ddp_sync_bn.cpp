@@ -2,6 +2,7 @@
 // W ranks x B samples must train exactly like 1 process x W*B samples.
 #include <gtest/gtest.h>
 
+#include "app/train/backbone_optimizer.h"
 #include "app/train/sync_bn.h"
 #include "models/norm_layer.h"
 #include "partial_fc/parallel/ddp.h"
@@ -155,6 +156,121 @@ TEST(DdpAccumulation, TwoMicroBatchesEqualOneDoubleBatch) {
       for (auto& p : net->named_parameters()) EXPECT_LE(testing::relative_error(p.value(), rp[p.key()]), 1e-5) << p.key();
     });
   }
+}
+
+// A conv and a linear layer, no batch statistics (micro-batches then sum to the batch).
+struct ConvFcImpl : nn::Module {
+  nn::Conv2d c1{nullptr};
+  nn::Linear fc{nullptr};
+  ConvFcImpl() {
+    c1 = register_module("c1", nn::Conv2d(nn::Conv2dOptions(3, 6, 3).padding(1)));
+    fc = register_module("fc", nn::Linear(6 * 8 * 8, 5));
+  }
+  at::Tensor forward(at::Tensor x) { return fc(torch::relu(c1(x)).flatten(1)); }
+};
+TORCH_MODULE(ConvFc);
+
+// Over flat buffers: the buckets are DataParallel's own, ranges of the gradient buffer that
+// are all-reduced in place; with the fused optimiser and two micro-batches a step trains as
+// one process on the whole batch does with torch's SGD.
+TEST(DdpFlat, BucketsAreRangesOfTheGradientBufferAndTrainAsOneProcess) {
+  for (int W : {2, 3}) {
+    testing::run_ranks(W, [](Distributed& d) {
+      const int W = d.world_size();
+      const int64_t B = 4;
+      const int K = 3;
+      torch::manual_seed(7);
+      ConvFc ref;
+      auto ref_opt = make_sgd(*ref);
+      for (int k = 0; k < K; ++k) {
+        std::vector<at::Tensor> xs, ys;
+        for (int q = 0; q < W; ++q)
+          for (int part = 0; part < 2; ++part) {
+            auto [x, y] = batch(10 * k + part, q, B);
+            xs.push_back(x);
+            ys.push_back(y);
+          }
+        ref_opt.zero_grad();
+        torch::nn::functional::cross_entropy(ref(torch::cat(xs)), torch::cat(ys)).backward();
+        ref_opt.step();
+      }
+      // Every rank starts from a different init (rank 0's is broadcast); the conv weight is
+      // channels-last, as a backbone's are on a GPU.
+      torch::manual_seed(d.rank() == 0 ? 7 : 99 + d.rank());
+      ConvFc net;
+      net->c1->weight.set_data(net->c1->weight.detach().contiguous(at::MemoryFormat::ChannelsLast));
+      std::vector<at::Tensor> params;
+      for (auto& p : net->parameters()) params.push_back(p);
+      FlatParameters flat(params, 0.0005);
+      DdpOptions o{0.0005};
+      o.flat = &flat;
+      DataParallel ddp(net.ptr(), d, o);
+      {
+        ConvFc other;
+        DataParallel plain(other.ptr(), d, DdpOptions{0.0005});
+        EXPECT_EQ(ddp.bucket_assignment(), plain.bucket_assignment());
+      }
+      EXPECT_GT(ddp.num_buckets(), 1);
+      BackboneOptimizerOptions bo;
+      bo.momentum = 0.9;
+      bo.weight_decay = 5e-4;
+      BackboneOptimizer opt(flat, bo);
+      const void* grads = flat.groups().at(0).grads.data_ptr();
+      for (int k = 0; k < K; ++k) {
+        for (int part = 0; part < 2; ++part) {
+          auto [x, y] = batch(10 * k + part, d.rank(), B);
+          at::Tensor loss = torch::nn::functional::cross_entropy(net(x), y) / 2;
+          ddp.prepare_for_backward({loss});
+          if (part == 0) {
+            auto local_only = ddp.no_sync();
+            loss.backward();
+          } else {
+            loss.backward();
+          }
+        }
+        // The averaged gradients are where the buckets were all-reduced.
+        for (auto& p : net->parameters()) EXPECT_EQ(p.grad().storage().data_ptr().get(), grads);
+        opt.step(0.1);
+        opt.zero_grad();
+      }
+      EXPECT_TRUE(net->c1->weight.is_contiguous(at::MemoryFormat::ChannelsLast));
+      auto rp = ref->named_parameters();
+      for (auto& p : net->named_parameters())
+        EXPECT_LE(testing::relative_error(p.value(), rp[p.key()]), 1e-5) << p.key();
+      // ...and they moved from where they started.
+      torch::manual_seed(7);
+      ConvFc start;
+      for (auto& p : start->named_parameters())
+        EXPECT_GT(testing::relative_error(p.value(), rp[p.key()]), 1e-3) << p.key();
+    });
+  }
+}
+
+// Moving a module out of its flat buffers after they are made is caught at the next step,
+// not trained on silently.
+TEST(DdpFlat, AModuleMovedOutOfItsBuffersIsCaught) {
+  ConvFc net;
+  std::vector<at::Tensor> params;
+  for (auto& p : net->parameters()) params.push_back(p);
+  FlatParameters flat(params, 25);
+  BackboneOptimizer opt(flat, BackboneOptimizerOptions{});
+  opt.step(0.1);
+  net->to(torch::kDouble);
+  try {
+    opt.step(0.1);
+    ADD_FAILURE() << "expected an error";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("flat buffer"), std::string::npos) << e.what();
+  }
+  // A gradient replaced by another tensor is put back as the buffer's view by zero_grad().
+  ConvFc net2;
+  std::vector<at::Tensor> p2;
+  for (auto& p : net2->parameters()) p2.push_back(p);
+  FlatParameters flat2(p2, 25);
+  net2->fc->weight.mutable_grad() = torch::ones_like(net2->fc->weight);
+  flat2.zero_grad();
+  EXPECT_EQ(net2->fc->weight.grad().storage().data_ptr().get(), flat2.groups()[0].grads.storage().data_ptr().get());
+  EXPECT_EQ(net2->fc->weight.grad().abs().sum().item<float>(), 0.0f);
 }
 
 TEST(DdpUnusedParameters, FoundWithTheOptionAndNamedWithoutIt) {

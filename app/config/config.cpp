@@ -683,6 +683,7 @@ void Config::visit(FieldVisitor& v) {
   v.field("optim.fc_state_dtype", optim.fc_state_dtype, choices({"fp32", "bf16"}));
   v.field("optim.fc_weight_dtype", optim.fc_weight_dtype, choices({"fp32", "bf16"}));
   v.field("optim.fc_weight_rounding", optim.fc_weight_rounding, choices({"stochastic", "nearest"}));
+  v.field("optim.fused", optim.fused, none);
   v.field("optim.epochs", optim.epochs, at_least(1));
   v.field("optim.warmup_epochs", optim.warmup_epochs, at_least(0));
   v.field("optim.total_steps", optim.total_steps, at_least(1));

@@ -137,6 +137,10 @@ struct OptimConfig {
   // How bf16 centres are stored back: stochastic (unbiased), or nearest (the control that
   // drops every update below half a bf16 step: for comparisons, not for training).
   std::string fc_weight_rounding = "stochastic";
+  // The backbone's parameters and gradients in flat buffers that DDP's buckets are ranges
+  // of, stepped by one fused kernel (off: one multi-tensor pass per op over the params).
+  // Not with dist.find_unused_parameters (a param without a gradient must not move).
+  bool fused = true;
   int64_t epochs = 20;
   double warmup_epochs = 0;
   std::optional<int64_t> total_steps;   // default: derived from images, global batch and epochs

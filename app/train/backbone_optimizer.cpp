@@ -9,6 +9,7 @@
 #include <ATen/ops/_foreach_add.h>
 #include <ATen/ops/_foreach_mul.h>
 #include <ATen/ops/_fused_adamw.h>
+#include <ATen/ops/_fused_sgd.h>
 #include <c10/core/GradMode.h>
 
 #include "models/tensor_source.h"
@@ -39,6 +40,29 @@ std::vector<at::Tensor> pick(const std::vector<at::Tensor>& v, const std::vector
 bool finite_nonneg(double x) { return std::isfinite(x) && x >= 0; }
 
 }  // namespace
+
+BackboneOptimizer::BackboneOptimizer(FlatParameters& flat, BackboneOptimizerOptions opts)
+    : BackboneOptimizer(flat.params(), std::move(opts)) {
+  flat_ = &flat;
+  make_flat_state();
+}
+
+void BackboneOptimizer::make_flat_state() {
+  const auto& groups = flat_->groups();
+  flat_stepped_.assign(groups.size(), 0);
+  for (const FlatParameters::Group& g : groups) {
+    flat_lr_.push_back(at::zeros({}, g.values.options().dtype(at::kFloat)));
+    flat_step_.push_back(at::zeros({}, g.values.options().dtype(at::kFloat)));
+  }
+  if (adamw_) {
+    for (const FlatParameters::Group& g : groups) {
+      flat_exp_avg_.push_back(at::zeros_like(g.values));
+      flat_exp_avg_sq_.push_back(at::zeros_like(g.values));
+    }
+  } else if (opts_.momentum != 0) {
+    for (const FlatParameters::Group& g : groups) flat_momentum_.push_back(at::zeros_like(g.values));
+  }
+}
 
 BackboneOptimizer::BackboneOptimizer(std::vector<at::Tensor> params, BackboneOptimizerOptions opts)
     : params_(std::move(params)), opts_(std::move(opts)) {
@@ -71,6 +95,7 @@ BackboneOptimizer::BackboneOptimizer(std::vector<at::Tensor> params, BackboneOpt
 }
 
 void BackboneOptimizer::zero_grad() {
+  if (flat_) return flat_->zero_grad();
   for (at::Tensor& p : params_)
     if (p.grad().defined()) p.mutable_grad().reset();
 }
@@ -78,6 +103,7 @@ void BackboneOptimizer::zero_grad() {
 void BackboneOptimizer::step(double lr) {
   if (!std::isfinite(lr)) throw usage_error("backbone optimiser: lr must be finite (got ", lr, ")");
   at::NoGradGuard no_grad;
+  if (flat_) return step_flat(lr);
   std::vector<size_t> idx;
   for (size_t i = 0; i < params_.size(); ++i) {
     const at::Tensor& g = params_[i].grad();
@@ -137,9 +163,47 @@ void BackboneOptimizer::step_adamw(const std::vector<size_t>& idx, double lr) {
                     opts_.beta1, opts_.beta2, opts_.weight_decay, opts_.eps, /*amsgrad=*/false, /*maximize=*/false);
 }
 
+void BackboneOptimizer::step_flat(double lr) {
+  flat_->check_intact("backbone optimiser");
+  const auto& groups = flat_->groups();
+  for (size_t k = 0; k < groups.size(); ++k) {
+    const FlatParameters::Group& g = groups[k];
+    // The learning rate lives on the device: a kernel that reads it needs no new launch
+    // arguments when it changes (what a replayed CUDA graph needs).
+    flat_lr_[k].fill_(lr);
+    if (adamw_) {
+      at::_foreach_add_(at::TensorList(flat_step_[k]), 1);
+      at::_fused_adamw_({g.values}, {g.grads}, {flat_exp_avg_[k]}, {flat_exp_avg_sq_[k]}, {}, {flat_step_[k]}, flat_lr_[k],
+                        opts_.beta1, opts_.beta2, opts_.weight_decay, opts_.eps, /*amsgrad=*/false, /*maximize=*/false);
+    } else if (opts_.momentum != 0) {
+      // A zero buffer makes the first step's buf = d exactly, as torch's clone of d does.
+      at::_fused_sgd_({g.values}, {g.grads}, {flat_momentum_[k]}, opts_.weight_decay, opts_.momentum, flat_lr_[k],
+                      /*dampening=*/0.0, /*nesterov=*/false, /*maximize=*/false, /*is_first_step=*/false);
+    } else {
+      at::_fused_sgd_({g.values}, {g.grads}, {}, opts_.weight_decay, 0.0, flat_lr_[k], 0.0, false, false, false);
+    }
+    flat_stepped_[k] = 1;
+  }
+}
+
 std::vector<std::pair<std::string, at::Tensor>> BackboneOptimizer::state() const {
   std::vector<std::pair<std::string, at::Tensor>> out;
   out.emplace_back("num_params", at::full({1}, static_cast<int64_t>(params_.size()), at::kLong));
+  if (flat_) {
+    for (size_t i = 0; i < params_.size(); ++i) {
+      const int g = flat_->group_of(static_cast<int>(i));
+      if (!flat_stepped_[g]) continue;
+      const std::string n = std::to_string(i);
+      if (adamw_) {
+        out.emplace_back("exp_avg." + n, flat_->view(static_cast<int>(i), flat_exp_avg_[g]));
+        out.emplace_back("exp_avg_sq." + n, flat_->view(static_cast<int>(i), flat_exp_avg_sq_[g]));
+        out.emplace_back("step." + n, flat_step_[g]);
+      } else if (opts_.momentum != 0) {
+        out.emplace_back("momentum." + n, flat_->view(static_cast<int>(i), flat_momentum_[g]));
+      }
+    }
+    return out;
+  }
   for (size_t i = 0; i < params_.size(); ++i) {
     const std::string n = std::to_string(i);
     if (momentum_[i].defined()) out.emplace_back("momentum." + n, momentum_[i]);
@@ -230,10 +294,61 @@ void BackboneOptimizer::load_state(const TensorSource& state, const std::string&
     new_eas[i] = like_param(eas[i], i);
     if (st[i] != kNone) new_st[i] = state.read(st[i]).reshape({}).to(params_[i].device(), at::kFloat);
   }
+  if (flat_) return load_flat_state(new_mom, new_ea, new_eas, new_st, source);
   momentum_ = std::move(new_mom);
   exp_avg_ = std::move(new_ea);
   exp_avg_sq_ = std::move(new_eas);
   steps_ = std::move(new_st);
+}
+
+void BackboneOptimizer::load_flat_state(std::vector<at::Tensor>& mom, std::vector<at::Tensor>& ea,
+                                        std::vector<at::Tensor>& eas, std::vector<at::Tensor>& st,
+                                        const std::string& source) {
+  // One buffer per group: a group's params all have state or none has (a fresh param's
+  // momentum may be zero, which is where torch starts it; AdamW's step count is one per
+  // group, so its params must agree on it).
+  const auto& groups = flat_->groups();
+  std::vector<char> stepped(groups.size(), 0);
+  std::vector<double> steps(groups.size(), -1);
+  for (size_t k = 0; k < groups.size(); ++k) {
+    for (int i : groups[k].params) {
+      if (!adamw_) {
+        if (mom[i].defined()) stepped[k] = 1;
+        continue;
+      }
+      const bool has = st[i].defined();
+      const double s = has ? st[i].to(at::kCPU, at::kDouble).item<double>() : 0.0;
+      if (i == groups[k].params.front()) {
+        steps[k] = s;
+        stepped[k] = has;
+      } else if (has != static_cast<bool>(stepped[k]) || s != steps[k]) {
+        throw usage_error(source, ": optimiser state 'step.", i, "' (",
+                          has ? std::to_string(static_cast<int64_t>(s)) : std::string("absent"), ") differs from 'step.",
+                          groups[k].params.front(), "' (",
+                          stepped[k] ? std::to_string(static_cast<int64_t>(steps[k])) : std::string("absent"),
+                          "): the fused optimiser keeps one step count for all parameters; set optim.fused: false "
+                          "to resume this checkpoint");
+      }
+    }
+  }
+  at::NoGradGuard no_grad;
+  for (size_t k = 0; k < groups.size(); ++k) {
+    if (adamw_) {
+      flat_exp_avg_[k].zero_();
+      flat_exp_avg_sq_[k].zero_();
+      flat_step_[k].fill_(stepped[k] ? steps[k] : 0.0);
+    } else if (opts_.momentum != 0) {
+      flat_momentum_[k].zero_();
+    }
+    for (int i : groups[k].params) {
+      if (adamw_ && ea[i].defined()) {
+        flat_->view(i, flat_exp_avg_[k]).copy_(ea[i]);
+        flat_->view(i, flat_exp_avg_sq_[k]).copy_(eas[i]);
+      }
+      if (!adamw_ && mom[i].defined()) flat_->view(i, flat_momentum_[k]).copy_(mom[i]);
+    }
+    flat_stepped_[k] = stepped[k];
+  }
 }
 
 }  // namespace faceshard

@@ -9,6 +9,7 @@
 #include <ATen/ATen.h>
 
 #include "models/tensor_source.h"
+#include "partial_fc/parallel/flat_params.h"
 
 namespace faceshard {
 
@@ -27,9 +28,18 @@ struct BackboneOptimizerOptions {
 // at::_fused_adamw_ (one kernel for all of a device's params, CPU and CUDA).
 // A param whose grad is undefined is left alone, and its state does not advance, as in
 // torch.optim (so a param unused in a step keeps its AdamW step count).
+//
+// Over flat buffers (the second constructor) a step is one fused kernel per buffer
+// (at::_fused_sgd_ / at::_fused_adamw_, the learning rate a tensor on the buffer's
+// device), the state lives in buffers laid out like the parameters', and every parameter
+// steps every time (a parameter that got no gradient has a zero one there: weight decay
+// and momentum still move it; the trainer uses the flat buffers only where every
+// parameter gets a gradient). The checkpoint state is the same, per parameter.
 class BackboneOptimizer {
  public:
   BackboneOptimizer(std::vector<at::Tensor> params, BackboneOptimizerOptions opts);
+  // The parameters of `flat` (which must outlive the optimiser).
+  BackboneOptimizer(FlatParameters& flat, BackboneOptimizerOptions opts);
 
   void step(double lr);
   // Sets every gradient to undefined (torch's set_to_none): the next backward allocates
@@ -56,6 +66,12 @@ class BackboneOptimizer {
  private:
   void step_sgd(const std::vector<size_t>& idx, double lr);
   void step_adamw(const std::vector<size_t>& idx, double lr);
+  void step_flat(double lr);
+  void validate_options() const;
+  // Flat buffers: the per-param state above are views into these (one per group).
+  void make_flat_state();
+  void load_flat_state(std::vector<at::Tensor>& mom, std::vector<at::Tensor>& ea, std::vector<at::Tensor>& eas,
+                       std::vector<at::Tensor>& st, const std::string& source);
 
   std::vector<at::Tensor> params_;
   BackboneOptimizerOptions opts_;
@@ -63,6 +79,9 @@ class BackboneOptimizer {
   // Per param; undefined until the param's first step (torch creates state lazily too).
   std::vector<at::Tensor> momentum_;
   std::vector<at::Tensor> exp_avg_, exp_avg_sq_, steps_;
+  FlatParameters* flat_ = nullptr;
+  std::vector<at::Tensor> flat_momentum_, flat_exp_avg_, flat_exp_avg_sq_, flat_step_, flat_lr_;
+  std::vector<char> flat_stepped_;  // per group: its state exists (stepped, or loaded)
 };
 
 }  // namespace faceshard

@@ -158,9 +158,15 @@ void build_model(TrainJob& j, ClassifierStart start) {
   DdpOptions ddo;
   ddo.bucket_mb = cfg.dist.bucket_mb;
   ddo.find_unused_parameters = cfg.dist.find_unused_parameters;
-  j.ddp = std::make_unique<DataParallel>(j.backbone, d, ddo);
   for (auto& p : j.backbone->parameters())
     if (p.requires_grad()) j.backbone_params.push_back(p);
+  if (cfg.optim.fused && cfg.dist.find_unused_parameters)
+    log_info("optim.fused: off with dist.find_unused_parameters (a parameter without a gradient must not move)");
+  if (cfg.optim.fused && !cfg.dist.find_unused_parameters) {
+    j.flat = std::make_unique<FlatParameters>(j.backbone_params, cfg.dist.bucket_mb);
+    ddo.flat = j.flat.get();
+  }
+  j.ddp = std::make_unique<DataParallel>(j.backbone, d, ddo);
 
   PartialFCOptions po;
   po.num_classes = *cfg.data.num_classes;
@@ -217,7 +223,8 @@ void build_model(TrainJob& j, ClassifierStart start) {
   boo.beta1 = cfg.optim.betas[0];
   boo.beta2 = cfg.optim.betas[1];
   boo.eps = cfg.optim.eps;
-  j.opt = std::make_unique<BackboneOptimizer>(j.backbone_params, boo);
+  j.opt = j.flat ? std::make_unique<BackboneOptimizer>(*j.flat, boo)
+                 : std::make_unique<BackboneOptimizer>(j.backbone_params, boo);
   j.schedule = PolyWarmupSchedule{cfg.optim.lr, j.warmup_steps, j.total_steps, cfg.optim.power};
   j.fc_schedule = PolyWarmupSchedule{cfg.optim.classifier_lr(), j.warmup_steps, j.total_steps, cfg.optim.power};
   j.schedule.validate();

@@ -32,6 +32,7 @@ struct TrainJob {
   std::shared_ptr<Dataset> dataset;
   std::unique_ptr<DataLoader> loader;
   std::shared_ptr<Backbone> backbone;
+  std::unique_ptr<FlatParameters> flat;  // optim.fused: the buffers ddp and opt work on
   std::unique_ptr<DataParallel> ddp;
   std::unique_ptr<PartialFC> fc;
   std::unique_ptr<BackboneOptimizer> opt;

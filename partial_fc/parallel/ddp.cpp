@@ -51,6 +51,51 @@ DataParallel::DataParallel(std::shared_ptr<torch::nn::Module> module, Distribute
   }
   if (opts_.broadcast_on_construction) broadcast_module_state(*module_, dist_);
 
+  if (opts_.flat) {
+    use_flat_buckets();
+  } else {
+    make_buckets();
+  }
+  ready_.assign(params_.size(), 0);
+  used_.assign(params_.size(), 0);
+
+  // A post-hook on each parameter's gradient accumulator fires once its .grad holds this
+  // backward's full gradient.
+  for (size_t i = 0; i < params_.size(); ++i) {
+    auto acc = torch::autograd::impl::grad_accumulator(params_[i]);
+    acc->add_post_hook(std::make_unique<torch::autograd::utils::LambdaPostHook>(
+        [this, i](const torch::autograd::variable_list& outputs, const torch::autograd::variable_list& inputs) {
+          on_grad_ready(static_cast<int>(i));
+          return outputs;
+        }));
+    accumulators_.push_back(std::move(acc));
+  }
+}
+
+void DataParallel::use_flat_buckets() {
+  const FlatParameters& flat = *opts_.flat;
+  bool same = flat.params().size() == params_.size();
+  for (size_t i = 0; same && i < params_.size(); ++i)
+    same = flat.params()[i].unsafeGetTensorImpl() == params_[i].unsafeGetTensorImpl();
+  if (!same)
+    throw runtime_error("DataParallel: the flat buffers hold other parameters than the module's trainable ones (",
+                        flat.params().size(), " against ", params_.size(), ")");
+  bucket_of_.assign(params_.size(), -1);
+  slot_of_.assign(params_.size(), -1);
+  for (const FlatParameters::Bucket& fb : flat.buckets()) {
+    Bucket b;
+    b.params = fb.params;
+    b.offsets = fb.offsets;
+    b.flat = flat.groups()[fb.group].grads.narrow(0, fb.offset, fb.numel);
+    for (size_t s = 0; s < b.params.size(); ++s) {
+      bucket_of_[b.params[s]] = static_cast<int>(buckets_.size());
+      slot_of_[b.params[s]] = static_cast<int>(s);
+    }
+    buckets_.push_back(std::move(b));
+  }
+}
+
+void DataParallel::make_buckets() {
   // Buckets in reverse registration order (roughly the order backward produces gradients),
   // one dtype/device per bucket, at most bucket_mb each.
   const int64_t cap = static_cast<int64_t>(opts_.bucket_mb * 1024 * 1024);
@@ -77,20 +122,6 @@ DataParallel::DataParallel(std::shared_ptr<torch::nn::Module> module, Distribute
   for (auto& b : buckets_) {
     const at::Tensor& last = params_[b.params.back()];
     b.flat = torch::zeros({b.offsets.back() + last.numel()}, last.options().requires_grad(false));
-  }
-  ready_.assign(params_.size(), 0);
-  used_.assign(params_.size(), 0);
-
-  // A post-hook on each parameter's gradient accumulator fires once its .grad holds this
-  // backward's full gradient.
-  for (size_t i = 0; i < params_.size(); ++i) {
-    auto acc = torch::autograd::impl::grad_accumulator(params_[i]);
-    acc->add_post_hook(std::make_unique<torch::autograd::utils::LambdaPostHook>(
-        [this, i](const torch::autograd::variable_list& outputs, const torch::autograd::variable_list& inputs) {
-          on_grad_ready(static_cast<int>(i));
-          return outputs;
-        }));
-    accumulators_.push_back(std::move(acc));
   }
 }
 
@@ -154,10 +185,18 @@ void DataParallel::mark_ready(int index, bool have_grad) {
   ready_[index] = 1;
   used_[index] = have_grad ? 1 : 0;
   Bucket& b = buckets_[bucket_of_[index]];
-  at::Tensor slot = b.flat.narrow(0, b.offsets[slot_of_[index]], params_[index].numel());
   const at::Tensor& g = params_[index].grad();
-  if (have_grad && g.defined()) slot.copy_(g.reshape({-1}));
-  else slot.zero_();
+  if (opts_.flat) {
+    // The gradient is the bucket's slot (laid out like the param) unless something
+    // replaced it.
+    at::Tensor slot = opts_.flat->view(index, opts_.flat->groups()[opts_.flat->group_of(index)].grads);
+    if (!have_grad || !g.defined()) slot.zero_();
+    else if (g.data_ptr() != slot.data_ptr()) slot.copy_(g);
+  } else {
+    at::Tensor slot = b.flat.narrow(0, b.offsets[slot_of_[index]], params_[index].numel());
+    if (have_grad && g.defined()) slot.copy_(g.reshape({-1}));
+    else slot.zero_();
+  }
   if (--b.pending == 0) launch_ready_buckets();
 }
 
@@ -200,6 +239,12 @@ void DataParallel::finalize() {
       const int i = b.params[s];
       at::Tensor& p = params_[i];
       if (globally_used.defined() && globally_used[i].item<float>() == 0) continue;  // leave .grad as is
+      if (opts_.flat) {
+        // Averaged in place: the gradient is its slot (restored if something replaced it).
+        at::Tensor slot = opts_.flat->view(i, opts_.flat->groups()[opts_.flat->group_of(i)].grads);
+        if (!p.grad().defined() || p.grad().data_ptr() != slot.data_ptr()) p.mutable_grad() = slot;
+        continue;
+      }
       at::Tensor avg = b.flat.narrow(0, b.offsets[s], p.numel()).view(p.sizes());
       if (p.grad().defined()) p.mutable_grad().copy_(avg);
       else p.mutable_grad() = avg.clone();

@@ -20,6 +20,7 @@
 
 #include <torch/torch.h>
 
+#include "partial_fc/parallel/flat_params.h"
 #include "partial_fc/runtime/distributed.h"
 
 namespace faceshard {
@@ -30,6 +31,10 @@ struct DdpOptions {
   // autograd graph from the outputs; off by default because the walk costs time.
   bool find_unused_parameters = false;
   bool broadcast_on_construction = true;
+  // The module's trainable parameters in flat buffers (which must outlive this object):
+  // the buckets are ranges of the flat gradient buffers, all-reduced in place, with no
+  // copy of a gradient into its bucket and back. Its bucket cap is the one that counts.
+  FlatParameters* flat = nullptr;
 };
 
 // One step's record, for tests and traces.
@@ -76,6 +81,8 @@ class DataParallel {
     int pending = 0;
     c10::intrusive_ptr<c10d::Work> work;
   };
+  void make_buckets();
+  void use_flat_buckets();
   void on_grad_ready(int index);
   void mark_ready(int index, bool have_grad);
   void launch_ready_buckets();
