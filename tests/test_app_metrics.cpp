@@ -26,6 +26,7 @@
 #include "tests/cv2_reference.h"
 #include "tests/test_paths.h"
 #include "app/io/metrics_log.h"
+#include "app/train/device_readout.h"
 #include "app/io/tensorboard_writer.h"
 #include "app/eval/verification_metrics.h"
 #include "partial_fc/runtime/error.h"
@@ -838,6 +839,31 @@ print(json.load(open(sys.argv[1], encoding='utf-8')).encode('utf-8').hex())
   EXPECT_EQ(r.out, hex(s) + "\n");
   EXPECT_EQ(json_number(0.1), "0.1");
   EXPECT_EQ(json_number(std::nan("")), "null");
+}
+
+// The readout hands back exactly the values posted, in order (an int64 counter and a
+// float loss alike), reads an undefined value as 0, refuses a value that is not a scalar,
+// and a callback that throws leaves the later posts for the next delivery.
+TEST(DeviceReadout, DeliversWhatWasPostedInOrder) {
+  DeviceReadout r;
+  std::vector<std::vector<double>> got;
+  auto keep = [&](const std::vector<double>& v) { got.push_back(v); };
+  const at::Tensor loss = torch::tensor(2.75f), count = torch::tensor(int64_t{1} << 40);
+  r.post({loss, count, at::Tensor()}, keep);
+  r.post({torch::tensor(-1.5, torch::kDouble).reshape({1, 1})}, keep);
+  EXPECT_EQ(r.pending(), 2u);
+  EXPECT_EQ(r.deliver(false), 2);  // CPU values are ready at once
+  ASSERT_EQ(got.size(), 2u);
+  EXPECT_EQ(got[0], (std::vector<double>{2.75, std::ldexp(1.0, 40), 0.0}));
+  EXPECT_EQ(got[1], (std::vector<double>{-1.5}));
+  EXPECT_THROW(r.post({torch::zeros({2})}, keep), std::exception);
+  r.post({loss}, [](const std::vector<double>&) { throw std::runtime_error("the loss became NaN"); });
+  r.post({loss}, keep);
+  EXPECT_THROW(r.deliver(true), std::runtime_error);
+  EXPECT_EQ(r.pending(), 1u);
+  EXPECT_EQ(r.deliver(true), 1);
+  EXPECT_EQ(got.size(), 3u);
+  EXPECT_EQ(r.pending(), 0u);
 }
 
 }  // namespace

@@ -11,6 +11,14 @@
 #include <map>
 #include <set>
 
+#ifdef FACESHARD_WITH_CUDA
+#include <c10/cuda/CUDAFunctions.h>
+#endif
+
+#include "app/config/config.h"
+#include "app/train/device_readout.h"
+#include "app/train/train_job.h"
+#include "app/train/train_step.h"
 #include "partial_fc/classifier/partial_fc.h"
 #include "partial_fc/classifier/stochastic_round.h"
 #include "partial_fc/runtime/distributed.h"
@@ -241,6 +249,60 @@ TEST(StochasticRoundCuda, SameBitsAsTheCpu) {
   EXPECT_EQ(g.weight().scalar_type(), at::kBFloat16);
   EXPECT_GE((g.weight().cpu() == c.weight()).to(at::kDouble).mean().item<double>(), 0.999);
   EXPECT_GE((c.weight() != w0).to(at::kDouble).mean().item<double>(), 0.5) << "the centres hardly moved";
+}
+
+// The training step on a GPU never waits for the device: CUDA's synchronising calls are
+// made errors (LibTorch's sync debug mode) while steps run after two warm-up steps (cuDNN's
+// algorithm search may synchronise), with the loader's batches, and a log readout posted
+// and delivered as the loop does. bf16 (auto), with the logits buffered and streamed, with
+// and without sampling.
+TEST(TrainStepCuda, StepsWithoutHostSynchronisation) {
+  if (!have_cuda()) GTEST_SKIP() << "no CUDA device";
+#ifdef FACESHARD_WITH_CUDA
+  DistEnv env;
+  env.master_port = 20000 + static_cast<int>((::getpid() + 7) % 20000);
+  DistOptions o;
+  o.use_cuda = true;
+  auto dist = Distributed::init(env, o);
+  for (const char* logits : {"buffer", "streamed"}) {
+    for (const char* rate : {"1.0", "0.5"}) {
+      SCOPED_TRACE(std::string("loss.logits ") + logits + ", sample rate " + rate);
+      const std::string yaml = std::string("output: ") + ::testing::TempDir() + "/nosync\nseed: 3\n" +
+                               "data:\n  rec: synthetic\n  num_classes: 2000\n  batch_size: 64\n  num_workers: 2\n" +
+                               "model:\n  backbone: mbf\n" + "loss:\n  sample_rate: " + rate + "\n  logits: " + logits +
+                               "\noptim:\n  total_steps: 100\n" +
+                               "train:\n  verify_every: 0\n  tensorboard: false\ndist:\n  device: cuda\n";
+      const Config cfg = load_config_text(yaml, "nosync.yaml");
+      TrainJob job = build_train_job(cfg, dist);
+      ASSERT_EQ(job.cfg.train.precision, device_has_bf16(job.device) ? "bf16" : "fp32");
+      ASSERT_FALSE(job.loss_scaling);
+      job.backbone->train();
+      job.loader->start_epoch(0, 0);
+      BatchSource next = [&] { return *job.loader->next(); };
+      TrainStep step(job);
+      DeviceReadout readout;
+      std::vector<double> losses;
+      for (int64_t k = 0; k < 2; ++k) step.run(next, k);
+      c10::cuda::device_synchronize();
+      c10::cuda::warning_state().set_sync_debug_mode(c10::cuda::SyncDebugMode::L_ERROR);
+      try {
+        for (int64_t k = 2; k < 6; ++k) {
+          StepResult r = step.run(next, k);
+          readout.post({r.loss, r.accuracy, step.first_nonfinite_marker()},
+                       [&](const std::vector<double>& v) { losses.push_back(v[0]); });
+          readout.deliver(/*wait=*/false);
+        }
+      } catch (const std::exception& e) {
+        ADD_FAILURE() << "the step synchronised with the device: " << e.what();
+      }
+      c10::cuda::warning_state().set_sync_debug_mode(c10::cuda::SyncDebugMode::L_DISABLED);
+      readout.deliver(/*wait=*/true);
+      ASSERT_EQ(losses.size(), 4u);
+      for (double l : losses) EXPECT_TRUE(std::isfinite(l) && l > 0) << l;
+    }
+  }
+  dist->shutdown();
+#endif
 }
 
 }  // namespace

@@ -43,6 +43,9 @@ class TrainStep {
   // Without loss scaling a non-finite loss is an error: the first step (0-based) whose loss
   // was not finite, if any. Reads the device (a host sync): call where the loop syncs anyway.
   std::optional<int64_t> first_nonfinite_step() const;
+  // The same as it lives on the device (int64, 0-dim, -1 while every loss was finite), for
+  // a reader that does not wait for the device.
+  const at::Tensor& first_nonfinite_marker() const { return first_bad_; }
 
   // Called on every rank after the step's backward, before unscaling and the optimisers,
   // with the 1-based step number (fault injection).

@@ -8,6 +8,7 @@
 #include <filesystem>
 
 #include "app/io/checkpoint.h"
+#include "app/train/device_readout.h"
 #include "app/train/log_sinks.h"
 #include "app/train/run_folder.h"
 #include "app/train/train_job.h"
@@ -122,6 +123,7 @@ int run_training(const TrainRequest& req) {
   if (cfg.train.verify_every > 0 && p.step == 0 && j.last_step > 0) validation.run(0, p.best_accuracy, sinks);
 
   at::Tensor loss_sum = torch::zeros({}, torch::TensorOptions().device(j.device)), acc_sum = torch::zeros_like(loss_sum);
+  DeviceReadout readout;
   int64_t logged = 0, skipped = 0;
   const int64_t start_step = p.step;
   auto t_start = Clock::now(), t_log = Clock::now(), t_checkpoint = Clock::now();
@@ -140,31 +142,53 @@ int run_training(const TrainRequest& req) {
     const bool log_now = p.step % cfg.train.log_every == 0 || p.step == j.last_step;
     if (!log_now) sinks.progress(p.step, j.last_step);
     if (log_now) {
-      check_finite();
       TrainRecord rec;
       rec.step = p.step;
       rec.last_step = j.last_step;
       rec.epoch = p.epoch;
-      rec.loss = loss_sum.item<double>() / logged;
-      rec.accuracy = acc_sum.item<double>() / logged;
       rec.lr = r.lr;
       rec.samples_per_sec = logged * j.global_batch() / std::max(seconds_since(t_log), 1e-9);
       rec.eta_s = seconds_since(t_start) / std::max<int64_t>(1, p.step - start_step) * (j.last_step - p.step);
       if (j.loss_scaling) rec.loss_scale = j.scaler->current_scale();
       rec.memory_gb = device_peak_memory_gb(j.device);
-      for (const auto& kv : j.fc->head().state())  // a host read at log steps only
-        rec.head_state.emplace_back("head/" + j.fc->head().name() + "/" + kv.first, kv.second.item<double>());
+      // The device's values of the record are read a step or two later (no host sync).
+      std::vector<at::Tensor> values{loss_sum, acc_sum, train_step.first_nonfinite_marker()};
+      std::vector<std::string> names;
+      for (const auto& kv : j.fc->head().state()) {
+        names.push_back("head/" + j.fc->head().name() + "/" + kv.first);
+        values.push_back(kv.second);
+      }
       // bf16 centres: the share of this rank's moved values whose stored bf16 stayed the same.
-      if (j.fc->options().weight_dtype == at::kBFloat16)
-        rec.head_state.emplace_back("fc/unchanged_updates", j.fc->take_lost_updates().first);
-      sinks.train(rec);
+      const at::Tensor lost = j.fc->take_lost_update_counts();
+      if (lost.defined()) {
+        values.push_back(lost[0]);
+        values.push_back(lost[1]);
+      }
+      readout.post(values, [&sinks, &checkpoints, rec, names, n = logged, counted = lost.defined(),
+                            scaling = j.loss_scaling](const std::vector<double>& v) mutable {
+        if (!scaling && v[2] >= 0)
+          throw runtime_error("the loss became NaN/inf at step ", static_cast<int64_t>(v[2]) + 1,
+                              "; stopping. Last good checkpoint: ",
+                              checkpoints.latest().empty() ? "none" : checkpoints.latest());
+        rec.loss = v[0] / n;
+        rec.accuracy = v[1] / n;
+        for (size_t k = 0; k < names.size(); ++k) rec.head_state.emplace_back(names[k], v[3 + k]);
+        if (counted) {
+          const double lost = v[3 + names.size()], moved = v[4 + names.size()];
+          rec.head_state.emplace_back("fc/unchanged_updates", moved > 0 ? lost / moved : 0.0);
+        }
+        sinks.train(rec);
+      });
       loss_sum.zero_();
       acc_sum.zero_();
       logged = 0;
       t_log = Clock::now();
     }
-    if (cfg.train.verify_every > 0 && p.step % cfg.train.verify_every == 0 && p.step != j.last_step)
+    readout.deliver(/*wait=*/false);
+    if (cfg.train.verify_every > 0 && p.step % cfg.train.verify_every == 0 && p.step != j.last_step) {
+      readout.deliver(/*wait=*/true);  // the log line of the step comes before its verification
       validation.run(p.step, p.best_accuracy, sinks);
+    }
     const bool epoch_end = p.batch_in_epoch == batches_per_epoch;
     bool want_checkpoint = cfg.train.checkpoint_every > 0 ? p.step % cfg.train.checkpoint_every == 0 : epoch_end;
     // SIGTERM/SIGINT on any rank, and a time-based checkpoint falling due on any rank's
@@ -175,6 +199,7 @@ int run_training(const TrainRequest& req) {
     const auto f = flags.accessor<float, 1>();
     want_checkpoint = want_checkpoint || f[1] > 0;
     if (f[0] > 0) {
+      readout.deliver(/*wait=*/true);
       check_finite();
       const bool signalled_here = g_stop_signal.load() != 0;
       log_info("stop requested (signal", signalled_here ? "" : " to another rank", "): checkpointing at step ", p.step,
@@ -197,11 +222,13 @@ int run_training(const TrainRequest& req) {
       return 0;
     }
     if (want_checkpoint && p.step != j.last_step) {
+      readout.deliver(/*wait=*/true);
       check_finite();
       state.save(checkpoints);
       t_checkpoint = Clock::now();
     }
   }
+  readout.deliver(/*wait=*/true);
   check_finite();
   if (skipped) log_info("loss scaling: ", skipped, " steps skipped for non-finite gradients");
   validation.run(p.step, p.best_accuracy, sinks);

@@ -342,10 +342,16 @@ void PartialFC::update_chunk(int64_t j, int64_t n, at::Tensor raw, double lr) {
   else weight_.narrow(0, j, n).copy_(stored);
 }
 
-std::pair<double, int64_t> PartialFC::take_lost_updates() {
-  if (!lost_.defined()) return {0.0, 0};
-  const at::Tensor c = lost_.cpu().clone();  // .cpu() of a CPU tensor is the tensor itself
+at::Tensor PartialFC::take_lost_update_counts() {
+  if (!lost_.defined()) return at::Tensor();
+  at::Tensor c = lost_.clone();
   lost_.zero_();
+  return c;
+}
+
+std::pair<double, int64_t> PartialFC::take_lost_updates() {
+  const at::Tensor c = take_lost_update_counts();
+  if (!c.defined()) return {0.0, 0};
   const int64_t lost = c[0].item<int64_t>(), moved = c[1].item<int64_t>();
   return {moved > 0 ? static_cast<double>(lost) / static_cast<double>(moved) : 0.0, moved};
 }

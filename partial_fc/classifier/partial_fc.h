@@ -214,6 +214,9 @@ class PartialFC {
   // moved; a host read (a sync on a GPU: call it where the loss is read). Without bf16
   // centres nothing is counted.
   std::pair<double, int64_t> take_lost_updates();
+  // The same counts as they are, [lost, moved] (int64, on the device; undefined without
+  // bf16 centres), without a host read: for a reader that copies them asynchronously.
+  at::Tensor take_lost_update_counts();
 
   // Deterministic initial centres N(0, 0.01) for global classes [start, start+count): the
   // same class gets the same initial centre whatever the number of ranks.
