@@ -6,7 +6,14 @@
 #include <ATen/ops/_prelu_kernel_backward.h>
 
 #include <cstring>
+#include <optional>
 #include <vector>
+
+#ifdef FACESHARD_WITH_CUDA
+#include <c10/cuda/CUDAStream.h>
+
+#include "models/prelu_cuda.h"
+#endif
 
 namespace faceshard {
 namespace {
@@ -125,6 +132,73 @@ std::tuple<torch::Tensor, torch::Tensor> cpu_backward(const torch::Tensor& dy, c
   return {dx, dweight.view(weight.sizes())};
 }
 
+#ifdef FACESHARD_WITH_CUDA
+std::optional<PReLUCudaType> cuda_type(at::ScalarType t) {
+  if (t == at::kFloat) return PReLUCudaType::Float;
+  if (t == at::kBFloat16) return PReLUCudaType::BFloat16;
+  if (t == at::kHalf) return PReLUCudaType::Half;
+  return std::nullopt;
+}
+#endif
+
+// x [N, C, H, W] on a GPU in fp32/bf16/fp16 with slopes of its type or fp32, one per channel
+// or one for all, NCHW or channels-last; dy (when given) alike.
+bool cuda_pass_applies(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor* dy) {
+#ifdef FACESHARD_WITH_CUDA
+  if (!x.is_cuda() || x.dim() != 4 || !cuda_type(x.scalar_type()) || w.device() != x.device() ||
+      (w.scalar_type() != x.scalar_type() && w.scalar_type() != at::kFloat) ||
+      (w.numel() != x.size(1) && w.numel() != 1))
+    return false;
+  const bool nchw = x.is_contiguous(), nhwc = x.is_contiguous(at::MemoryFormat::ChannelsLast);
+  if (!nchw && !nhwc) return false;
+  if (nhwc && !nchw && w.numel() > 1 && w.numel() > kPReLUCudaMaxRowChannels) return false;
+  if (dy && (dy->scalar_type() != x.scalar_type() || dy->device() != x.device() ||
+             !dy->is_contiguous(nchw ? at::MemoryFormat::Contiguous : at::MemoryFormat::ChannelsLast)))
+    return false;
+  return true;
+#else
+  (void)x, (void)w, (void)dy;
+  return false;
+#endif
+}
+
+#ifdef FACESHARD_WITH_CUDA
+std::tuple<torch::Tensor, torch::Tensor> cuda_backward(const torch::Tensor& dy, const torch::Tensor& x,
+                                                       const torch::Tensor& weight) {
+  const int64_t N = x.size(0), C = x.size(1), HW = x.size(2) * x.size(3);
+  const bool nchw = x.is_contiguous();
+  torch::Tensor dx = at::empty_like(x, nchw ? at::MemoryFormat::Contiguous : at::MemoryFormat::ChannelsLast);
+  // The slopes as the forward multiplied by them: in x's type (fp32 slopes of a bf16 x are
+  // rounded to bf16 there), read as fp32.
+  const torch::Tensor a = weight.to(x.scalar_type()).to(at::kFloat).contiguous();
+  torch::Tensor dw = at::empty({weight.numel()}, x.options().dtype(at::kFloat));
+  const PReLUCudaType type = *cuda_type(x.scalar_type());
+  void* stream = c10::cuda::getCurrentCUDAStream(x.device().index()).stream();
+  if (weight.numel() == 1) {
+    // One slope: the layout does not matter; the tensor in pieces of at most 64k elements.
+    const int64_t total = x.numel(), len = std::min<int64_t>(total > 0 ? total : 1, 65536);
+    const int64_t whole = total / len, rest = total - whole * len;
+    prelu_backward_planes_cuda(type, x.data_ptr(), dy.data_ptr(), dx.data_ptr(), a.data_ptr<float>(),
+                               dw.data_ptr<float>(), whole, len, 1, stream);
+    if (rest > 0) {
+      torch::Tensor tail = at::empty({1}, dw.options());
+      const int64_t off = whole * len * x.element_size();
+      prelu_backward_planes_cuda(type, static_cast<const char*>(x.data_ptr()) + off,
+                                 static_cast<const char*>(dy.data_ptr()) + off, static_cast<char*>(dx.data_ptr()) + off,
+                                 a.data_ptr<float>(), tail.data_ptr<float>(), 1, rest, 1, stream);
+      dw.add_(tail);
+    }
+  } else if (nchw) {
+    prelu_backward_planes_cuda(type, x.data_ptr(), dy.data_ptr(), dx.data_ptr(), a.data_ptr<float>(),
+                               dw.data_ptr<float>(), N * C, HW, C, stream);
+  } else {
+    prelu_backward_rows_cuda(type, x.data_ptr(), dy.data_ptr(), dx.data_ptr(), a.data_ptr<float>(), dw.data_ptr<float>(),
+                             N * HW, C, stream);
+  }
+  return {dx, dw.to(weight.scalar_type()).view(weight.sizes())};
+}
+#endif
+
 // The slopes as ATen's kernel takes them: [C] viewed along dimension 1 of x.
 torch::Tensor slopes_for(const torch::Tensor& x, const torch::Tensor& w) {
   if (x.dim() < 2) return w;
@@ -137,7 +211,9 @@ struct PReLUFn : public torch::autograd::Function<PReLUFn> {
   static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& x, const torch::Tensor& w) {
     ctx->save_for_backward({x, w});
     at::AutoDispatchBelowADInplaceOrView guard;
-    return at::prelu(x, w);
+    // One type for ATen's kernel: fp32 slopes of a bf16/fp16 x in x's type (what autocast,
+    // which lists prelu among its reduced-precision ops, does too).
+    return at::prelu(x, w.scalar_type() == x.scalar_type() ? w : w.to(x.scalar_type()));
   }
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
@@ -150,22 +226,33 @@ struct PReLUFn : public torch::autograd::Function<PReLUFn> {
 }  // namespace
 
 std::tuple<torch::Tensor, torch::Tensor> prelu_backward(const torch::Tensor& dy, const torch::Tensor& x,
-                                                        const torch::Tensor& weight, bool cpu_pass) {
+                                                        const torch::Tensor& weight, bool own_pass) {
   torch::NoGradGuard ng;
   // dy usually arrives in x's memory format; make it so where it does not.
   const torch::Tensor g = dy.contiguous(x.suggest_memory_format());
-  if (cpu_pass && cpu_pass_applies(g, x, weight)) return cpu_backward(g, x, weight);
-  const torch::Tensor slopes = slopes_for(x, weight);
-  auto [dx, dw] = at::_prelu_kernel_backward(g, x, slopes);
+  if (own_pass && cpu_pass_applies(g, x, weight)) return cpu_backward(g, x, weight);
+#ifdef FACESHARD_WITH_CUDA
+  if (own_pass && cuda_pass_applies(x, weight, &g)) return cuda_backward(g, x, weight);
+#endif
+  // ATen's kernel takes one type: x and the slopes in dy's (autocast may have run the
+  // forward in another type than x's; fp32 slopes of a bf16 x are rounded as the forward's).
+  const at::ScalarType t = g.scalar_type();
+  const torch::Tensor xt = x.scalar_type() == t ? x : x.to(t);
+  const torch::Tensor wt = weight.scalar_type() == x.scalar_type() ? weight : weight.to(x.scalar_type());
+  const torch::Tensor slopes = slopes_for(xt, wt.scalar_type() == t ? wt : wt.to(t));
+  auto [dx, dw] = at::_prelu_kernel_backward(g, xt, slopes);
   // ATen's slope gradient has x's shape: summed to the slopes' viewed shape.
-  return {dx, at::sum_to(dw, slopes.sizes()).reshape(weight.sizes())};
+  return {dx.to(x.scalar_type()), at::sum_to(dw, slopes.sizes()).reshape(weight.sizes()).to(weight.scalar_type())};
 }
 
 torch::Tensor prelu(const torch::Tensor& x, const torch::Tensor& weight) {
-  // ATen's op (and its autograd) wherever the CPU pass would not run: no gradient, another
+  // ATen's op (and its autograd) wherever neither pass would run: no gradient, another
   // device or type, and under autocast, which runs prelu in the reduced precision.
-  if (!torch::GradMode::is_enabled() || (!x.requires_grad() && !weight.requires_grad()) || !x.device().is_cpu() ||
-      x.scalar_type() != at::kFloat || weight.scalar_type() != at::kFloat || x.dim() != 4 ||
+  if (!torch::GradMode::is_enabled() || (!x.requires_grad() && !weight.requires_grad())) return at::prelu(x, weight);
+  // A GPU's inputs that the CUDA pass takes (its backward falls back to ATen's for a dy of
+  // another type or layout).
+  if (cuda_pass_applies(x, weight, nullptr)) return PReLUFn::apply(x, weight);
+  if (!x.device().is_cpu() || x.scalar_type() != at::kFloat || weight.scalar_type() != at::kFloat || x.dim() != 4 ||
       at::autocast::is_autocast_enabled(at::kCPU))
     return at::prelu(x, weight);
   return PReLUFn::apply(x, weight);

@@ -3,8 +3,9 @@
 // x and dy per channel plane (NCHW) or per pixel row (channels-last) that writes dx and sums
 // the slopes' gradient, in fp32 with fp64 sums across planes; ATen's CPU backward (a scalar
 // kernel writing a full-size slope-gradient tensor that a reduction then sums) costs a sixth
-// of a MobileFaceNet step. Other devices and types take ATen's backward (the path a GPU
-// runs), which the tests compare the CPU pass with.
+// of a MobileFaceNet step. On a GPU (fp32, bf16, fp16; NCHW or channels-last) the backward is
+// one CUDA pass (prelu_cuda.h) that writes dx and sums the slopes' gradient in registers
+// and shared memory. Other cases take ATen's backward, which the tests compare both with.
 #pragma once
 #include <torch/torch.h>
 
@@ -13,9 +14,9 @@ namespace faceshard {
 // x [N, C, ...] (any memory format), weight [C] or [1]: the module's parameter.
 torch::Tensor prelu(const torch::Tensor& x, const torch::Tensor& weight);
 
-// The backward alone: (dx, dweight) for upstream dy. `cpu_pass` false forces ATen's
-// backward (tests compare the two).
+// The backward alone: (dx, dweight) for upstream dy. `own_pass` false forces ATen's
+// backward (tests and benchmarks compare the two).
 std::tuple<torch::Tensor, torch::Tensor> prelu_backward(const torch::Tensor& dy, const torch::Tensor& x,
-                                                        const torch::Tensor& weight, bool cpu_pass = true);
+                                                        const torch::Tensor& weight, bool own_pass = true);
 
 }  // namespace faceshard

@@ -26,7 +26,7 @@ TEST(PReLU, CpuBackwardMatchesATenAndAutograd) {
           dy = dy.contiguous(at::MemoryFormat::ChannelsLast);
         }
         auto [dx, dw] = prelu_backward(dy, x, w);
-        auto [dx_ref, dw_ref] = prelu_backward(dy, x, w, /*cpu_pass=*/false);
+        auto [dx_ref, dw_ref] = prelu_backward(dy, x, w, /*own_pass=*/false);
         EXPECT_TRUE(torch::equal(dx, dx_ref));  // a select and a product: exact
         if (shape[2] * shape[3] > 1) {  // dx in x's memory format (1x1 planes are both)
           EXPECT_EQ(dx.is_contiguous(at::MemoryFormat::ChannelsLast), channels_last);
@@ -43,6 +43,59 @@ TEST(PReLU, CpuBackwardMatchesATenAndAutograd) {
         EXPECT_LE(testing::relative_error(wa.grad(), wd.grad()), 1e-6);
         EXPECT_TRUE(torch::equal(faceshard::prelu(x, w), at::prelu(x, w)));
       }
+}
+
+// The CUDA pass (models/prelu_cuda.cu) against plain float64 ops on the same values and
+// against ATen's CUDA backward: fp32, bf16 and fp16, NCHW and channels-last, one slope per
+// channel (below and above the 256 channels one thread row covers) and one for all, slopes
+// of x's type and fp32 slopes with reduced-precision x; through autograd as well.
+TEST(PReLUCuda, BackwardMatchesATenAndFloat64) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
+  torch::manual_seed(9);
+  const auto dev = torch::Device(torch::kCUDA);
+  for (const at::ScalarType type : {at::kFloat, at::kBFloat16, at::kHalf})
+    for (const bool channels_last : {false, true})
+      for (const auto& shape : {std::vector<int64_t>{3, 24, 7, 9}, std::vector<int64_t>{2, 600, 3, 5},
+                                std::vector<int64_t>{4, 64, 28, 28}})
+        for (const bool one_slope : {false, true})
+          for (const bool fp32_slopes : {false, true}) {
+            if (type == at::kFloat && fp32_slopes) continue;  // the same case
+            SCOPED_TRACE(std::string(c10::toString(type)) + (channels_last ? " channels_last" : " nchw") + " C " +
+                         std::to_string(shape[1]) + (one_slope ? " one slope" : "") + (fp32_slopes ? " fp32 slopes" : ""));
+            const auto opt = at::TensorOptions(dev).dtype(type);
+            at::Tensor x = torch::randn(shape, opt), dy = torch::randn(shape, opt);
+            x.view(-1).narrow(0, 0, 10).zero_();
+            if (channels_last) {
+              x = x.contiguous(at::MemoryFormat::ChannelsLast);
+              dy = dy.contiguous(at::MemoryFormat::ChannelsLast);
+            }
+            const at::Tensor w = (torch::rand({one_slope ? 1 : shape[1]}, opt.dtype(at::kFloat)) * 0.5)
+                                     .to(fp32_slopes ? at::kFloat : type);
+            auto [dx, dw] = prelu_backward(dy, x, w);
+            EXPECT_EQ(dx.scalar_type(), type);
+            EXPECT_EQ(dw.scalar_type(), w.scalar_type());
+            EXPECT_EQ(dw.sizes(), w.sizes());
+            EXPECT_EQ(dx.is_contiguous(at::MemoryFormat::ChannelsLast), channels_last);
+            // float64 from the same values.
+            const at::Tensor xd = x.to(at::kDouble), gd = dy.to(at::kDouble), wd = w.to(at::kDouble);
+            const at::Tensor a = one_slope ? wd.view({1, 1, 1, 1}) : wd.view({1, -1, 1, 1});
+            const at::Tensor dx64 = at::where(xd > 0, gd, a * gd);
+            const at::Tensor terms = at::where(xd > 0, at::zeros_like(xd), gd * xd);
+            const at::Tensor dw64 = one_slope ? terms.sum().reshape({1}) : terms.sum({0, 2, 3});
+            const double tol = type == at::kFloat ? 1e-6 : 1e-2;
+            EXPECT_LE(testing::relative_error(dx.to(at::kDouble), dx64), tol);
+            EXPECT_LE(testing::relative_error(dw.to(at::kDouble), dw64), type == at::kFloat || fp32_slopes ? 1e-5 : 1e-2);
+            if (!fp32_slopes) {
+              auto [dx_aten, dw_aten] = prelu_backward(dy, x, w, /*own_pass=*/false);
+              EXPECT_TRUE(torch::equal(dx, dx_aten));  // a select and a product in fp32, then rounded
+              EXPECT_LE(testing::relative_error(dw.to(at::kDouble), dw_aten.to(at::kDouble)), tol);
+            }
+            // Autograd through faceshard::prelu (the CUDA pass) against float64.
+            const at::Tensor xa = x.detach().requires_grad_(true), wa = w.detach().requires_grad_(true);
+            (faceshard::prelu(xa, wa).to(at::kDouble) * gd).sum().backward();
+            EXPECT_LE(testing::relative_error(xa.grad().to(at::kDouble), dx64), tol);
+            EXPECT_LE(testing::relative_error(wa.grad().to(at::kDouble), dw64), type == at::kFloat || fp32_slopes ? 1e-5 : 1e-2);
+          }
 }
 
 }  // namespace

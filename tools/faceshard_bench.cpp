@@ -421,7 +421,9 @@ int run_step(const Args& a) {
   TrainJob job = build_train_job(cfg);
   Distributed& dist = *job.dist;
   const bool cuda = job.device.is_cuda();
-  TrainStep step(job, /*timing=*/true);
+  // Throughput from untimed steps (a GPU step then never waits for the device); the split
+  // into phases from one window of timed steps after them.
+  TrainStep step(job);
   uint64_t epoch = 0, in_epoch = 0;
   const uint64_t per_epoch = uint64_t(job.steps_per_epoch * job.micro);
   job.loader->start_epoch(0);
@@ -442,21 +444,23 @@ int run_step(const Args& a) {
   for (int64_t w = 0; w < a.windows; ++w) {
     dist.barrier();
     auto t0 = std::chrono::steady_clock::now();
-    for (int64_t i = 0; i < a.steps; ++i) {
-      StepResult r = step.run(next, k++);
-      sum.data += r.times.data, sum.forward += r.times.forward, sum.backward += r.times.backward;
-      sum.optimizer += r.times.optimizer;
-    }
+    for (int64_t i = 0; i < a.steps; ++i) step.run(next, k++);
     sync_device(cuda);
     const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     rate.push_back(double(a.steps * job.global_batch()) / s);
+  }
+  step.set_timing(true);  // one window more
+  for (int64_t i = 0; i < a.steps; ++i) {
+    StepResult r = step.run(next, k++);
+    sum.data += r.times.data, sum.forward += r.times.forward, sum.backward += r.times.backward;
+    sum.optimizer += r.times.optimizer;
   }
   std::sort(rate.begin(), rate.end());
   const double median = rate[rate.size() / 2], peak = peak_bytes(cuda) / 1048576.0;
   // CPU: every tensor alive at the peak (parameters, optimiser state, classifier, the
   // loader's batches...), counted at c10's allocator; on a GPU the allocator's peak is that.
   const double tensor_peak = cuda ? peak : static_cast<double>(AllocationMeter::peak_bytes()) / 1048576.0;
-  const double n = double(a.steps * a.windows), total = sum.total();
+  const double n = double(a.steps), total = sum.total();
   auto pct = [&](double x) { return total > 0 ? 100.0 * x / total : 0.0; };
   log_info("step: ", cfg.model.backbone, ", batch ", cfg.data.batch_size, "x", dist.world_size(), " x ", job.micro,
            " micro-batches, ", *job.cfg.data.num_classes, " classes (", job.fc->num_sample(), " per step on this rank), ",

@@ -101,7 +101,7 @@ report() {
 # Sizes: the real check, or the plumbing at tiny sizes.
 if [ "$tiny" = 1 ]; then
   train_first=3; train_set=(--set train.max_steps=6 --set train.log_every=1 --set train.verify_every=3 --set train.checkpoint_every=3)
-  cells=("mbf_small 8 fp32 cl" "mbf_small 8 fp32 nchw")
+  cells=("mbf_small 8 fp32 cl" "mbf_small 8 fp32 cl unfused" "mbf_small 8 fp32 nchw")
   declare -A at_for=([mbf_small]="mbf 8 fp32")
   step_args=(--classes 2000 --sample-rate 0.1 --steps 2 --windows 2 --warmup 1)
   at_args=(--classes 2000 --sample-rate 0.1 --steps 2 --windows 2 --warmup 1)
@@ -113,7 +113,10 @@ if [ "$tiny" = 1 ]; then
   tests_filter="*Cuda*:LossScaler.*"
 else
   train_first=31; train_set=()
-  cells=("r50 256 bf16 cl" "r50 256 fp16 cl" "r50 256 bf16 nchw" "mbf 512 bf16 cl" "mbf 512 fp16 cl")
+  # A fifth word names a variant: "unfused" is the same cell with optim.fused=false (the
+  # per-parameter optimiser and DDP's bucket copies), the fused optimiser's contribution.
+  cells=("r50 256 bf16 cl" "r50 256 bf16 cl unfused" "r50 256 fp16 cl" "r50 256 bf16 nchw" "mbf 512 bf16 cl"
+         "mbf 512 bf16 cl unfused" "mbf 512 fp16 cl")
   # arcface_torch trains in fp16 (its configs' fp16: True): its cell beside both precisions.
   declare -A at_for=([r50]="r50 256 fp16" [mbf]="mbf 512 fp16")
   step_args=(--classes 1000000 --sample-rate 0.1 --steps 10 --windows 3 --warmup 3)
@@ -188,9 +191,10 @@ fi
 if want step; then
   declare -A at_done=()
   for c in "${cells[@]}"; do
-    read -r net batch prec layout <<< "$c"
+    read -r net batch prec layout variant <<< "$c"
+    name="step_faceshard_${net}_${batch}_${prec}_${layout}${variant:+_$variant}"
     if [ "$(elapsed)" -ge "$budget" ]; then
-      printf 'step_faceshard_%s_%s_%s_%s\tskipped\t0\n' "$net" "$batch" "$prec" "$layout" >> "$status"
+      printf '%s\tskipped\t0\n' "$name" >> "$status"
       continue
     fi
     # arcface_torch's step for this cell's network first (once), then faceshard's cells beside it.
@@ -203,9 +207,10 @@ if want step; then
         "${at_args[@]}" --json "$work/json/step_arcface_torch_${anet}_${abatch}_${aprec}.json"
     fi
     cl=true; [ "$layout" = nchw ] && cl=false
-    run "step_faceshard_${net}_${batch}_${prec}_${layout}" 300 "$bin/faceshard-bench" --mode step --device "$device" \
+    extra=(); [ "${variant:-}" = unfused ] && extra=(--set optim.fused=false)
+    run "$name" 300 "$bin/faceshard-bench" --mode step --device "$device" \
       --network "$net" --batch "$batch" --precision "$prec" "${step_args[@]}" --set model.channels_last=$cl \
-      --set data.num_workers=8 --json "$work/json/step_faceshard_${net}_${batch}_${prec}_${layout}.json"
+      --set data.num_workers=8 "${extra[@]}" --json "$work/json/$name.json"
     report
   done
 fi

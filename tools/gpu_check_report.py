@@ -141,9 +141,12 @@ def main():
                             "peak_memory_mb": r.get("peak_memory_mb"), "step_ms": r.get("step_ms"),
                             "phases_ms": r.get("phases"), "card": card, "date": date})
         else:
-            layout = base.rsplit("_", 1)[-1]
+            words = base.split("_")
+            variant = words[-1] if words[-1] not in ("cl", "nchw") else ""
+            layout = words[-2] if variant else words[-1]
             records.append({"who": "faceshard", "network": r["network"], "batch": r["batch_per_rank"],
                             "precision": r["precision"], "sample_rate": r.get("sample_rate"),
+                            "variant": "optim.fused=false" if variant == "unfused" else variant,
                             "channels_last": layout == "cl", "classes": r["classes"],
                             "images_per_s": r["images_per_s"], "peak_memory_mb": r.get("peak_memory_mb"),
                             "step_ms": r.get("step_ms"), "phases_ms": r.get("split_ms"), "card": card, "date": date})
@@ -158,6 +161,7 @@ def main():
                (x["network"] == r["network"] or a.device == "cpu")]
         if ref:
             ratios.append({"network": r["network"], "batch": r["batch"], "precision": r["precision"],
+                           "variant": r.get("variant", ""),
                            "channels_last": r["channels_last"], "faceshard": r["images_per_s"],
                            "arcface_torch": ref[0]["images_per_s"], "arcface_torch_precision": ref[0]["precision"],
                            "ratio": r["images_per_s"] / ref[0]["images_per_s"] if ref[0]["images_per_s"] else None})
@@ -225,10 +229,10 @@ def main():
         for r in records:
             print(f"   {r['who']:14} {r['network']:9} {r['batch']:>5} {r['precision']:5} "
                   f"{'NHWC' if r['channels_last'] else 'NCHW':6} {r['images_per_s']:>10.1f} "
-                  f"{(r['peak_memory_mb'] or 0):>9.0f} {(r['step_ms'] or 0):>8.1f}")
+                  f"{(r['peak_memory_mb'] or 0):>9.0f} {(r['step_ms'] or 0):>8.1f} {r.get('variant', '')}")
         for q in ratios:
             print(f"   faceshard/arcface_torch {q['network']} {q['batch']} {q['precision']} "
-                  f"{'NHWC' if q['channels_last'] else 'NCHW'}: {q['ratio']:.2f}x "
+                  f"{'NHWC' if q['channels_last'] else 'NCHW'}{' ' + q['variant'] if q.get('variant') else ''}: {q['ratio']:.2f}x "
                   f"(arcface_torch {q['arcface_torch_precision']})")
     for c in classifier:
         if "bytes_per_class" in c:

@@ -2,9 +2,12 @@
 
 #include <chrono>
 
-#ifdef FACESHARD_WITH_CUDA
-#include <c10/cuda/CUDAFunctions.h>
-#endif
+#include <memory>
+#include <utility>
+#include <vector>
+
+#include <c10/core/Event.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
 
 #include "app/train/grad_clip.h"
 
@@ -13,24 +16,42 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-// Marks phase boundaries: with timing on, waits for the device and adds the elapsed time.
+// Marks phase boundaries when timing is on. On the CPU, the host's clock at each one; on a
+// GPU, an event recorded on the device's stream at each boundary, read once the step is
+// queued (finish): each phase's time is the device's between its boundaries, and the step
+// is timed without a host synchronisation inside it.
 class PhaseClock {
  public:
-  PhaseClock(bool on, torch::Device device) : on_(on), device_(device), t_(Clock::now()) {}
+  PhaseClock(bool on, torch::Device device) : on_(on), device_(device), t_(Clock::now()) {
+    if (on_ && !device_.is_cpu()) mark(nullptr);
+  }
   void lap(double& into) {
     if (!on_) return;
-#ifdef FACESHARD_WITH_CUDA
-    if (device_.is_cuda()) c10::cuda::device_synchronize();
-#endif
+    if (!device_.is_cpu()) return mark(&into);
     const auto now = Clock::now();
     into += std::chrono::duration<double>(now - t_).count();
     t_ = now;
   }
+  // Adds the device's phase times (waits for the last boundary's event).
+  void finish() {
+    if (marks_.empty()) return;
+    marks_.back().first->synchronize();
+    for (size_t k = 1; k < marks_.size(); ++k)
+      *marks_[k].second += marks_[k - 1].first->elapsedTime(*marks_[k].first) / 1000.0;
+    marks_.clear();
+  }
 
  private:
+  void mark(double* into) {
+    auto ev = std::make_unique<c10::Event>(device_.type(), c10::EventFlag::BACKEND_DEFAULT);
+    ev->record(c10::impl::getDeviceGuardImpl(device_.type())->getStream(device_));
+    marks_.emplace_back(std::move(ev), into);
+  }
+
   bool on_;
   torch::Device device_;
   Clock::time_point t_;
+  std::vector<std::pair<std::unique_ptr<c10::Event>, double*>> marks_;
 };
 
 }  // namespace
@@ -91,6 +112,7 @@ StepResult TrainStep::run(const BatchSource& next, int64_t step) {
     j.opt->zero_grad();
   }
   clock.lap(r.times.optimizer);
+  clock.finish();
   r.loss = loss_sum / static_cast<double>(j.micro);
   r.accuracy = acc_sum / static_cast<double>(j.micro);
   return r;

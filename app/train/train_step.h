@@ -15,8 +15,9 @@
 
 namespace faceshard {
 
-// Seconds per phase of one step (filled when timing is on: the device is synchronised at
-// each boundary, which a GPU run pays for, so the trainer leaves it off).
+// Seconds per phase of one step (filled when timing is on: on a GPU from events recorded
+// at each boundary, the device's time per phase, read once the step is queued, which
+// waits for it; the trainer leaves it off).
 struct StepTimes {
   double data = 0, forward = 0, backward = 0, optimizer = 0;
   double total() const { return data + forward + backward + optimizer; }
@@ -36,6 +37,9 @@ using BatchSource = std::function<Batch()>;
 class TrainStep {
  public:
   explicit TrainStep(TrainJob& job, bool timing = false);
+  // Per-phase times in StepResult::times from the next step on (or not). On a GPU a timed
+  // step waits for the device at its end.
+  void set_timing(bool on) { timing_ = on; }
 
   // Runs optimiser step `step` (0-based): job.micro micro-batches from `next`.
   StepResult run(const BatchSource& next, int64_t step);
