@@ -5,6 +5,7 @@
 #include <ATen/autocast_mode.h>
 #include <ATen/ops/_prelu_kernel_backward.h>
 
+#include <atomic>
 #include <cstring>
 #include <optional>
 #include <vector>
@@ -17,6 +18,8 @@
 
 namespace faceshard {
 namespace {
+
+std::atomic<bool> g_own_pass{true};
 
 // Four floats as one value (GCC/Clang vector extensions, one SSE register), selected with
 // a compare mask and bitwise ops: what a plain loop over floats with a condition does not
@@ -225,9 +228,12 @@ struct PReLUFn : public torch::autograd::Function<PReLUFn> {
 
 }  // namespace
 
+void set_prelu_own_pass(bool on) { g_own_pass = on; }
+
 std::tuple<torch::Tensor, torch::Tensor> prelu_backward(const torch::Tensor& dy, const torch::Tensor& x,
                                                         const torch::Tensor& weight, bool own_pass) {
   torch::NoGradGuard ng;
+  own_pass = own_pass && g_own_pass.load();
   // dy usually arrives in x's memory format; make it so where it does not.
   const torch::Tensor g = dy.contiguous(x.suggest_memory_format());
   if (own_pass && cpu_pass_applies(g, x, weight)) return cpu_backward(g, x, weight);

@@ -14,6 +14,10 @@ namespace faceshard {
 // x [N, C, ...] (any memory format), weight [C] or [1]: the module's parameter.
 torch::Tensor prelu(const torch::Tensor& x, const torch::Tensor& weight);
 
+// Whether PReLU's backward takes faceshard's own passes (default) or always ATen's, for the
+// whole process (model.prelu_kernel; the comparison).
+void set_prelu_own_pass(bool on);
+
 // The backward alone: (dx, dweight) for upstream dy. `own_pass` false forces ATen's
 // backward (tests and benchmarks compare the two).
 std::tuple<torch::Tensor, torch::Tensor> prelu_backward(const torch::Tensor& dy, const torch::Tensor& x,

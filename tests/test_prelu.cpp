@@ -45,6 +45,22 @@ TEST(PReLU, CpuBackwardMatchesATenAndAutograd) {
       }
 }
 
+// model.prelu_kernel: false makes every backward ATen's (bit for bit), true brings the own
+// pass back (whose slope sums differ from ATen's in their order).
+TEST(PReLU, OwnPassCanBeSwitchedOff) {
+  torch::manual_seed(6);
+  const at::Tensor x = torch::randn({4, 32, 9, 9}), dy = torch::randn({4, 32, 9, 9}), w = torch::rand({32}) * 0.3;
+  auto [dx_aten, dw_aten] = prelu_backward(dy, x, w, /*own_pass=*/false);
+  set_prelu_own_pass(false);
+  auto [dx_off, dw_off] = prelu_backward(dy, x, w);
+  set_prelu_own_pass(true);
+  auto [dx_on, dw_on] = prelu_backward(dy, x, w);
+  EXPECT_TRUE(torch::equal(dx_off, dx_aten));
+  EXPECT_TRUE(torch::equal(dw_off, dw_aten));
+  EXPECT_FALSE(torch::equal(dw_on, dw_aten));  // fp64 sums over planes: not ATen's order
+  EXPECT_LE(testing::relative_error(dw_on, dw_aten), 1e-6);
+}
+
 // The CUDA pass (models/prelu_cuda.cu) against plain float64 ops on the same values and
 // against ATen's CUDA backward: fp32, bf16 and fp16, NCHW and channels-last, one slope per
 // channel (below and above the 256 channels one thread row covers) and one for all, slopes

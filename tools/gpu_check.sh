@@ -115,8 +115,9 @@ else
   train_first=31; train_set=()
   # A fifth word names a variant: "unfused" is the same cell with optim.fused=false (the
   # per-parameter optimiser and DDP's bucket copies), the fused optimiser's contribution.
-  cells=("r50 256 bf16 cl" "r50 256 bf16 cl unfused" "r50 256 fp16 cl" "r50 256 bf16 nchw" "mbf 512 bf16 cl"
-         "mbf 512 bf16 cl unfused" "mbf 512 fp16 cl")
+  # "atenprelu" the same with model.prelu_kernel=false (ATen's PReLU backward).
+  cells=("r50 256 bf16 cl" "r50 256 bf16 cl unfused" "r50 256 bf16 cl atenprelu" "r50 256 fp16 cl" "r50 256 bf16 nchw"
+         "mbf 512 bf16 cl" "mbf 512 bf16 cl unfused" "mbf 512 bf16 cl atenprelu" "mbf 512 fp16 cl")
   # arcface_torch trains in fp16 (its configs' fp16: True): its cell beside both precisions.
   declare -A at_for=([r50]="r50 256 fp16" [mbf]="mbf 512 fp16")
   step_args=(--classes 1000000 --sample-rate 0.1 --steps 10 --windows 3 --warmup 3)
@@ -208,6 +209,7 @@ if want step; then
     fi
     cl=true; [ "$layout" = nchw ] && cl=false
     extra=(); [ "${variant:-}" = unfused ] && extra=(--set optim.fused=false)
+    [ "${variant:-}" = atenprelu ] && extra=(--set model.prelu_kernel=false)
     run "$name" 300 "$bin/faceshard-bench" --mode step --device "$device" \
       --network "$net" --batch "$batch" --precision "$prec" "${step_args[@]}" --set model.channels_last=$cl \
       --set data.num_workers=8 "${extra[@]}" --json "$work/json/$name.json"

@@ -638,6 +638,7 @@ void Config::visit(FieldVisitor& v) {
   v.field("model.dropout", model.dropout, range(0, 0.99));
   v.field("model.sync_bn", model.sync_bn, none);
   v.field("model.channels_last", model.channels_last, none);
+  v.field("model.prelu_kernel", model.prelu_kernel, none);
   v.field("model.checkpointing", model.checkpointing, none);
   v.field("model.init", model.init, none);
 

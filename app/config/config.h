@@ -82,6 +82,9 @@ struct ModelConfig {
   // NHWC activations and conv weights; unset: the network's default
   // (backbone_default_channels_last: on for the iresnets and MobileFaceNets).
   std::optional<bool> channels_last;
+  // PReLU's backward by faceshard's own pass (the CPU's vectorised loop, the GPU's CUDA
+  // kernel) or by ATen's (false: the comparison).
+  bool prelu_kernel = true;
   // Recompute activations in backward (ViT blocks, iresnet stages 2-3); unset: the network's
   // default, on for vit_b*, vit_l*, vit_h and r2060 as in arcface_torch.
   std::optional<bool> checkpointing;

@@ -19,6 +19,7 @@
 #include "app/train/sync_bn.h"
 #include "data/sampler.h"
 #include "models/backbone_registry.h"
+#include "models/prelu.h"
 #include "partial_fc/runtime/cpu_block_cache.h"
 #include "partial_fc/runtime/dist_env.h"
 #include "partial_fc/runtime/error.h"
@@ -145,6 +146,7 @@ void build_model(TrainJob& j, ClassifierStart start) {
   });
   bo.checkpointing = cfg.model.checkpointing;
   bo.precision = parse_body_precision(cfg.train.precision);
+  set_prelu_own_pass(cfg.model.prelu_kernel);
   torch::manual_seed(cfg.seed);
   j.backbone = with_config_keys(cfg, {{"backbone", "model.backbone"}, {"embedding_size", "model.embedding_size"},
                                       {"dropout", "model.dropout"}, {"checkpointing", "model.checkpointing"}},
