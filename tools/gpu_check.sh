@@ -101,9 +101,10 @@ report() {
 # Sizes: the real check, or the plumbing at tiny sizes.
 if [ "$tiny" = 1 ]; then
   train_first=3; train_set=(--set train.max_steps=6 --set train.log_every=1 --set train.verify_every=3 --set train.checkpoint_every=3)
-  cells=("mbf_small 8 fp32 cl" "mbf_small 8 fp32 cl unfused" "mbf_small 8 fp32 nchw")
+  cells=("mbf_small 8 fp32 cl" "mbf_small 8 fp32 cl unfused" "mbf_small 8 fp32 cl jpeg" "mbf_small 8 fp32 nchw")
+  step_classes=2000; jpeg_ids=20; jpeg_images=10
   declare -A at_for=([mbf_small]="mbf 8 fp32")
-  step_args=(--classes 2000 --sample-rate 0.1 --steps 2 --windows 2 --warmup 1)
+  step_args=(--classes "$step_classes" --sample-rate 0.1 --steps 2 --windows 2 --warmup 1)
   at_args=(--classes 2000 --sample-rate 0.1 --steps 2 --windows 2 --warmup 1)
   fc_classes="2000,20000"; fc_args=(--batch 16 --steps 1 --windows 1 --warmup 1)
   loader_args=(--workers 1,2 --batch 32 --identities 20 --images-per-identity 10 --epochs 1)
@@ -115,12 +116,15 @@ else
   train_first=31; train_set=()
   # A fifth word names a variant: "unfused" is the same cell with optim.fused=false (the
   # per-parameter optimiser and DDP's bucket copies), the fused optimiser's contribution.
-  # "atenprelu" the same with model.prelu_kernel=false (ATen's PReLU backward).
-  cells=("r50 256 bf16 cl" "r50 256 bf16 cl unfused" "r50 256 bf16 cl atenprelu" "r50 256 fp16 cl" "r50 256 bf16 nchw"
-         "mbf 512 bf16 cl" "mbf 512 bf16 cl unfused" "mbf 512 bf16 cl atenprelu" "mbf 512 fp16 cl")
+  # "atenprelu" the same with model.prelu_kernel=false (ATen's PReLU backward); "jpeg" reads a
+  # synthetic JPEG .rec through the loader (decoding, augmentation) instead of fixed pixels.
+  cells=("r50 256 bf16 cl" "r50 256 bf16 cl unfused" "r50 256 bf16 cl atenprelu" "r50 256 bf16 cl jpeg"
+         "r50 256 fp16 cl" "r50 256 bf16 nchw" "mbf 512 bf16 cl" "mbf 512 bf16 cl unfused" "mbf 512 bf16 cl atenprelu"
+         "mbf 512 bf16 cl jpeg" "mbf 512 fp16 cl")
+  step_classes=1000000; jpeg_ids=1000; jpeg_images=20
   # arcface_torch trains in fp16 (its configs' fp16: True): its cell beside both precisions.
   declare -A at_for=([r50]="r50 256 fp16" [mbf]="mbf 512 fp16")
-  step_args=(--classes 1000000 --sample-rate 0.1 --steps 10 --windows 3 --warmup 3)
+  step_args=(--classes "$step_classes" --sample-rate 0.1 --steps 10 --windows 3 --warmup 3)
   at_args=(--classes 1000000 --sample-rate 0.1 --steps 10 --windows 3 --warmup 3)
   fc_classes="1000000,10000000"; fc_args=(--batch 128 --steps 3 --windows 2 --warmup 1)
   loader_args=(--workers 8,16 --batch 256 --identities 1000 --images-per-identity 20 --epochs 2)
@@ -210,6 +214,13 @@ if want step; then
     cl=true; [ "$layout" = nchw ] && cl=false
     extra=(); [ "${variant:-}" = unfused ] && extra=(--set optim.fused=false)
     [ "${variant:-}" = atenprelu ] && extra=(--set model.prelu_kernel=false)
+    if [ "${variant:-}" = jpeg ]; then
+      if [ ! -s "$work/jpeg/train.rec" ]; then
+        run jpeg_data 300 "$bin/faceshard-synth" --output "$work/jpeg" --identities "$jpeg_ids" \
+          --images "$jpeg_images" --pairs 0
+      fi
+      extra=(--set data.rec="$work/jpeg" --set data.spare_classes=$((step_classes - jpeg_ids)) --set data.num_workers=14)
+    fi
     run "$name" 300 "$bin/faceshard-bench" --mode step --device "$device" \
       --network "$net" --batch "$batch" --precision "$prec" "${step_args[@]}" --set model.channels_last=$cl \
       --set data.num_workers=8 "${extra[@]}" --json "$work/json/$name.json"
