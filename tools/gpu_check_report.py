@@ -43,6 +43,23 @@ def jsonl(path):
     return rows
 
 
+# Multiply-accumulates per 112x112 image (faceshard-flops) and dense bf16/fp16 peaks by card
+# (datasheets): MFU = images/s x MACs x 2 FLOP x 3 (forward and backward) / the peak.
+GMAC = {"r50": 6.309, "mbf": 0.438, "r100": 12.12}
+PEAK_TFLOPS = [("H100 PCIe", 756.0), ("H100", 989.0), ("H200", 989.0), ("A100", 312.0)]
+
+
+def mfu(network, images_per_s, card, precision):
+    peak = next((p for name, p in PEAK_TFLOPS if name in card), None)
+    if peak is None or network not in GMAC or precision not in ("bf16", "fp16") or not images_per_s:
+        return None
+    return images_per_s * GMAC[network] * 1e9 * 6 / (peak * 1e12)
+
+
+def pct(x):
+    return f"{100 * x:.1f}%" if x else "-"
+
+
 def fmt(x, digits=4):
     return "none" if x is None else f"{x:.{digits}f}"
 
@@ -151,6 +168,8 @@ def main():
                             "channels_last": layout == "cl", "classes": r["classes"],
                             "images_per_s": r["images_per_s"], "peak_memory_mb": r.get("peak_memory_mb"),
                             "step_ms": r.get("step_ms"), "phases_ms": r.get("split_ms"), "card": card, "date": date})
+    for r in records:
+        r["mfu"] = mfu(r["network"], r["images_per_s"], card, r["precision"])
     for s in sections:
         if s["name"].startswith("step_") and s["exit"] == "0" and not os.path.exists(os.path.join(d, s["name"] + ".json")):
             problems.append(f"{s['name']}: no result")
@@ -226,11 +245,12 @@ def main():
               f"; onnx {t.get('onnx_bytes', 'none')} B" if l else f"-- train {prec}: no losses")
     if records:
         print("-- step (images/s, peak MB)")
-        print(f"   {'who':14} {'network':9} {'batch':>5} {'prec':5} {'layout':6} {'images/s':>10} {'peak MB':>9} {'step ms':>8}")
+        print(f"   {'who':14} {'network':9} {'batch':>5} {'prec':5} {'layout':6} {'images/s':>10} {'peak MB':>9} {'step ms':>8} {'MFU':>6}")
         for r in records:
             print(f"   {r['who']:14} {r['network']:9} {r['batch']:>5} {r['precision']:5} "
                   f"{'NHWC' if r['channels_last'] else 'NCHW':6} {r['images_per_s']:>10.1f} "
-                  f"{(r['peak_memory_mb'] or 0):>9.0f} {(r['step_ms'] or 0):>8.1f} {r.get('variant', '')}")
+                  f"{(r['peak_memory_mb'] or 0):>9.0f} {(r['step_ms'] or 0):>8.1f} "
+                  f"{pct(r.get('mfu')):>6} {r.get('variant', '')}")
         for q in ratios:
             print(f"   faceshard/arcface_torch {q['network']} {q['batch']} {q['precision']} "
                   f"{'NHWC' if q['channels_last'] else 'NCHW'}{' ' + q['variant'] if q.get('variant') else ''}: {q['ratio']:.2f}x "
