@@ -464,7 +464,7 @@ int run_step(const Args& a) {
   auto pct = [&](double x) { return total > 0 ? 100.0 * x / total : 0.0; };
   log_info("step: ", cfg.model.backbone, ", batch ", cfg.data.batch_size, "x", dist.world_size(), " x ", job.micro,
            " micro-batches, ", *job.cfg.data.num_classes, " classes (", job.fc->num_sample(), " per step on this rank), ",
-           cfg.train.precision, " on ", job.device.str(), ": ", median, " images/s (median of ", a.windows,
+           job.cfg.train.precision, " on ", job.device.str(), ": ", median, " images/s (median of ", a.windows,
            " windows of ", a.steps, " steps), peak ", peak, " MB (", cuda ? "GPU allocated" : "process RSS",
            cuda ? "" : "; tensors ", cuda ? "" : std::to_string(tensor_peak), cuda ? "" : " MB",
            "); per step ", total / n * 1e3, " ms = data ", pct(sum.data), "%, forward ", pct(sum.forward),
@@ -478,7 +478,7 @@ int run_step(const Args& a) {
   js << "{\"mode\":\"step\",\"network\":\"" << cfg.model.backbone << "\",\"device\":\"" << job.device.str()
      << "\",\"world_size\":" << dist.world_size() << ",\"batch_per_rank\":" << cfg.data.batch_size
      << ",\"micro_batches\":" << job.micro << ",\"classes\":" << *job.cfg.data.num_classes << ",\"precision\":\""
-     << cfg.train.precision << "\",\"sample_rate\":" << cfg.loss.sample_rate
+     << job.cfg.train.precision << "\",\"sample_rate\":" << cfg.loss.sample_rate
      << ",\"channels_last\":"
      << (cfg.model.channels_last.value_or(backbone_default_channels_last(cfg.model.backbone)) ? "true" : "false")
      << ",\"images_per_s\":" << median << ",\"peak_memory_mb\":" << peak
