@@ -263,6 +263,14 @@ TEST(AppOptim, AdamWResumeIsBitIdentical) {
   check_resume(o);
 }
 
+// Steps 0..n-1 of grads_of_step (param 2 has no grad at step 2), lr 1e-3.
+void take_steps(BackboneOptimizer& opt, std::vector<at::Tensor>& ps, int n) {
+  for (int s = 0; s < n; ++s) {
+    set_grads(ps, grads_of_step(ps, s));
+    opt.step(1e-3);
+  }
+}
+
 // --- the fused step over flat buffers against the per-parameter one ---------------------
 
 // Gradients of step s with every one defined (over flat buffers a param always has one: a
@@ -372,10 +380,7 @@ TEST(AppOptim, FusedFlatAdamWNeedsOneStepCount) {
   o.kind = "adamw";
   std::vector<at::Tensor> ps = make_params(3);
   BackboneOptimizer plain(ps, o);
-  for (int s = 0; s < 3; ++s) {
-    set_grads(ps, grads_of_step(ps, s));  // param 2 has no grad at step 2
-    plain.step(1e-3);
-  }
+  take_steps(plain, ps, 3);
   std::vector<at::Tensor> mine = flat_side_params(ps);
   FlatParameters flat(mine, 25);
   BackboneOptimizer fused(flat, o);
@@ -390,10 +395,7 @@ TEST(AppOptim, StateNamesAndUnusedParamStepCount) {
   o.kind = "adamw";
   std::vector<at::Tensor> ps = make_params(3);
   BackboneOptimizer opt(ps, o);
-  for (int s = 0; s < 4; ++s) {
-    set_grads(ps, grads_of_step(ps, s));  // param 2 has no grad at step 2
-    opt.step(1e-3);
-  }
+  take_steps(opt, ps, 4);
   std::map<std::string, at::Tensor> st;
   for (const auto& kv : opt.state()) st[kv.first] = kv.second;
   EXPECT_EQ(st.size(), 1 + 3 * ps.size());

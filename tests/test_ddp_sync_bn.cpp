@@ -45,6 +45,28 @@ torch::optim::SGD make_sgd(nn::Module& m) {
   return torch::optim::SGD(m.parameters(), torch::optim::SGDOptions(0.1).momentum(0.9).weight_decay(5e-4));
 }
 
+// Batch index of micro-batch `part` of step k (of `parts`).
+int batch_index(int k, int part, int parts) { return parts == 1 ? k : 10 * k + part; }
+
+// The reference: one process on the whole batch, K steps of torch's SGD; step k's batch is
+// every rank's micro-batches concatenated.
+template <typename M>
+void train_whole_batch(M& ref, int W, int K, int parts, int64_t B) {
+  auto ref_opt = make_sgd(ref);
+  for (int k = 0; k < K; ++k) {
+    std::vector<at::Tensor> xs, ys;
+    for (int q = 0; q < W; ++q)
+      for (int part = 0; part < parts; ++part) {
+        auto [x, y] = batch(batch_index(k, part, parts), q, B);
+        xs.push_back(x);
+        ys.push_back(y);
+      }
+    ref_opt.zero_grad();
+    torch::nn::functional::cross_entropy(ref.forward(torch::cat(xs)), torch::cat(ys)).backward();
+    ref_opt.step();
+  }
+}
+
 class DdpEquivalence : public ::testing::TestWithParam<int> {};
 
 TEST_P(DdpEquivalence, FiveSgdStepsWithSyncBatchNormMatchOneProcess) {
@@ -55,18 +77,7 @@ TEST_P(DdpEquivalence, FiveSgdStepsWithSyncBatchNormMatchOneProcess) {
     // Reference: one process, the concatenated batches, plain batch norm.
     torch::manual_seed(7);
     Net ref;
-    auto ref_opt = make_sgd(*ref);
-    for (int k = 0; k < K; ++k) {
-      std::vector<at::Tensor> xs, ys;
-      for (int q = 0; q < W; ++q) {
-        auto [x, y] = batch(k, q, B);
-        xs.push_back(x);
-        ys.push_back(y);
-      }
-      ref_opt.zero_grad();
-      torch::nn::functional::cross_entropy(ref(torch::cat(xs)), torch::cat(ys)).backward();
-      ref_opt.step();
-    }
+    train_whole_batch(*ref, W, K, /*parts=*/1, B);
     // Distributed: every rank starts from a different init (rank 0's is broadcast).
     torch::manual_seed(d.rank() == 0 ? 7 : 99 + d.rank());
     Net net;
@@ -181,19 +192,7 @@ TEST(DdpFlat, BucketsAreRangesOfTheGradientBufferAndTrainAsOneProcess) {
       const int K = 3;
       torch::manual_seed(7);
       ConvFc ref;
-      auto ref_opt = make_sgd(*ref);
-      for (int k = 0; k < K; ++k) {
-        std::vector<at::Tensor> xs, ys;
-        for (int q = 0; q < W; ++q)
-          for (int part = 0; part < 2; ++part) {
-            auto [x, y] = batch(10 * k + part, q, B);
-            xs.push_back(x);
-            ys.push_back(y);
-          }
-        ref_opt.zero_grad();
-        torch::nn::functional::cross_entropy(ref(torch::cat(xs)), torch::cat(ys)).backward();
-        ref_opt.step();
-      }
+      train_whole_batch(*ref, W, K, /*parts=*/2, B);
       // Every rank starts from a different init (rank 0's is broadcast); the conv weight is
       // channels-last, as a backbone's are on a GPU.
       torch::manual_seed(d.rank() == 0 ? 7 : 99 + d.rank());
@@ -218,7 +217,7 @@ TEST(DdpFlat, BucketsAreRangesOfTheGradientBufferAndTrainAsOneProcess) {
       const void* grads = flat.groups().at(0).grads.data_ptr();
       for (int k = 0; k < K; ++k) {
         for (int part = 0; part < 2; ++part) {
-          auto [x, y] = batch(10 * k + part, d.rank(), B);
+          auto [x, y] = batch(batch_index(k, part, 2), d.rank(), B);
           at::Tensor loss = torch::nn::functional::cross_entropy(net(x), y) / 2;
           ddp.prepare_for_backward({loss});
           if (part == 0) {
