@@ -1,5 +1,10 @@
 #include "models/backbone.h"
 
+#ifdef FACESHARD_WITH_CUDA
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAFunctions.h>
+#endif
+
 #include <ATen/autocast_mode.h>
 
 #include <map>
@@ -31,6 +36,22 @@ BodyPrecision parse_body_precision(const std::string& text) {
   if (text == "fp16" || text == "float16") return BodyPrecision::Float16;
   if (text == "bf16" || text == "bfloat16") return BodyPrecision::BFloat16;
   throw usage_error("backbone precision '", text, "': expected fp32, fp16 or bf16");
+}
+
+std::string resolve_precision(const std::string& configured, bool bf16_capable) {
+  if (configured != "auto") return configured;
+  return bf16_capable ? "bf16" : "fp32";
+}
+
+bool device_has_bf16(torch::Device device) {
+#ifdef FACESHARD_WITH_CUDA
+  if (device.is_cuda()) {
+    const c10::DeviceIndex index = device.has_index() ? device.index() : c10::cuda::current_device();
+    return at::cuda::getDeviceProperties(index)->major >= 8;
+  }
+#endif
+  (void)device;
+  return false;  // the CPU: bf16 autocast is slower than fp32 on most CPUs, and fp32 is the reference
 }
 
 std::string to_string(BodyPrecision precision) {

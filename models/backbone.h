@@ -22,6 +22,12 @@ enum class BodyPrecision { Float32, Float16, BFloat16 };
 
 // "fp32" | "fp16" | "bf16" (also "float32", "float16", "bfloat16"); throws usage_error.
 BodyPrecision parse_body_precision(const std::string& text);
+
+// A precision setting as a device runs it: "auto" is bf16 on a GPU with bf16 arithmetic
+// (compute capability 8.0 and later: A100, H100, ...), fp32 on older GPUs and on the CPU;
+// any other value is itself. `bf16_capable` says what the device can do (device_has_bf16()).
+std::string resolve_precision(const std::string& configured, bool bf16_capable);
+bool device_has_bf16(torch::Device device);
 std::string to_string(BodyPrecision precision);
 
 struct BackboneOptions {

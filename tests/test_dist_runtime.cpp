@@ -2,6 +2,8 @@
 // real processes, and failure reporting (a rank that throws, dies or hangs is named).
 #include <gtest/gtest.h>
 
+#include <filesystem>
+
 #include <fcntl.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -13,10 +15,12 @@
 
 #include "tests/test_paths.h"
 #include "partial_fc/runtime/dist_env.h"
+#include "partial_fc/runtime/collective_trace.h"
 #include "partial_fc/runtime/distributed.h"
 #include "partial_fc/runtime/error.h"
 #include "partial_fc/runtime/network.h"
 #include "tests/harness.h"
+#include "tests/test_files.h"
 
 namespace faceshard {
 namespace {
@@ -284,6 +288,127 @@ TEST(DistFailure, RankThatHangsIsNamedAfterTimeout) {
   EXPECT_FALSE(res[0].killed_by_harness);
   EXPECT_NE(res[0].output.find("rank 1 did not join collective"), std::string::npos) << res[0].output;
   EXPECT_LT(secs, 30.0);
+}
+
+// --- the collective trace --------------------------------------------------------------
+
+TEST(CollectiveTrace, RingKeepsTheLastAndKnowsWhatIsPending) {
+  CollectiveTrace t(4);
+  t.set_context(7, "backward");
+  for (int64_t seq = 1; seq <= 6; ++seq) t.begin(seq, "all_reduce", "gloo", "Float", seq * 10);
+  for (int64_t seq : {1, 2, 3, 4, 6}) t.end(seq);
+  t.end(99);  // unknown: nothing happens
+  const auto rs = t.records();
+  ASSERT_EQ(rs.size(), 4u);
+  for (size_t k = 0; k < 4; ++k) {
+    EXPECT_EQ(rs[k].seq, static_cast<int64_t>(k + 3));
+    EXPECT_EQ(rs[k].numel, rs[k].seq * 10);
+    EXPECT_EQ(rs[k].step, 7);
+    EXPECT_EQ(rs[k].phase, "backward");
+  }
+  EXPECT_FALSE(rs[0].pending());
+  EXPECT_TRUE(rs[2].pending());  // #5 never ended
+  ASSERT_TRUE(t.oldest_pending().has_value());
+  EXPECT_EQ(t.oldest_pending()->seq, 5);
+  t.end(5);
+  EXPECT_FALSE(t.oldest_pending().has_value());
+}
+
+TEST(CollectiveTrace, FileRoundTripAndBadFilesNamed) {
+  testing::TempDir dir;
+  CollectiveTrace t;
+  t.set_context(3, "forward");
+  t.begin(1, "all_gather", "nccl", "BFloat16", 4096);
+  t.end(1);
+  t.set_context(3, "backward");
+  t.begin(2, "all_reduce", "gloo", "Float", 2);
+  const std::string path = dir.path + "/rank1.jsonl";
+  ASSERT_TRUE(t.write(path, 1, 3, "host-b", "a \"quoted\" reason\nwith a line break"));
+  const RankTrace back = read_rank_trace(path);
+  EXPECT_EQ(back.rank, 1);
+  EXPECT_EQ(back.world_size, 3);
+  EXPECT_EQ(back.host, "host-b");
+  EXPECT_EQ(back.reason, "a \"quoted\" reason\nwith a line break");
+  ASSERT_EQ(back.records.size(), 2u);
+  EXPECT_EQ(back.records[0].kind, "all_gather");
+  EXPECT_EQ(back.records[0].backend, "nccl");
+  EXPECT_EQ(back.records[0].dtype, "BFloat16");
+  EXPECT_EQ(back.records[0].numel, 4096);
+  EXPECT_FALSE(back.records[0].pending());
+  EXPECT_TRUE(back.records[1].pending());
+  EXPECT_EQ(back.records[1].phase, "backward");
+  // No folder to write to: false, and no file.
+  EXPECT_FALSE(t.write(dir.path + "/no/such/rank0.jsonl", 0, 3, "h", ""));
+  EXPECT_FALSE(std::filesystem::exists(dir.path + "/no"));
+  // Bad files: one line naming the file (and the line).
+  auto error_of = [](const std::string& p) {
+    try {
+      read_rank_trace(p);
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  const std::string bad = dir.path + "/bad.jsonl";
+  testing::write_text(bad, "");
+  EXPECT_NE(error_of(bad).find("empty trace file"), std::string::npos) << error_of(bad);
+  testing::write_text(bad, "{\"rank\":5,\"world_size\":3}\n");
+  EXPECT_NE(error_of(bad).find("bad.jsonl:1: rank 5 of 3"), std::string::npos) << error_of(bad);
+  testing::write_text(bad, "{\"rank\":0,\"world_size\":3}\n{\"seq\":1,\"kind\":\"x\"\n");
+  EXPECT_NE(error_of(bad).find("bad.jsonl:2: not a trace line"), std::string::npos) << error_of(bad);
+  testing::write_text(bad, "{\"rank\":0,\"world_size\":3}\n{\"seq\":1,\"numel\":1,\"step\":1,\"issued_ms\":1}\n");
+  EXPECT_NE(error_of(bad).find("without 'finished_ms'"), std::string::npos) << error_of(bad);
+  testing::write_text(bad, "{\"rank\":0,\"world_size\":3}\n{\"seq\":nan,\"numel\":1}\n");
+  EXPECT_NE(error_of(bad).find("'seq' is not a number"), std::string::npos) << error_of(bad);
+  EXPECT_NE(error_of(dir.path + "/missing.jsonl").find("cannot read the trace file"), std::string::npos);
+}
+
+// Three ranks' traces: ranks 0 and 2 wait in #7, rank 1 finished #6 and never entered #7.
+std::vector<RankTrace> hung_run(bool rank1_wrote) {
+  std::vector<RankTrace> out;
+  for (int r = 0; r < 3; ++r) {
+    if (r == 1 && !rank1_wrote) continue;
+    RankTrace t;
+    t.rank = r;
+    t.world_size = 3;
+    t.host = "h" + std::to_string(r);
+    for (int64_t seq = 1; seq <= (r == 1 ? 6 : 7); ++seq) {
+      CollectiveRecord c;
+      c.seq = seq;
+      c.kind = seq == 7 ? "all_gather" : "all_reduce";
+      c.step = 2;
+      c.phase = "forward";
+      c.issued_ms = 1000.0 * seq;
+      c.finished_ms = seq == 7 ? -1 : 1000.0 * seq + 5;
+      t.records.push_back(c);
+    }
+    out.push_back(t);
+  }
+  return out;
+}
+
+TEST(CollectiveTrace, VerdictNamesTheRankThatNeverEntered) {
+  auto v = trace_verdict(hung_run(true));
+  ASSERT_FALSE(v.empty());
+  EXPECT_NE(v[0].find("collective #7 all_gather at step 2 (forward): ranks 0,2 entered it and waited; never entered "
+                      "by rank 1 (host h1), whose last was #6 all_reduce"),
+            std::string::npos)
+      << v[0];
+  v = trace_verdict(hung_run(false));
+  EXPECT_NE(v[0].find("never entered by rank 1 (no trace file"), std::string::npos) << v[0];
+  // Nothing pending: said so, and no rank named.
+  auto done = hung_run(true);
+  for (auto& t : done)
+    for (auto& c : t.records) c.finished_ms = c.issued_ms + 1;
+  v = trace_verdict(done);
+  EXPECT_NE(v[0].find("no collective was pending"), std::string::npos) << v[0];
+  EXPECT_EQ(v[0].find("rank 1"), std::string::npos) << v[0];
+  // Every rank entered it: a link, not a rank.
+  auto all_in = hung_run(true);
+  CollectiveRecord c = all_in[0].records.back();
+  all_in[1].records.push_back(c);
+  v = trace_verdict(all_in);
+  EXPECT_NE(v[0].find("every rank entered it"), std::string::npos) << v[0];
 }
 
 }  // namespace

@@ -1,12 +1,17 @@
 // faceshard-dist-check: checks that the ranks of a job really communicate. Every round
 // all-reduces, all-gathers and broadcasts known values and verifies the closed-form
-// results; a rank that dies or hangs makes the others exit non-zero naming it.
+// results; a rank that dies or hangs makes the others exit non-zero naming it. With
+// --trace DIR it reads the collective traces a run's ranks wrote (a training run's
+// <output>/trace) and names the ranks that never entered the collective the others waited in.
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <vector>
 #include <cstring>
 #include <string>
 #include <thread>
 
+#include "partial_fc/runtime/collective_trace.h"
 #include "partial_fc/runtime/dist_env.h"
 #include "partial_fc/runtime/distributed.h"
 #include "partial_fc/runtime/error.h"
@@ -18,8 +23,13 @@ namespace {
 
 const char* kUsage =
     "usage: faceshard-dist-check [--rounds N] [--interval-ms MS] [--timeout-s S] [--rendezvous-timeout-s S]\n"
-    "                            [--numel N] [--cuda]\n"
-    "Start it with tools/launch.sh --nproc N, torchrun --no-python or srun; alone it runs one rank.\n";
+    "                            [--numel N] [--cuda] [--output DIR]\n"
+    "       faceshard-dist-check --trace DIR\n"
+    "Start it with tools/launch.sh --nproc N, torchrun --no-python or srun; alone it runs one rank.\n"
+    "  --output DIR   each rank writes its collective trace to DIR/trace/rank<r>.jsonl when a\n"
+    "                 collective fails or hangs, or on SIGUSR1\n"
+    "  --trace DIR    read the trace files in DIR (rank<r>.jsonl) and print the verdict: the\n"
+    "                 collective some ranks waited in and the ranks (hosts) that never entered it\n";
 
 double parse_num(const char* flag, const char* v) {
   char* end = nullptr;
@@ -35,6 +45,7 @@ int main(int argc, char** argv) {
     int64_t rounds = 20, numel = 1 << 16;
     double interval_ms = 100, timeout_s = 30, rendezvous_timeout_s = 300;
     bool cuda = false;
+    std::string output, trace;
     for (int i = 1; i < argc; ++i) {
       std::string a = argv[i];
       auto value = [&]() -> const char* {
@@ -50,7 +61,13 @@ int main(int argc, char** argv) {
       else if (a == "--rendezvous-timeout-s") rendezvous_timeout_s = parse_num("--rendezvous-timeout-s", value());
       else if (a == "--numel") numel = std::max<int64_t>(1, static_cast<int64_t>(parse_num("--numel", value())));
       else if (a == "--cuda") cuda = true;
+      else if (a == "--output") output = value();
+      else if (a == "--trace") trace = value();
       else throw usage_error("unknown argument '", a, "' (see --help)");
+    }
+    if (!trace.empty()) {
+      for (const std::string& line : trace_verdict(read_run_traces(trace))) std::printf("%s\n", line.c_str());
+      return 0;
     }
     DistOptions opts;
     opts.timeout = std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000));
@@ -58,10 +75,15 @@ int main(int argc, char** argv) {
     opts.use_cuda = cuda;
     auto dist = Distributed::init(DistEnv::from_environment(), opts);
     const int W = dist->world_size(), r = dist->rank();
+    if (!output.empty()) dist->set_trace_dir(output + "/trace");
+    std::vector<double> round_s;
     log_info("faceshard-dist-check: ", dist->env().describe(), ", ", rounds, " rounds");
     auto dev = cuda ? torch::Device(torch::kCUDA, dist->local_rank()) : torch::Device(torch::kCPU);
     auto t0 = std::chrono::steady_clock::now();
     for (int64_t k = 0; k < rounds; ++k) {
+      // Each round is a step: after five, hangs are judged against the median round.
+      const auto t_round = std::chrono::steady_clock::now();
+      dist->set_context(k + 1, "step");
       at::Tensor x = torch::full({numel}, static_cast<float>(r + 1 + k), torch::TensorOptions().device(dev));
       dist->all_reduce(x);
       const double expect = W * (W + 1) / 2.0 + static_cast<double>(W) * k;
@@ -76,7 +98,14 @@ int main(int argc, char** argv) {
       if ((k + 1) % std::max<int64_t>(1, rounds / 5) == 0 || k + 1 == rounds)
         log_info("round ", k + 1, "/", rounds, " ok: all_reduce of ", numel, " floats over ", W, " ranks = ", expect);
       std::this_thread::sleep_for(std::chrono::microseconds(static_cast<int64_t>(interval_ms * 1000)));
+      round_s.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t_round).count());
+      if (round_s.size() >= 5) {
+        std::vector<double> v(round_s.end() - std::min<size_t>(round_s.size(), 51), round_s.end());
+        std::nth_element(v.begin(), v.begin() + v.size() / 2, v.end());
+        dist->set_step_seconds(v[v.size() / 2]);
+      }
     }
+    dist->set_context(rounds, "finish");
     double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     dist->shutdown();
     log_info("faceshard-dist-check: all ", rounds, " rounds verified on ", W, " ranks in ", secs, " s");

@@ -712,6 +712,7 @@ void Config::visit(FieldVisitor& v) {
   v.field("dist.device", dist.device, choices({"auto", "cpu", "cuda"}));
   v.field("dist.timeout_s", dist.timeout_s, positive());
   v.field("dist.rendezvous_timeout_s", dist.rendezvous_timeout_s, positive());
+  v.field("dist.hang_floor_s", dist.hang_floor_s, positive());
   v.field("dist.bucket_mb", dist.bucket_mb, positive());
   v.field("dist.find_unused_parameters", dist.find_unused_parameters, none);
 }

@@ -191,6 +191,10 @@ struct DistConfig {
   std::string device = "auto";  // auto | cpu | cuda
   double timeout_s = 600;              // each collective
   double rendezvous_timeout_s = 300;  // all ranks joining the job
+  // Inside training steps, once 10 steps are measured: a collective that waits longer than
+  // 3 x the median step + 5 s (at least this, at most timeout_s) for a rank that has stopped
+  // beating ends the run naming that rank and its host.
+  double hang_floor_s = 5;
   double bucket_mb = 25;
   bool find_unused_parameters = false;
 };

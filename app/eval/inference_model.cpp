@@ -90,7 +90,9 @@ InferenceModel load_inference_model(const ModelSpec& spec, torch::Device device)
     throw usage_error("--model: '", spec.path,
                       "' carries no metadata (model.json or the run's config.yaml); name the network with --network");
   o.embedding_size = spec.embedding_size > 0 ? spec.embedding_size : meta.embedding_size > 0 ? meta.embedding_size : 512;
-  const std::string precision = !spec.precision.empty() ? spec.precision : !meta.precision.empty() ? meta.precision : "fp32";
+  // A run's "auto" as its trainer ran it on this device.
+  const std::string precision = resolve_precision(
+      !spec.precision.empty() ? spec.precision : !meta.precision.empty() ? meta.precision : "fp32", device_has_bf16(device));
   o.precision = parse_body_precision(precision);
   InferenceModel m;
   m.backbone = make_backbone(o);

@@ -5,7 +5,6 @@
 #ifdef FACESHARD_WITH_CUDA
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
-#include <ATen/cuda/CUDAContext.h>
 #endif
 
 #include <algorithm>
@@ -332,6 +331,7 @@ TrainJob build_train_job(const Config& cfg, ClassifierStart start) {
   DistOptions dopts;
   dopts.timeout = std::chrono::milliseconds(static_cast<int64_t>(cfg.dist.timeout_s * 1000));
   dopts.rendezvous_timeout = std::chrono::milliseconds(static_cast<int64_t>(cfg.dist.rendezvous_timeout_s * 1000));
+  dopts.hang_floor = std::chrono::milliseconds(static_cast<int64_t>(cfg.dist.hang_floor_s * 1000));
   DistEnv env = DistEnv::from_environment();
   dopts.use_cuda = pick_device(cfg, env).is_cuda();
   std::shared_ptr<Distributed> dist = Distributed::init(env, dopts);
@@ -351,22 +351,6 @@ void configure_cpu_block_cache(const Config& cfg, const DistEnv& env) {
   }
   CpuBlockCache::install();
   CpuBlockCache::set_limit(static_cast<int64_t>(bytes));
-}
-
-std::string resolve_precision(const std::string& configured, bool bf16_capable) {
-  if (configured != "auto") return configured;
-  return bf16_capable ? "bf16" : "fp32";
-}
-
-bool device_has_bf16(torch::Device device) {
-#ifdef FACESHARD_WITH_CUDA
-  if (device.is_cuda()) {
-    const c10::DeviceIndex index = device.has_index() ? device.index() : c10::cuda::current_device();
-    return at::cuda::getDeviceProperties(index)->major >= 8;
-  }
-#endif
-  (void)device;
-  return false;  // the CPU: bf16 autocast is slower than fp32 on most CPUs, and fp32 is the reference
 }
 
 TrainJob build_train_job(const Config& cfg, std::shared_ptr<Distributed> dist, ClassifierStart start) {

@@ -54,12 +54,6 @@ struct TrainJob {
 // nothing is drawn or zeroed only to be overwritten.
 enum class ClassifierStart { Fresh, FromCheckpoint };
 
-// train.precision as a job runs it: "auto" is bf16 on a GPU with bf16 arithmetic (compute
-// capability 8.0 and later: A100, H100, ...), fp32 on older GPUs and on the CPU; any other
-// value is itself. `bf16_capable` says what the device can do (device_has_bf16()).
-std::string resolve_precision(const std::string& configured, bool bf16_capable);
-bool device_has_bf16(torch::Device device);
-
 // What the trainer checks of a config before it joins any rank or reads any data (the
 // backbone's name and options for that network): config errors naming the key.
 // faceshard-config makes the same checks.

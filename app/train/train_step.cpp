@@ -73,6 +73,7 @@ StepResult TrainStep::run(const BatchSource& next, int64_t step) {
   // backward applies it as it goes (streamed logits; PartialFC::arm_step).
   if (!j.loss_scaling && j.micro == 1 && !gradient_hook_) j.fc->arm_step(r.fc_lr);
   for (int64_t k = 0; k < j.micro; ++k) {
+    j.dist->set_context(step + 1, "forward");
     Batch batch = next();
     clock.lap(r.times.data);
     auto out = j.fc->forward(j.backbone->forward(batch.images), batch.labels);
@@ -80,6 +81,7 @@ StepResult TrainStep::run(const BatchSource& next, int64_t step) {
     at::Tensor scaled = j.scaler->scale(loss).reshape(loss.sizes());
     j.ddp->prepare_for_backward({scaled});
     clock.lap(r.times.forward);
+    j.dist->set_context(step + 1, "backward");
     if (k + 1 == j.micro) {
       scaled.backward();
     } else {
@@ -94,6 +96,7 @@ StepResult TrainStep::run(const BatchSource& next, int64_t step) {
     if (k + 1 < j.micro) j.fc->accumulate();
     clock.lap(r.times.backward);
   }
+  j.dist->set_context(step + 1, "optimizer");
   if (gradient_hook_) gradient_hook_(step + 1);
   if (j.loss_scaling) {
     at::Tensor found_inf = torch::maximum(j.scaler->unscale_(j.backbone_params), j.fc->unscale_(j.scaler->inv_scale()));

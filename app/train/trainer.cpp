@@ -2,8 +2,12 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <deque>
+#include <optional>
+#include <vector>
 #include <csignal>
 #include <filesystem>
 
@@ -29,6 +33,24 @@ extern "C" void on_stop_signal(int sig) { g_stop_signal = sig; }
 
 using Clock = std::chrono::steady_clock;
 double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+
+// The median of the last 51 step times, once 10 are in (the first steps, with cuDNN's
+// algorithm search and the caches filling, are not the run's pace).
+class StepTimer {
+ public:
+  std::optional<double> add(double seconds) {
+    times_.push_back(seconds);
+    if (times_.size() > 51) times_.pop_front();
+    if (++seen_ < 10) return std::nullopt;
+    std::vector<double> v(times_.begin(), times_.end());
+    std::nth_element(v.begin(), v.begin() + v.size() / 2, v.end());
+    return v[v.size() / 2];
+  }
+
+ private:
+  std::deque<double> times_;
+  int64_t seen_ = 0;
+};
 
 }  // namespace
 
@@ -59,6 +81,9 @@ int run_training(const TrainRequest& req) {
     write_text_durably(req.config_text, cfg.output + "/config.yaml");
   }
   d.barrier();
+  // Each rank's record of its last collectives goes here when one hangs or fails, on
+  // SIGUSR1 and at a fatal error (faceshard-dist-check --trace reads them).
+  d.set_trace_dir(cfg.output + "/trace");
   CheckpointManager checkpoints(cfg.output + "/checkpoints", d, cfg.train.keep_checkpoints);
   TrainState state(j);
   TrainProgress& p = state.progress();
@@ -127,7 +152,10 @@ int run_training(const TrainRequest& req) {
   int64_t logged = 0, skipped = 0;
   const int64_t start_step = p.step;
   auto t_start = Clock::now(), t_log = Clock::now(), t_checkpoint = Clock::now();
+  // The median step time scales the hang detection (Distributed::hang_limit).
+  StepTimer step_timer;
   while (p.step < j.last_step) {
+    const auto t_step = Clock::now();
     StepResult r = train_step.run(next_batch, p.step);
     loss_sum.add_(r.loss);
     acc_sum.add_(r.accuracy);
@@ -186,6 +214,7 @@ int run_training(const TrainRequest& req) {
     }
     readout.deliver(/*wait=*/false);
     if (cfg.train.verify_every > 0 && p.step % cfg.train.verify_every == 0 && p.step != j.last_step) {
+      d.set_context(p.step, "validation");
       readout.deliver(/*wait=*/true);  // the log line of the step comes before its verification
       validation.run(p.step, p.best_accuracy, sinks);
     }
@@ -195,10 +224,13 @@ int run_training(const TrainRequest& req) {
     // clock: every rank learns both at the same step (one all-reduce of two flags).
     const bool due = cfg.train.checkpoint_every_s > 0 && seconds_since(t_checkpoint) >= cfg.train.checkpoint_every_s;
     at::Tensor flags = torch::tensor({static_cast<float>(g_stop_signal.load() != 0), static_cast<float>(due)});
+    d.set_context(p.step, "step");
     d.all_reduce(flags, ReduceOp::Max);
+    if (const std::optional<double> median = step_timer.add(seconds_since(t_step))) d.set_step_seconds(*median);
     const auto f = flags.accessor<float, 1>();
     want_checkpoint = want_checkpoint || f[1] > 0;
     if (f[0] > 0) {
+      d.set_context(p.step, "checkpoint");
       readout.deliver(/*wait=*/true);
       check_finite();
       const bool signalled_here = g_stop_signal.load() != 0;
@@ -222,12 +254,14 @@ int run_training(const TrainRequest& req) {
       return 0;
     }
     if (want_checkpoint && p.step != j.last_step) {
+      d.set_context(p.step, "checkpoint");
       readout.deliver(/*wait=*/true);
       check_finite();
       state.save(checkpoints);
       t_checkpoint = Clock::now();
     }
   }
+  d.set_context(p.step, "finish");
   readout.deliver(/*wait=*/true);
   check_finite();
   if (skipped) log_info("loss scaling: ", skipped, " steps skipped for non-finite gradients");

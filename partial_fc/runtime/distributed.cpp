@@ -7,7 +7,10 @@
 #include <c10/util/Logging.h>
 
 #include <algorithm>
+#include <csignal>
 #include <condition_variable>
+#include <filesystem>
+#include <iomanip>
 #include <cstdlib>
 #include <exception>
 #include <mutex>
@@ -29,6 +32,11 @@ int64_t now_ms() {
 }
 
 std::string key_hb(int r) { return "fs/hb/" + std::to_string(r); }
+std::string key_host(int r) { return "fs/host/" + std::to_string(r); }
+
+// SIGUSR1 asks every rank's heartbeat thread to write its collective trace.
+std::atomic<bool> g_trace_requested{false};
+extern "C" void on_trace_signal(int) { g_trace_requested = true; }
 std::string key_err(int r) { return "fs/err/" + std::to_string(r); }
 
 std::string to_string(const std::vector<uint8_t>& v) { return std::string(v.begin(), v.end()); }
@@ -151,6 +159,9 @@ c10::intrusive_ptr<c10d::Store> g_fatal_store;
 // Rank 0's store, kept past its Distributed object when the job failed (see linger_for_peers).
 c10::intrusive_ptr<c10d::Store> g_fatal_server;
 int g_fatal_rank = 0;
+// The trace a fatal error writes (set by set_trace_dir).
+std::shared_ptr<CollectiveTrace> g_fatal_trace;
+std::string g_fatal_trace_path, g_fatal_host;
 int g_fatal_world = 1;
 bool g_fatal_hosts_store = false;
 std::chrono::milliseconds g_fatal_beat{500};
@@ -180,6 +191,8 @@ void linger_for_peers(c10d::Store& store) {
 // Installed as the fatal-error hook (error.h) so that a rank's fatal error reaches the others.
 void publish_fatal_to_peers(const std::string& line) {
   std::lock_guard<std::mutex> lock(g_fatal_mutex);
+  if (g_fatal_trace && !g_fatal_trace_path.empty())
+    g_fatal_trace->write(g_fatal_trace_path, g_fatal_rank, g_fatal_world, g_fatal_host, line);
   if (!g_fatal_store) return;
   try {
     g_fatal_store->set(key_err(g_fatal_rank), to_bytes(line));
@@ -264,13 +277,26 @@ std::shared_ptr<Distributed> Distributed::init(const DistEnv& env, const DistOpt
       g_fatal_beat = opts.heartbeat_interval;
     }
     set_fatal_hook(&publish_fatal_to_peers);
+    d->hb_store_->set(key_host(env.rank), to_bytes(this_host()));
     d->hb_store_->set(key_hb(env.rank), to_bytes(std::to_string(now_ms()) + " 0"));
+    std::signal(SIGUSR1, on_trace_signal);
     d->heartbeat_ = std::thread([p = d.get()] { p->heartbeat_loop(); });
     deadline.stage("Gloo full mesh");
     d->rendezvous("Gloo full mesh", [&] {
       d->gloo_ = make_gloo_backend(c10::make_intrusive<c10d::PrefixStore>("gloo", d->store_), env.rank, env.world_size,
                                    net, opts.rendezvous_timeout);
     });
+    // Every rank published its host before the mesh formed: read them all in one request.
+    try {
+      std::vector<std::string> keys;
+      for (int r = 0; r < env.world_size; ++r) keys.push_back(key_host(r));
+      std::vector<std::string> hosts;
+      for (const auto& v : d->store_->multiGet(keys)) hosts.push_back(to_string(v));
+      std::lock_guard<std::mutex> lock(d->trace_mutex_);
+      d->hosts_ = std::move(hosts);
+    } catch (const std::exception& e) {
+      log_debug("the ranks' host names: ", one_line(e));
+    }
     if (opts.use_cuda) {
       if (!nccl_compiled()) throw usage_error("CUDA requested but faceshard was built without CUDA support");
       if (!net.nccl_interface.empty()) {
@@ -377,6 +403,7 @@ Distributed::~Distributed() {
 }
 
 void Distributed::heartbeat_loop() {
+  auto next_check = Clock::now();
   while (!stop_) {
     try {
       hb_store_->set(key_hb(env_.rank), to_bytes(std::to_string(now_ms()) + " " + std::to_string(seq_.load())));
@@ -384,8 +411,97 @@ void Distributed::heartbeat_loop() {
       // The store host may be gone; the collective that notices reports it.
     }
     auto until = Clock::now() + opts_.heartbeat_interval;
-    while (!stop_ && Clock::now() < until) std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    while (!stop_ && Clock::now() < until) {
+      if (g_trace_requested.exchange(false)) {
+        const bool ok = write_trace("SIGUSR1");
+        log_info("SIGUSR1: collective trace ", ok ? "written to " + trace_dir_ : std::string("not written (no folder)"));
+      }
+      if (Clock::now() >= next_check) {
+        check_for_hang();
+        next_check = Clock::now() + std::chrono::milliseconds(250);
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
   }
+}
+
+std::chrono::milliseconds Distributed::hang_limit() const {
+  const double step = step_seconds_.load();
+  if (step <= 0) return opts_.timeout;
+  const auto scaled = std::chrono::milliseconds(static_cast<int64_t>((3.0 * step + 5.0) * 1000));
+  return std::min(opts_.timeout, std::max(opts_.hang_floor, scaled));
+}
+
+void Distributed::check_for_hang() {
+  if (env_.world_size <= 1 || failed_ || step_seconds_.load() <= 0) return;
+  const std::string phase = trace_->phase();
+  if (phase != "forward" && phase != "backward" && phase != "optimizer" && phase != "step") return;
+  const std::optional<CollectiveRecord> pending = trace_->oldest_pending();
+  if (!pending) return;
+  const auto limit = hang_limit();
+  const double waited_ms = static_cast<double>(now_ms()) - pending->issued_ms;
+  if (waited_ms < static_cast<double>(limit.count()) || limit >= opts_.timeout) return;
+  // Who has not entered it, and has stopped beating? A peer that beats is alive (slow, or
+  // busy elsewhere): the collective's timeout is for it.
+  const auto silent_after = std::max(opts_.heartbeat_interval * 6, std::chrono::milliseconds(3000));
+  std::vector<std::string> culprits;
+  try {
+    for (int r = 0; r < env_.world_size; ++r) {
+      if (r == env_.rank) continue;
+      std::istringstream is(to_string(hb_store_->get(key_hb(r))));
+      int64_t ms = 0, seq = 0;
+      is >> ms >> seq;
+      const int64_t silent_ms = now_ms() - ms;
+      if (seq < pending->seq && silent_ms >= silent_after.count())
+        culprits.push_back("rank " + std::to_string(r) + " died (no heartbeat for " +
+                           std::to_string(silent_ms / 100 / 10.0).substr(0, 4) + " s: dead, frozen or cut off; host " +
+                           host_of(r) + ") and never entered it (its last heartbeat was at #" + std::to_string(seq) + ")");
+    }
+  } catch (const std::exception&) {
+    return;  // the store is gone: the collective's own error says so
+  }
+  if (culprits.empty()) return;
+  std::ostringstream os;
+  os << pending->kind << " #" << pending->seq << " failed on rank " << env_.rank << " (host " << this_host()
+     << ", step " << pending->step << ", " << pending->phase << "): waited " << std::fixed << std::setprecision(1)
+     << waited_ms / 1000 << " s, more than 3 x the median step (" << std::setprecision(3) << step_seconds_.load()
+     << " s) + 5 s = " << std::setprecision(1) << limit.count() / 1000.0 << " s; ";
+  for (size_t k = 0; k < culprits.size(); ++k) os << (k ? "; " : "") << culprits[k];
+  failed_ = true;
+  write_trace(os.str());
+  exit_fatal(os.str());
+}
+
+std::string Distributed::host_of(int rank) {
+  std::lock_guard<std::mutex> lock(trace_mutex_);
+  if (rank < 0 || rank >= static_cast<int>(hosts_.size()) || hosts_[rank].empty()) return "?";
+  return hosts_[rank];
+}
+
+void Distributed::set_trace_dir(const std::string& dir) {
+  {
+    std::lock_guard<std::mutex> lock(trace_mutex_);
+    trace_dir_ = dir;
+  }
+  std::lock_guard<std::mutex> lock(g_fatal_mutex);
+  g_fatal_trace = trace_;
+  g_fatal_trace_path = dir.empty() ? "" : dir + "/rank" + std::to_string(env_.rank) + ".jsonl";
+  g_fatal_host = this_host();
+  g_fatal_rank = env_.rank;
+  g_fatal_world = env_.world_size;
+}
+
+bool Distributed::write_trace(const std::string& reason) {
+  std::string dir;
+  {
+    std::lock_guard<std::mutex> lock(trace_mutex_);
+    dir = trace_dir_;
+  }
+  if (dir.empty()) return false;
+  std::error_code ec;
+  std::filesystem::create_directories(dir, ec);
+  return trace_->write(dir + "/rank" + std::to_string(env_.rank) + ".jsonl", env_.rank, env_.world_size, this_host(),
+                       reason);
 }
 
 void Distributed::publish_failure(const std::string& message) {
@@ -431,18 +547,19 @@ std::string Distributed::diagnose(const std::string& what, const std::string& er
   // A rank that published an error that is not itself a communication failure threw first.
   for (int r = 0; r < env_.world_size; ++r)
     if (!peers[r].err.empty() && peers[r].err.find("failed on rank") == std::string::npos)
-      causes.push_back("rank " + std::to_string(r) + " failed: " + peers[r].err);
+      causes.push_back("rank " + std::to_string(r) + " failed: " + peers[r].err + " (on host " + host_of(r) + ")");
   if (causes.empty())
     for (int r = 0; r < env_.world_size; ++r)
       if (r != env_.rank && peers[r].err.empty() && peers[r].last_ms == peers[r].first_ms)
         causes.push_back("rank " + std::to_string(r) + " died (no heartbeat for " +
-                         std::to_string((now_ms() - peers[r].last_ms) / 1000.0).substr(0, 4) + " s)");
+                         std::to_string((now_ms() - peers[r].last_ms) / 1000.0).substr(0, 4) + " s, host " + host_of(r) +
+                         ")");
   if (causes.empty()) {
     const int64_t mine = seq_.load();
     for (int r = 0; r < env_.world_size; ++r)
       if (r != env_.rank && peers[r].seq < mine && peers[r].err.empty())
         causes.push_back("rank " + std::to_string(r) + " did not join collective #" + std::to_string(mine) +
-                         " (it is at #" + std::to_string(peers[r].seq) + ")");
+                         " (it is at #" + std::to_string(peers[r].seq) + ", host " + host_of(r) + ")");
   }
   if (causes.empty()) {
     os << error;
@@ -458,18 +575,31 @@ c10d::Backend& Distributed::backend_for(const at::Tensor& t) {
   return *gloo_;
 }
 
+int64_t Distributed::begin_collective(const char* what, const at::Tensor& t) {
+  const int64_t seq = ++seq_;
+  trace_->begin(seq, what, t.is_cuda() && nccl_ ? "nccl" : "gloo", std::string(c10::toString(t.scalar_type())),
+                t.numel());
+  return seq;
+}
+
 template <typename F>
-void Distributed::run_collective(const char* what, bool on_gpu, F&& launch) {
+void Distributed::run_collective(const char* what, const at::Tensor& t, F&& launch) {
   if (failed_) throw runtime_error(what, ": an earlier collective failed on this rank");
-  seq_++;
+  const int64_t seq = begin_collective(what, t);
   c10::intrusive_ptr<c10d::Work> work;
   try {
     work = launch();
   } catch (const std::exception& e) {
     failed_ = true;
-    throw runtime_error(diagnose(what, one_line(e)));
+    const std::string line = diagnose(what, one_line(e));
+    write_trace(line);
+    throw runtime_error(line);
   }
-  wait(work, what, on_gpu);
+  {
+    std::lock_guard<std::mutex> lock(trace_mutex_);
+    async_seq_[work.get()] = seq;
+  }
+  wait(work, what, t.is_cuda());
 }
 
 void Distributed::wait(const c10::intrusive_ptr<c10d::Work>& work, const char* what, bool on_gpu) {
@@ -481,14 +611,24 @@ void Distributed::wait(const c10::intrusive_ptr<c10d::Work>& work, const char* w
     else work->wait(opts_.timeout);
   } catch (const std::exception& e) {
     failed_ = true;
-    throw runtime_error(diagnose(what, one_line(e)));
+    const std::string line = diagnose(what, one_line(e));
+    write_trace(line);
+    throw runtime_error(line);
   }
+  // Finished (on a GPU: ordered on the stream; the trace's time is the host's).
+  int64_t seq = -1;
+  {
+    std::lock_guard<std::mutex> lock(trace_mutex_);
+    auto it = async_seq_.find(work.get());
+    if (it != async_seq_.end()) seq = it->second, async_seq_.erase(it);
+  }
+  if (seq >= 0) trace_->end(seq);
 }
 
 void Distributed::all_reduce(at::Tensor& t, ReduceOp op) {
   if (env_.world_size == 1) return;
   TORCH_CHECK(t.is_contiguous(), "all_reduce needs a contiguous tensor");
-  run_collective("all_reduce", t.is_cuda(), [&] {
+  run_collective("all_reduce", t, [&] {
     std::vector<at::Tensor> v{t};
     c10d::AllreduceOptions o;
     o.reduceOp = to_c10d(op);
@@ -500,22 +640,27 @@ void Distributed::all_reduce(at::Tensor& t, ReduceOp op) {
 c10::intrusive_ptr<c10d::Work> Distributed::all_reduce_async(at::Tensor& t) {
   TORCH_CHECK(env_.world_size > 1, "all_reduce_async needs more than one rank");
   TORCH_CHECK(t.is_contiguous(), "all_reduce_async needs a contiguous tensor");
-  seq_++;
+  const int64_t seq = begin_collective("all_reduce", t);
   try {
     std::vector<at::Tensor> v{t};
     c10d::AllreduceOptions o;
     o.timeout = opts_.timeout;
-    return backend_for(t).allreduce(v, o);
+    c10::intrusive_ptr<c10d::Work> work = backend_for(t).allreduce(v, o);
+    std::lock_guard<std::mutex> lock(trace_mutex_);
+    async_seq_[work.get()] = seq;
+    return work;
   } catch (const std::exception& e) {
     failed_ = true;
-    throw runtime_error(diagnose("all_reduce", one_line(e)));
+    const std::string line = diagnose("all_reduce", one_line(e));
+    write_trace(line);
+    throw runtime_error(line);
   }
 }
 
 void Distributed::broadcast(at::Tensor& t, int root) {
   if (env_.world_size == 1) return;
   TORCH_CHECK(t.is_contiguous(), "broadcast needs a contiguous tensor");
-  run_collective("broadcast", t.is_cuda(), [&] {
+  run_collective("broadcast", t, [&] {
     std::vector<at::Tensor> v{t};
     c10d::BroadcastOptions o;
     o.rootRank = root;
@@ -549,7 +694,7 @@ at::Tensor Distributed::all_gather(const at::Tensor& t_in, std::vector<int64_t>*
   auto out_shape = shape;
   out_shape[0] = mx * W;
   at::Tensor out = torch::empty(out_shape, t.options());
-  run_collective("all_gather", t.is_cuda(), [&] {
+  run_collective("all_gather", block, [&] {
     c10d::AllgatherOptions o;
     o.timeout = opts_.timeout;
     return backend_for(t)._allgather_base(out, block, o);
@@ -583,7 +728,7 @@ at::Tensor Distributed::reduce_scatter(const at::Tensor& in_t, const std::vector
   shape[0] = mx;
   at::Tensor out = torch::empty(shape, in.options());
   if (in.is_cuda() && nccl_) {
-    run_collective("reduce_scatter", in.is_cuda(), [&] {
+    run_collective("reduce_scatter", padded, [&] {
       c10d::ReduceScatterOptions o;
       o.timeout = opts_.timeout;
       return nccl_->_reduce_scatter_base(out, padded, o);
@@ -593,7 +738,7 @@ at::Tensor Distributed::reduce_scatter(const at::Tensor& in_t, const std::vector
     std::vector<at::Tensor> outs{out};
     std::vector<std::vector<at::Tensor>> ins(1);
     for (int r = 0; r < W; ++r) ins[0].push_back(padded.narrow(0, r * mx, mx));
-    run_collective("reduce_scatter", in.is_cuda(), [&] {
+    run_collective("reduce_scatter", padded, [&] {
       c10d::ReduceScatterOptions o;
       o.timeout = opts_.timeout;
       return gloo_->reduce_scatter(outs, ins, o);

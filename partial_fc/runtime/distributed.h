@@ -6,7 +6,9 @@
 #include <atomic>
 #include <chrono>
 #include <functional>
+#include <map>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
@@ -15,6 +17,7 @@
 #include <torch/csrc/distributed/c10d/Store.hpp>
 #include <torch/torch.h>
 
+#include "partial_fc/runtime/collective_trace.h"
 #include "partial_fc/runtime/dist_env.h"
 
 namespace faceshard {
@@ -26,6 +29,11 @@ struct DistOptions {
   std::chrono::milliseconds rendezvous_timeout{std::chrono::seconds(300)};
   std::chrono::milliseconds heartbeat_interval{500};
   bool use_cuda = false;  // create an NCCL backend and bind this rank's GPU (local rank)
+  // Hang detection inside training steps, once set_step_seconds() has a measured step time:
+  // a collective pending for longer than 3 x the median step + 5 s (at least hang_floor, at
+  // most `timeout`) while a rank that has not entered it has stopped beating (frozen, or
+  // its host cut off) ends this rank at once, naming that rank and its host.
+  std::chrono::milliseconds hang_floor{std::chrono::seconds(5)};
 };
 
 enum class ReduceOp { Sum, Max, Min };
@@ -69,6 +77,23 @@ class Distributed {
   // Records this rank's fatal error in the store so the other ranks can name it.
   void publish_failure(const std::string& message);
 
+  // The ring of this rank's last collectives (collective_trace.h). set_trace_dir() names the
+  // folder its file goes to (rank<r>.jsonl) when a collective fails or hangs, on SIGUSR1
+  // and at a fatal error; without one nothing is written.
+  CollectiveTrace& trace() { return *trace_; }
+  void set_trace_dir(const std::string& dir);
+  bool write_trace(const std::string& reason);
+  // What the next collectives belong to: a training step (1-based) and its phase
+  // ("forward", "backward", "optimizer", "step"), or another part of the run ("checkpoint",
+  // "validation", ...: no hang detection there but the timeout).
+  void set_context(int64_t step, const char* phase) { trace_->set_context(step, phase); }
+  // The median step time measured so far (seconds; 0: none yet): the hang detection's scale.
+  void set_step_seconds(double seconds) { step_seconds_ = seconds; }
+  // How long a collective of a step may wait while a peer that has not entered it is silent.
+  std::chrono::milliseconds hang_limit() const;
+  // The host each rank reported at start-up ("?" when unknown).
+  std::string host_of(int rank);
+
   // Explains a failed collective: which rank died, threw, or hung.
   std::string diagnose(const std::string& what, const std::string& error);
 
@@ -76,7 +101,9 @@ class Distributed {
   Distributed(const DistEnv& env, const DistOptions& opts);
   c10d::Backend& backend_for(const at::Tensor& t);
   template <typename F>
-  void run_collective(const char* what, bool on_gpu, F&& launch);
+  void run_collective(const char* what, const at::Tensor& t, F&& launch);
+  int64_t begin_collective(const char* what, const at::Tensor& t);
+  void check_for_hang();
   // Runs one step of joining the job (`connect` blocks until every rank is there or the
   // rendezvous timeout passes) with a watchdog for peers that fail meanwhile.
   void rendezvous(const char* what, const std::function<void()>& connect);
@@ -89,6 +116,12 @@ class Distributed {
   c10::intrusive_ptr<c10d::Backend> gloo_;
   c10::intrusive_ptr<c10d::Backend> nccl_;
   std::atomic<int64_t> seq_{0};
+  std::shared_ptr<CollectiveTrace> trace_ = std::make_shared<CollectiveTrace>();
+  std::mutex trace_mutex_;  // trace_dir_, async_seq_, hosts_
+  std::string trace_dir_;
+  std::map<const c10d::Work*, int64_t> async_seq_;
+  std::vector<std::string> hosts_;
+  std::atomic<double> step_seconds_{0};
   std::atomic<bool> stop_{false};
   std::atomic<bool> failed_{false};
   bool shut_down_ = false;

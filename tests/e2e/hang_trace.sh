@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# A rank that freezes (SIGSTOP) inside a run of 3 ranks: the others stop within 3 x the
+# median step + 5 s (not the 120 s collective timeout), each naming the frozen rank; each
+# wrote its collective trace, and faceshard-dist-check --trace names the rank that never
+# entered the collective the others waited in. SIGUSR1 writes a rank's trace while it runs.
+set -u
+root="$1"; bin="$2"
+work=$(mktemp -d)
+log="$work/log"
+victim=""
+cleanup() { [ -n "$victim" ] && kill -9 "$victim" 2>/dev/null; rm -rf "$work"; }
+trap cleanup EXIT
+fail() { echo "FAIL: $*"; grep -v " ok: " "$log" | tail -20; exit 1; }
+"$root/tools/launch.sh" --nproc 3 --grace-s 30 -- "$bin/faceshard-dist-check" --rounds 100000 --interval-ms 50 \
+  --timeout-s 120 --output "$work" > "$log" 2>&1 &
+launcher=$!
+for _ in $(seq 1 300); do grep -q "faceshard-dist-check: .* rounds" "$log" && break; sleep 0.1; done
+ranks=$(pgrep -P "$launcher" -f faceshard-dist-check | sort -n)
+rank0=$(echo "$ranks" | sed -n 1p); victim=$(echo "$ranks" | sed -n 2p)
+[ -n "$rank0" ] && [ -n "$victim" ] || fail "no rank processes found"
+# SIGUSR1: rank 0 writes its trace; asked again until it holds round 10 (the hang limit is
+# scaled from the median of the rounds from the fifth on).
+trace0="$work/trace/rank0.jsonl"
+for _ in $(seq 1 300); do
+  kill -USR1 "$rank0"
+  sleep 0.1
+  [ -s "$trace0" ] && grep -q '"step":1[0-9]' "$trace0" && break
+done
+grep -q '"reason":"SIGUSR1"' "$trace0" || fail "SIGUSR1 wrote no trace"
+grep -q '"step":1[0-9]' "$trace0" || fail "the trace does not reach round 10"
+start=$(date +%s.%N)
+kill -STOP "$victim"
+for _ in $(seq 1 600); do kill -0 "$rank0" 2>/dev/null || break; sleep 0.05; done
+took=$(python3 -c "import time; print(round(time.time() - $start, 1))")
+# When rank 0 named it: its trace file's time (written with the error line).
+named=$(python3 -c "import json; print(round(json.loads(open('$work/trace/rank0.jsonl').readline())['written_ms'] / 1000 - $start, 1))")
+kill -9 "$victim" 2>/dev/null; victim=""
+wait "$launcher"; rc=$?
+[ "$rc" -ne 0 ] || fail "launcher exited 0"
+# The limit is 3 x the median round (about 0.06 s) + 5 s; named within a second of it.
+python3 -c "import sys; sys.exit(0 if $named < 6.5 else 1)" || fail "rank 0 named the frozen rank after ${named} s"
+python3 -c "import sys; sys.exit(0 if $took < 12 else 1)" || fail "rank 0 stopped after ${took} s"
+# The first survivor to judge the hang names rank 1 and the collective; the other may learn
+# of it from the first one's exit first, and names rank 1 through the heartbeats as well.
+grep -q "error: .*more than 3 x the median step .*rank 1 died (no heartbeat.*never entered it" "$log" ||
+  fail "no survivor named rank 1 against the scaled limit"
+for r in 0 2; do
+  grep -q "\[rank $r/3\].*error: .*rank 1 died (no heartbeat" "$log" || fail "rank $r did not name rank 1"
+  [ -s "$work/trace/rank$r.jsonl" ] || fail "rank $r wrote no trace"
+done
+verdict=$("$bin/faceshard-dist-check" --trace "$work/trace" 2>&1) || fail "faceshard-dist-check --trace: $verdict"
+echo "$verdict"
+echo "$verdict" | grep -q "never entered by rank 1 (no trace file" || fail "the verdict does not name rank 1"
+echo "$verdict" | grep -q "rank 0 (host .*) wrote its trace: .*rank 1 died" || fail "rank 0's reason is missing"
+# Bad input: one line, non-zero.
+echo "garbage" > "$work/trace/rank2.jsonl"
+out=$("$bin/faceshard-dist-check" --trace "$work/trace" 2>&1) && fail "a garbage trace was accepted"
+[ "$(echo "$out" | wc -l)" -eq 1 ] && echo "$out" | grep -q "rank2.jsonl:1: not a trace line" || fail "bad trace: $out"
+echo "PASS: rank 0 named the frozen rank 1 after ${named} s and exited after ${took} s (collective timeout 120 s)"
