@@ -4,7 +4,8 @@
 # (GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME unset) and this machine's hostname may resolve to
 # 127.0.0.1, as in many containers: the ranks must find the address that reaches the master.
 # usage: multihost.sh SOURCE_DIR BIN_DIR CASE
-#   CASE: dist_check_2x1 | dist_check_2x2 | train_resume | host_killed | rendezvous_fails | torchrun
+#   CASE: dist_check_2x1 | dist_check_2x2 | train_resume | host_killed | host_frozen_traced | rendezvous_fails |
+#         torchrun
 # Exits 77 (skipped) when namespaces cannot be created here (no privilege).
 set -u
 root="$1"; bin="$2"; case_name="$3"
@@ -183,5 +184,40 @@ torchrun)
   grep -q "done: 8 steps" "$work/t0.log" "$work/t1.log" || { cat "$work/t0.log"; fail "no finished run"; }
   losses "$work/T/metrics.jsonl" | tail -2
   echo "PASS: torchrun across 2 hosts" ;;
+host_frozen_traced)
+  # Training on 2 hosts x 2 ranks with the default collective timeout's scale (120 s here):
+  # host 1 freezes (SIGSTOP) after step 20. Host 0's ranks name a rank of host 1 within 3 x
+  # the median step + 5 s (not the 120 s), each writes its collective trace, and
+  # faceshard-dist-check --trace names the ranks that never entered the collective.
+  rm -rf "$work/out"
+  args=("${train_args[@]}" --set optim.total_steps=100000 --set dist.timeout_s=120)
+  launch "$h1" 1 2 "$work/f1.log" "${args[@]}"
+  launch "$h0" 0 2 "$work/f0.log" "${args[@]}"
+  for _ in $(seq 1200); do grep -q "step 20/" "$work/f0.log" && break; sleep 0.1; done
+  grep -q "step 20/" "$work/f0.log" || { cat "$work/f0.log" "$work/f1.log"; fail "the job did not reach step 20"; }
+  t0=$(now)
+  alive "$h1" | xargs -r kill -STOP
+  for _ in $(seq 600); do [ -z "$(alive "$h0")" ] && break; sleep 0.1; done
+  t1=$(now)
+  alive "$h1" | xargs -r kill -9
+  wait
+  [ -z "$(alive "$h0")" ] || fail "host 0 still running after 60 s"
+  grep -q "error: .*more than 3 x the median step (.*rank [23] died (no heartbeat.*never entered it" "$work/f0.log" ||
+    { cat "$work/f0.log"; fail "host 0 did not name a rank of host 1 against the scaled limit"; }
+  line=$(grep -m1 "more than 3 x the median step" "$work/f0.log")
+  limit=$(echo "$line" | sed -E 's/.*\+ 5 s = ([0-9.]+) s.*/\1/')
+  for r in 0 1; do [ -s "$work/out/trace/rank$r.jsonl" ] || fail "rank $r wrote no trace"; done
+  named=$("$py" -c "
+import json, sys
+t = min(json.loads(open(f'$work/out/trace/rank{r}.jsonl').readline())['written_ms'] for r in (0, 1))
+print(round(t / 1000 - float(sys.argv[1]), 1))" "$t0")
+  "$py" -c "import sys; sys.exit(0 if float(sys.argv[1]) <= float(sys.argv[2]) + 1.5 else 1)" "$named" "$limit" ||
+    fail "named after $named s, the limit is $limit s"
+  verdict=$("$bin/faceshard-dist-check" --trace "$work/out/trace") || fail "faceshard-dist-check --trace: $verdict"
+  echo "$verdict" | grep -q "never entered by rank [23]" || { echo "$verdict"; fail "the verdict names no rank of host 1"; }
+  echo "host 1 frozen after step 20: named after $named s (limit $limit s = 3 x the median step + 5 s), host 0 stopped after $("$py" -c "print(round($t1 - $t0, 1))") s"
+  echo "$line" | sed 's/.*error: //'
+  echo "$verdict"
+  echo "PASS" ;;
 *) fail "unknown case $case_name" ;;
 esac
