@@ -9,8 +9,10 @@
 #include <unistd.h>
 
 #include <csignal>
+#include <random>
 #include <thread>
 
+#include <torch/csrc/distributed/c10d/HashStore.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include "tests/test_paths.h"
@@ -19,6 +21,7 @@
 #include "partial_fc/runtime/distributed.h"
 #include "partial_fc/runtime/error.h"
 #include "partial_fc/runtime/network.h"
+#include "partial_fc/runtime/straggler_monitor.h"
 #include "tests/harness.h"
 #include "tests/test_files.h"
 
@@ -409,6 +412,74 @@ TEST(CollectiveTrace, VerdictNamesTheRankThatNeverEntered) {
   all_in[1].records.push_back(c);
   v = trace_verdict(all_in);
   EXPECT_NE(v[0].find("every rank entered it"), std::string::npos) << v[0];
+}
+
+// --- stragglers ---------------------------------------------------------------------------
+
+TEST(Stragglers, ScoreIsTheFastestPaceOverThisRanks) {
+  // Rank 2 computes 1.6x as long; every data wait is small against a step.
+  const auto s = straggler_scores({{1.0, 0.0}, {1.02, 0.001}, {1.6, 0.0}});
+  EXPECT_NEAR(s[0][0], 1.0, 1e-12);
+  EXPECT_NEAR(s[2][0], (1.0 + 0.05) / (1.6 + 0.05), 1e-12);
+  EXPECT_LT(s[2][0], StragglerMonitor::kThreshold);
+  EXPECT_GT(s[1][0], StragglerMonitor::kThreshold);
+  for (int r = 0; r < 3; ++r) EXPECT_GT(s[r][1], 0.95) << r;
+  // A rank that waits for its data a third of a step is slow in data.
+  const auto d = straggler_scores({{1.0, 0.0}, {1.0, 0.4}});
+  EXPECT_LT(d[1][1], StragglerMonitor::kThreshold);
+  EXPECT_NEAR(d[1][0], 1.0, 1e-12);
+}
+
+// Three ranks' monitors over one store: a rank slowed for two windows is reported once the
+// second ends, with its host and phase; jitter of +-10% on every rank is never reported.
+TEST(Stragglers, TwoSlowWindowsAreReportedCleanRunsNever) {
+  auto store = c10::make_intrusive<c10d::HashStore>();
+  const int64_t window = 5;
+  std::vector<std::unique_ptr<StragglerMonitor>> m;
+  for (int r = 0; r < 3; ++r)
+    m.push_back(std::make_unique<StragglerMonitor>(store, r, 3, std::vector<std::string>{"a", "b", "c"}, window));
+  std::mt19937 gen(5);
+  std::uniform_real_distribution<double> jitter(0.9, 1.1);
+  int64_t step = 0;
+  auto run_windows = [&](int n, int slow_rank) {
+    for (int w = 0; w < n; ++w)
+      for (int64_t k = 0; k < window; ++k) {
+        ++step;
+        for (int r = 0; r < 3; ++r) {
+          const double work = (r == slow_rank ? 1.5 : 1.0) * jitter(gen);
+          // The fast ranks wait for the slow one in their collectives.
+          const double blocked = slow_rank >= 0 && r != slow_rank ? 0.5 : 0.0;
+          m[r]->add_step(step, work + blocked + 0.01, 0.01, blocked);
+        }
+      }
+  };
+  // Rank 0 judges in a thread of its own: wait (bounded) until it has judged n windows.
+  auto judged = [&](int64_t n) {
+    for (int i = 0; i < 500 && m[0]->windows_judged() < n; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    return m[0]->windows_judged() >= n;
+  };
+  run_windows(4, -1);
+  ASSERT_TRUE(judged(4));
+  EXPECT_TRUE(m[0]->take_reports().empty());  // jitter is not a straggler
+  EXPECT_EQ(m[0]->last_scores().size(), 3u);
+  run_windows(1, 2);
+  ASSERT_TRUE(judged(5));
+  EXPECT_TRUE(m[0]->take_reports().empty());  // one slow window is not enough
+  EXPECT_LT(m[0]->last_scores()[2][0], 0.75);
+  run_windows(1, 2);
+  ASSERT_TRUE(judged(6));
+  std::vector<StragglerReport> got;
+  for (int i = 0; i < 300 && got.empty(); ++i) {
+    got = m[0]->take_reports();
+    if (got.empty()) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  ASSERT_EQ(got.size(), 1u);
+  EXPECT_EQ(got[0].rank, 2);
+  EXPECT_EQ(got[0].host, "c");
+  EXPECT_EQ(got[0].phase, "compute");
+  EXPECT_LT(got[0].score, 0.75);
+  EXPECT_EQ(got[0].last_step, step);
+  EXPECT_EQ(got[0].first_step, step - 2 * window + 1);
 }
 
 }  // namespace

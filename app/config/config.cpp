@@ -713,6 +713,7 @@ void Config::visit(FieldVisitor& v) {
   v.field("dist.timeout_s", dist.timeout_s, positive());
   v.field("dist.rendezvous_timeout_s", dist.rendezvous_timeout_s, positive());
   v.field("dist.hang_floor_s", dist.hang_floor_s, positive());
+  v.field("dist.straggler_window", dist.straggler_window, at_least(0));
   v.field("dist.bucket_mb", dist.bucket_mb, positive());
   v.field("dist.find_unused_parameters", dist.find_unused_parameters, none);
 }

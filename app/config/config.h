@@ -195,6 +195,9 @@ struct DistConfig {
   // 3 x the median step + 5 s (at least this, at most timeout_s) for a rank that has stopped
   // beating ends the run naming that rank and its host.
   double hang_floor_s = 5;
+  // Steps per window of the straggler monitor (0: off): a rank whose compute or data wait is
+  // below 0.75 of the fastest rank's pace in two consecutive windows is reported.
+  int64_t straggler_window = 50;
   double bucket_mb = 25;
   bool find_unused_parameters = false;
 };

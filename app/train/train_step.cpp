@@ -74,7 +74,9 @@ StepResult TrainStep::run(const BatchSource& next, int64_t step) {
   if (!j.loss_scaling && j.micro == 1 && !gradient_hook_) j.fc->arm_step(r.fc_lr);
   for (int64_t k = 0; k < j.micro; ++k) {
     j.dist->set_context(step + 1, "forward");
+    const auto t_data = Clock::now();
     Batch batch = next();
+    r.data_wait_s += std::chrono::duration<double>(Clock::now() - t_data).count();
     clock.lap(r.times.data);
     auto out = j.fc->forward(j.backbone->forward(batch.images), batch.labels);
     at::Tensor loss = j.micro > 1 ? out.loss / static_cast<double>(j.micro) : out.loss;

@@ -28,6 +28,7 @@ struct StepResult {
   at::Tensor accuracy;  // 0-dim, likewise
   double lr = 0, fc_lr = 0;
   bool skipped = false;  // loss scaling: non-finite gradients on some rank, nothing moved
+  double data_wait_s = 0;  // host seconds waiting for the micro-batches (always measured)
   StepTimes times;
 };
 

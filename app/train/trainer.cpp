@@ -22,6 +22,7 @@
 #include "partial_fc/runtime/dist_env.h"
 #include "partial_fc/runtime/error.h"
 #include "partial_fc/runtime/log.h"
+#include "partial_fc/runtime/straggler_monitor.h"
 
 namespace faceshard {
 namespace {
@@ -154,8 +155,12 @@ int run_training(const TrainRequest& req) {
   auto t_start = Clock::now(), t_log = Clock::now(), t_checkpoint = Clock::now();
   // The median step time scales the hang detection (Distributed::hang_limit).
   StepTimer step_timer;
+  std::unique_ptr<StragglerMonitor> stragglers;
+  if (d.world_size() > 1 && cfg.dist.straggler_window > 0)
+    stragglers = std::make_unique<StragglerMonitor>(d.store(), d.rank(), d.world_size(), d.hosts(), cfg.dist.straggler_window);
   while (p.step < j.last_step) {
     const auto t_step = Clock::now();
+    d.take_blocked_seconds();  // from here: this step's
     StepResult r = train_step.run(next_batch, p.step);
     loss_sum.add_(r.loss);
     acc_sum.add_(r.accuracy);
@@ -179,6 +184,13 @@ int run_training(const TrainRequest& req) {
       rec.eta_s = seconds_since(t_start) / std::max<int64_t>(1, p.step - start_step) * (j.last_step - p.step);
       if (j.loss_scaling) rec.loss_scale = j.scaler->current_scale();
       rec.memory_gb = device_peak_memory_gb(j.device);
+      if (stragglers)
+        for (const StragglerReport& s : stragglers->take_reports()) {
+          log_warn("straggler: rank ", s.rank, " (host ", s.host, ") is slow in ", s.phase, ": ", format_sig(s.score, 2),
+                   " of the fastest rank's pace (median ", format_sig(s.median_s), " s against ", format_sig(s.fastest_s),
+                   " s a step) in steps ", s.first_step, "-", s.last_step);
+          rec.head_state.emplace_back("straggler/" + std::to_string(s.rank), s.score);
+        }
       // The device's values of the record are read a step or two later (no host sync).
       std::vector<at::Tensor> values{loss_sum, acc_sum, train_step.first_nonfinite_marker()};
       std::vector<std::string> names;
@@ -226,7 +238,9 @@ int run_training(const TrainRequest& req) {
     at::Tensor flags = torch::tensor({static_cast<float>(g_stop_signal.load() != 0), static_cast<float>(due)});
     d.set_context(p.step, "step");
     d.all_reduce(flags, ReduceOp::Max);
-    if (const std::optional<double> median = step_timer.add(seconds_since(t_step))) d.set_step_seconds(*median);
+    const double step_s = seconds_since(t_step);
+    if (const std::optional<double> median = step_timer.add(step_s)) d.set_step_seconds(*median);
+    if (stragglers) stragglers->add_step(p.step, step_s, r.data_wait_s, d.take_blocked_seconds());
     const auto f = flags.accessor<float, 1>();
     want_checkpoint = want_checkpoint || f[1] > 0;
     if (f[0] > 0) {

@@ -472,6 +472,11 @@ void Distributed::check_for_hang() {
   exit_fatal(os.str());
 }
 
+std::vector<std::string> Distributed::hosts() {
+  std::lock_guard<std::mutex> lock(trace_mutex_);
+  return hosts_;
+}
+
 std::string Distributed::host_of(int rank) {
   std::lock_guard<std::mutex> lock(trace_mutex_);
   if (rank < 0 || rank >= static_cast<int>(hosts_.size()) || hosts_[rank].empty()) return "?";
@@ -603,6 +608,12 @@ void Distributed::run_collective(const char* what, const at::Tensor& t, F&& laun
 }
 
 void Distributed::wait(const c10::intrusive_ptr<c10d::Work>& work, const char* what, bool on_gpu) {
+  const auto t0 = Clock::now();
+  struct Blocked {
+    std::atomic<int64_t>& us;
+    Clock::time_point t0;
+    ~Blocked() { us += std::chrono::duration_cast<std::chrono::microseconds>(Clock::now() - t0).count(); }
+  } blocked{blocked_us_, t0};
   try {
     // NCCL: a wait with a timeout blocks the host until the GPU is done; without one it only
     // orders the current stream after the collective, and NCCL's watchdog enforces the

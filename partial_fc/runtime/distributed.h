@@ -93,6 +93,9 @@ class Distributed {
   std::chrono::milliseconds hang_limit() const;
   // The host each rank reported at start-up ("?" when unknown).
   std::string host_of(int rank);
+  std::vector<std::string> hosts();
+  // Seconds this rank's host spent blocked waiting for collectives since the last call.
+  double take_blocked_seconds() { return static_cast<double>(blocked_us_.exchange(0)) * 1e-6; }
 
   // Explains a failed collective: which rank died, threw, or hung.
   std::string diagnose(const std::string& what, const std::string& error);
@@ -122,6 +125,7 @@ class Distributed {
   std::map<const c10d::Work*, int64_t> async_seq_;
   std::vector<std::string> hosts_;
   std::atomic<double> step_seconds_{0};
+  std::atomic<int64_t> blocked_us_{0};
   std::atomic<bool> stop_{false};
   std::atomic<bool> failed_{false};
   bool shut_down_ = false;

@@ -4,8 +4,8 @@
 # (GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME unset) and this machine's hostname may resolve to
 # 127.0.0.1, as in many containers: the ranks must find the address that reaches the master.
 # usage: multihost.sh SOURCE_DIR BIN_DIR CASE
-#   CASE: dist_check_2x1 | dist_check_2x2 | train_resume | host_killed | host_frozen_traced | rendezvous_fails |
-#         torchrun
+#   CASE: dist_check_2x1 | dist_check_2x2 | train_resume | host_killed | host_frozen_traced | straggler_cpu_quota |
+#         rendezvous_fails | torchrun
 # Exits 77 (skipped) when namespaces cannot be created here (no privilege).
 set -u
 root="$1"; bin="$2"; case_name="$3"
@@ -218,6 +218,28 @@ print(round(t / 1000 - float(sys.argv[1]), 1))" "$t0")
   echo "host 1 frozen after step 20: named after $named s (limit $limit s = 3 x the median step + 5 s), host 0 stopped after $("$py" -c "print(round($t1 - $t0, 1))") s"
   echo "$line" | sed 's/.*error: //'
   echo "$verdict"
+  echo "PASS" ;;
+straggler_cpu_quota)
+  # Training on 2 hosts x 1 rank, straggler windows of 4 steps: after step 12 host 1's rank
+  # gets a quarter of a CPU (a cgroup-v1 CPU quota). The straggler monitor names rank 1 on
+  # host 0's log and in metrics.jsonl (straggler/1), and names nobody before the quota.
+  cg=/sys/fs/cgroup/cpu/"$id"
+  mkdir "$cg" 2> /dev/null || { echo "SKIP: no cgroup-v1 CPU controller here"; exit 77; }
+  trap 'cleanup; rmdir "$cg" 2> /dev/null' EXIT
+  echo 100000 > "$cg/cpu.cfs_period_us"; echo 25000 > "$cg/cpu.cfs_quota_us"
+  rm -rf "$work/out"
+  args=("${train_args[@]}" --set optim.total_steps=36 --set dist.straggler_window=4 --set dist.timeout_s=120)
+  launch "$h1" 1 1 "$work/s1.log" "${args[@]}"
+  launch "$h0" 0 1 "$work/s0.log" "${args[@]}"
+  for _ in $(seq 1200); do grep -q "step 12/" "$work/s0.log" && break; sleep 0.1; done
+  grep -q "step 12/" "$work/s0.log" || { cat "$work/s0.log" "$work/s1.log"; fail "the job did not reach step 12"; }
+  grep -q "straggler:" "$work/s0.log" && { cat "$work/s0.log"; fail "a straggler named before any was made"; }
+  for pid in $(alive "$h1"); do echo "$pid" > "$cg/cgroup.procs"; done
+  wait
+  grep -q "straggler: rank 1 (host .*) is slow in compute" "$work/s0.log" || { cat "$work/s0.log"; fail "rank 1 not named"; }
+  grep -q '"straggler/1"' "$work/out/metrics.jsonl" || fail "no straggler/1 in metrics.jsonl"
+  grep -q "straggler: rank 0" "$work/s0.log" && fail "rank 0 named"
+  grep -m1 "straggler:" "$work/s0.log" | sed 's/.*straggler:/straggler:/'
   echo "PASS" ;;
 *) fail "unknown case $case_name" ;;
 esac

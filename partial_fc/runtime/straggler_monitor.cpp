@@ -1,0 +1,168 @@
+#include "partial_fc/runtime/straggler_monitor.h"
+
+#include <algorithm>
+#include <chrono>
+#include <sstream>
+
+#include "partial_fc/runtime/error.h"
+#include "partial_fc/runtime/log.h"
+
+namespace faceshard {
+namespace {
+
+constexpr int kPhases = 2;  // compute, data
+const char* kPhaseName[kPhases] = {"compute", "data"};
+
+double median(std::vector<double> v) {
+  if (v.empty()) return 0;
+  std::nth_element(v.begin(), v.begin() + v.size() / 2, v.end());
+  return v[v.size() / 2];
+}
+
+std::string key_of(int64_t window, int rank) {
+  return "fs/straggler/" + std::to_string(window) + "/" + std::to_string(rank);
+}
+
+}  // namespace
+
+std::vector<std::vector<double>> straggler_scores(const std::vector<std::vector<double>>& medians) {
+  const size_t W = medians.size();
+  std::vector<std::vector<double>> out(W, std::vector<double>(kPhases, 1.0));
+  if (W == 0) return out;
+  // A difference counts once it is a noticeable part of a step: the smallest rank's step
+  // (compute + data), 5% of it and at least 2 ms, is added to both sides of every ratio.
+  double step = -1;
+  for (const auto& m : medians) {
+    const double s = m[0] + m[1];
+    if (step < 0 || s < step) step = s;
+  }
+  const double eps = std::max(0.002, 0.05 * step);
+  for (int p = 0; p < kPhases; ++p) {
+    double fastest = medians[0][p];
+    for (const auto& m : medians) fastest = std::min(fastest, m[p]);
+    for (size_t r = 0; r < W; ++r) out[r][p] = (fastest + eps) / (medians[r][p] + eps);
+  }
+  return out;
+}
+
+StragglerMonitor::StragglerMonitor(c10::intrusive_ptr<c10d::Store> store, int rank, int world_size,
+                                   std::vector<std::string> hosts, int64_t window)
+    : store_(std::move(store)), rank_(rank), world_(world_size), hosts_(std::move(hosts)), window_(std::max<int64_t>(2, window)) {
+  below_.assign(world_, std::vector<char>(kPhases, 0));
+  hosts_.resize(world_);
+  thread_ = std::thread([this] { run(); });
+}
+
+StragglerMonitor::~StragglerMonitor() {
+  {
+    std::lock_guard<std::mutex> lock(m_);
+    stop_ = true;
+  }
+  cv_.notify_all();
+  thread_.join();
+}
+
+void StragglerMonitor::add_step(int64_t step, double step_s, double data_s, double blocked_s) {
+  compute_.push_back(std::max(0.0, step_s - data_s - blocked_s));
+  data_.push_back(std::max(0.0, data_s));
+  if (static_cast<int64_t>(compute_.size()) < window_) return;
+  std::vector<double> v{median(compute_), median(data_), static_cast<double>(step)};
+  compute_.clear();
+  data_.clear();
+  {
+    std::lock_guard<std::mutex> lock(m_);
+    to_publish_.emplace_back(windows_++, std::move(v));
+  }
+  cv_.notify_all();
+}
+
+std::vector<StragglerReport> StragglerMonitor::take_reports() {
+  std::lock_guard<std::mutex> lock(m_);
+  std::vector<StragglerReport> out;
+  out.swap(reports_);
+  return out;
+}
+
+int64_t StragglerMonitor::windows_judged() {
+  std::lock_guard<std::mutex> lock(m_);
+  return judged_;
+}
+
+std::vector<std::vector<double>> StragglerMonitor::last_scores() {
+  std::lock_guard<std::mutex> lock(m_);
+  return last_scores_;
+}
+
+void StragglerMonitor::run() {
+  while (true) {
+    std::pair<int64_t, std::vector<double>> item;
+    {
+      std::unique_lock<std::mutex> lock(m_);
+      cv_.wait(lock, [&] { return stop_ || !to_publish_.empty(); });
+      if (stop_) return;
+      item = std::move(to_publish_.front());
+      to_publish_.pop_front();
+    }
+    try {
+      std::ostringstream os;
+      os.precision(9);
+      os << item.second[0] << " " << item.second[1];
+      const std::string s = os.str();
+      store_->set(key_of(item.first, rank_), std::vector<uint8_t>(s.begin(), s.end()));
+      if (rank_ == 0) judge(item.first, static_cast<int64_t>(item.second[2]));
+    } catch (const std::exception& e) {
+      // The store is gone: the collectives say why; the monitor has nothing to add.
+      log_debug("straggler monitor: ", one_line(e));
+      return;
+    }
+  }
+}
+
+void StragglerMonitor::judge(int64_t window_index, int64_t last_step) {
+  std::vector<std::string> keys;
+  for (int r = 0; r < world_; ++r) keys.push_back(key_of(window_index, r));
+  // Every rank reaches the same step: its window's figures come within moments; a rank
+  // that never sends them (stopped, failed) is the collectives' business.
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  while (!store_->check(keys)) {
+    {
+      std::unique_lock<std::mutex> lock(m_);
+      if (cv_.wait_for(lock, std::chrono::milliseconds(100), [&] { return stop_; })) return;
+    }
+    if (std::chrono::steady_clock::now() > deadline) return;
+  }
+  std::vector<std::vector<double>> medians;
+  for (const auto& v : store_->multiGet(keys)) {
+    std::istringstream is(std::string(v.begin(), v.end()));
+    double c = 0, d = 0;
+    is >> c >> d;
+    medians.push_back({c, d});
+  }
+  for (const std::string& k : keys) store_->deleteKey(k);  // the store keeps no window's figures
+  const std::vector<std::vector<double>> scores = straggler_scores(medians);
+  std::lock_guard<std::mutex> lock(m_);
+  last_scores_ = scores;
+  judged_++;
+  for (int r = 0; r < world_; ++r) {
+    for (int p = 0; p < kPhases; ++p) {
+      const bool below = scores[r][p] < kThreshold;
+      if (below && below_[r][p]) {
+        StragglerReport rep;
+        rep.rank = r;
+        rep.host = hosts_[r].empty() ? "?" : hosts_[r];
+        rep.phase = kPhaseName[p];
+        rep.score = scores[r][p];
+        rep.median_s = medians[r][p];
+        double fastest = medians[0][p];
+        for (const auto& m : medians) fastest = std::min(fastest, m[p]);
+        rep.fastest_s = fastest;
+        rep.last_step = last_step;
+        rep.first_step = last_step - 2 * window_ + 1;
+        reports_.push_back(rep);
+      }
+      below_[r][p] = below;
+    }
+  }
+}
+
+}  // namespace faceshard

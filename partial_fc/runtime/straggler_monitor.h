@@ -1,0 +1,77 @@
+// Slow ranks, found without a collective on the step path. Each rank times its steps on
+// the host: the time it waited for its batch ("data") and the time it worked ("compute":
+// the step less its data wait and less the time it was blocked in collectives, where a fast
+// rank waits for a slow one). Every `window` steps its medians go into the rendezvous store
+// from a thread of the monitor's own; rank 0 reads every rank's, scores each rank per phase
+// as the fastest rank's median over this rank's (1: as fast as the fastest), and a rank
+// below 0.75 in two consecutive windows is reported (the trainer logs it and writes
+// straggler/<rank> to metrics.jsonl).
+#pragma once
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+namespace faceshard {
+
+struct StragglerReport {
+  int rank = 0;
+  std::string host, phase;  // phase: "compute" or "data"
+  double score = 0;         // fastest rank's median / this rank's, in the window
+  double median_s = 0, fastest_s = 0;
+  int64_t first_step = 0, last_step = 0;  // the two windows
+};
+
+// The scores of one window: per rank and phase, fastest median / the rank's (a phase whose
+// medians are all below 1 ms scores 1: nothing to be slow at). medians[r] = {compute, data}.
+std::vector<std::vector<double>> straggler_scores(const std::vector<std::vector<double>>& medians);
+
+class StragglerMonitor {
+ public:
+  static constexpr double kThreshold = 0.75;
+
+  // `hosts[r]`: rank r's host (for the reports). window >= 2 steps.
+  StragglerMonitor(c10::intrusive_ptr<c10d::Store> store, int rank, int world_size, std::vector<std::string> hosts,
+                   int64_t window);
+  ~StragglerMonitor();
+  StragglerMonitor(const StragglerMonitor&) = delete;
+  StragglerMonitor& operator=(const StragglerMonitor&) = delete;
+
+  // One step of this rank (1-based step number): its wall time, data wait and time blocked
+  // in collectives, in seconds.
+  void add_step(int64_t step, double step_s, double data_s, double blocked_s);
+  // Rank 0: the ranks flagged since the last call (two consecutive windows below the
+  // threshold; a rank stays reported while it stays slow, once per window).
+  std::vector<StragglerReport> take_reports();
+  // The latest window's scores (rank 0; empty before the first), [rank][compute, data].
+  std::vector<std::vector<double>> last_scores();
+  // Rank 0: how many windows it has judged.
+  int64_t windows_judged();
+
+ private:
+  void run();
+  void judge(int64_t window_index, int64_t last_step);
+
+  c10::intrusive_ptr<c10d::Store> store_;
+  int rank_, world_;
+  std::vector<std::string> hosts_;
+  int64_t window_;
+  std::vector<double> compute_, data_;  // this window's steps
+  std::mutex m_;
+  std::condition_variable cv_;
+  std::deque<std::pair<int64_t, std::vector<double>>> to_publish_;  // (window index, medians + last step)
+  bool stop_ = false;
+  int64_t windows_ = 0;
+  std::vector<std::vector<char>> below_;  // [rank][phase]: below the threshold in the last window
+  std::vector<StragglerReport> reports_;
+  std::vector<std::vector<double>> last_scores_;
+  int64_t judged_ = 0;
+  std::thread thread_;
+};
+
+}  // namespace faceshard
