@@ -157,7 +157,8 @@ int run_training(const TrainRequest& req) {
   StepTimer step_timer;
   std::unique_ptr<StragglerMonitor> stragglers;
   if (d.world_size() > 1 && cfg.dist.straggler_window > 0)
-    stragglers = std::make_unique<StragglerMonitor>(d.store(), d.rank(), d.world_size(), d.hosts(), cfg.dist.straggler_window);
+    stragglers = std::make_unique<StragglerMonitor>(d.connect_side_store(std::chrono::seconds(5)), d.rank(),
+                                                    d.world_size(), d.hosts(), cfg.dist.straggler_window);
   while (p.step < j.last_step) {
     const auto t_step = Clock::now();
     d.take_blocked_seconds();  // from here: this step's

@@ -472,6 +472,10 @@ void Distributed::check_for_hang() {
   exit_fatal(os.str());
 }
 
+c10::intrusive_ptr<c10d::Store> Distributed::connect_side_store(std::chrono::milliseconds timeout) const {
+  return connect_store(env_, false, timeout);
+}
+
 std::vector<std::string> Distributed::hosts() {
   std::lock_guard<std::mutex> lock(trace_mutex_);
   return hosts_;

@@ -94,6 +94,9 @@ class Distributed {
   // The host each rank reported at start-up ("?" when unknown).
   std::string host_of(int rank);
   std::vector<std::string> hosts();
+  // A connection of its own to the rendezvous store, for a helper thread that must never
+  // wait long: its operations fail after `timeout` (a frozen or vanished store host).
+  c10::intrusive_ptr<c10d::Store> connect_side_store(std::chrono::milliseconds timeout) const;
   // Seconds this rank's host spent blocked waiting for collectives since the last call.
   double take_blocked_seconds() { return static_cast<double>(blocked_us_.exchange(0)) * 1e-6; }
 

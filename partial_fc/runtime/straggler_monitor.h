@@ -35,7 +35,9 @@ class StragglerMonitor {
  public:
   static constexpr double kThreshold = 0.75;
 
-  // `hosts[r]`: rank r's host (for the reports). window >= 2 steps.
+  // `store`: a connection of the monitor's own (its thread's operations should time out
+  // within seconds: Distributed::connect_side_store). `hosts[r]`: rank r's host (for the
+  // reports). window >= 2 steps.
   StragglerMonitor(c10::intrusive_ptr<c10d::Store> store, int rank, int world_size, std::vector<std::string> hosts,
                    int64_t window);
   ~StragglerMonitor();
