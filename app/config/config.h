@@ -191,9 +191,9 @@ struct DistConfig {
   std::string device = "auto";  // auto | cpu | cuda
   double timeout_s = 600;              // each collective
   double rendezvous_timeout_s = 300;  // all ranks joining the job
-  // Inside training steps, once 10 steps are measured: a collective that waits longer than
-  // 3 x the median step + 5 s (at least this, at most timeout_s) for a rank that has stopped
-  // beating ends the run naming that rank and its host.
+  // Once 10 steps are measured: a collective that waits longer than 3 x the median step +
+  // 5 s (at least this, at most timeout_s) for a rank that has stopped beating ends the run
+  // naming that rank and its host.
   double hang_floor_s = 5;
   // Steps per window of the straggler monitor (0: off): a rank whose compute or data wait is
   // below 0.75 of the fastest rank's pace in two consecutive windows is reported.

@@ -433,9 +433,9 @@ std::chrono::milliseconds Distributed::hang_limit() const {
 }
 
 void Distributed::check_for_hang() {
+  // Any phase once the pace is known (a checkpoint's or a verification's collectives too):
+  // only a peer that has stopped beating is judged, and a slow but live one never is.
   if (env_.world_size <= 1 || failed_ || step_seconds_.load() <= 0) return;
-  const std::string phase = trace_->phase();
-  if (phase != "forward" && phase != "backward" && phase != "optimizer" && phase != "step") return;
   const std::optional<CollectiveRecord> pending = trace_->oldest_pending();
   if (!pending) return;
   const auto limit = hang_limit();
@@ -452,10 +452,12 @@ void Distributed::check_for_hang() {
       int64_t ms = 0, seq = 0;
       is >> ms >> seq;
       const int64_t silent_ms = now_ms() - ms;
-      if (seq < pending->seq && silent_ms >= silent_after.count())
+      // Silent, and not past this collective (its heartbeat may lag its counter by a beat).
+      if (seq <= pending->seq && silent_ms >= silent_after.count())
         culprits.push_back("rank " + std::to_string(r) + " died (no heartbeat for " +
                            std::to_string(silent_ms / 100 / 10.0).substr(0, 4) + " s: dead, frozen or cut off; host " +
-                           host_of(r) + ") and never entered it (its last heartbeat was at #" + std::to_string(seq) + ")");
+                           host_of(r) + ") and " + (seq < pending->seq ? "never entered it" : "stopped inside it") +
+                           " (its last heartbeat was at #" + std::to_string(seq) + ")");
     }
   } catch (const std::exception&) {
     return;  // the store is gone: the collective's own error says so

@@ -29,10 +29,10 @@ struct DistOptions {
   std::chrono::milliseconds rendezvous_timeout{std::chrono::seconds(300)};
   std::chrono::milliseconds heartbeat_interval{500};
   bool use_cuda = false;  // create an NCCL backend and bind this rank's GPU (local rank)
-  // Hang detection inside training steps, once set_step_seconds() has a measured step time:
-  // a collective pending for longer than 3 x the median step + 5 s (at least hang_floor, at
-  // most `timeout`) while a rank that has not entered it has stopped beating (frozen, or
-  // its host cut off) ends this rank at once, naming that rank and its host.
+  // Hang detection, once set_step_seconds() has a measured step time: a collective pending
+  // for longer than 3 x the median step + 5 s (at least hang_floor, at most `timeout`) while
+  // a rank not past it has stopped beating (frozen, or its host cut off) ends this rank at
+  // once, naming that rank and its host. A slow rank that beats is waited for.
   std::chrono::milliseconds hang_floor{std::chrono::seconds(5)};
 };
 
@@ -85,7 +85,7 @@ class Distributed {
   bool write_trace(const std::string& reason);
   // What the next collectives belong to: a training step (1-based) and its phase
   // ("forward", "backward", "optimizer", "step"), or another part of the run ("checkpoint",
-  // "validation", ...: no hang detection there but the timeout).
+  // "validation", ...): the trace records it.
   void set_context(int64_t step, const char* phase) { trace_->set_context(step, phase); }
   // The median step time measured so far (seconds; 0: none yet): the hang detection's scale.
   void set_step_seconds(double seconds) { step_seconds_ = seconds; }
