@@ -141,16 +141,6 @@ void CollectiveTrace::set_context(int64_t step, const char* phase) {
   phase_ = phase ? phase : "";
 }
 
-int64_t CollectiveTrace::step() const {
-  std::lock_guard<std::mutex> lock(m_);
-  return step_;
-}
-
-const char* CollectiveTrace::phase() const {
-  std::lock_guard<std::mutex> lock(m_);
-  return phase_;
-}
-
 void CollectiveTrace::begin(int64_t seq, const char* kind, const char* backend, const std::string& dtype,
                             int64_t numel) {
   CollectiveRecord r;

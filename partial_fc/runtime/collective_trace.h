@@ -31,8 +31,6 @@ class CollectiveTrace {
 
   // What the following collectives belong to (the trainer sets it; phase a static string).
   void set_context(int64_t step, const char* phase);
-  int64_t step() const;
-  const char* phase() const;
   void begin(int64_t seq, const char* kind, const char* backend, const std::string& dtype, int64_t numel);
   void end(int64_t seq);
 
