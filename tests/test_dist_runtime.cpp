@@ -482,6 +482,79 @@ TEST(Stragglers, TwoSlowWindowsAreReportedCleanRunsNever) {
   EXPECT_EQ(got[0].first_step, step - 2 * window + 1);
 }
 
+// A rank whose heartbeat round trip to the store is long against the fastest rank's (its
+// host's link to the store's host is slow) is reported with the phase "link" after two
+// such windows; a healthy spread of round trips (0.05-3 ms) never is.
+TEST(Stragglers, SlowLinkIsNamedAfterTwoWindows) {
+  const auto flags = slow_links({0.05, 0.3, 60.0, -1.0, 9.0});
+  EXPECT_EQ(flags, (std::vector<char>{0, 0, 1, 0, 0}));  // 9 ms: below 20 ms
+  EXPECT_EQ(slow_links({10.0, 60.0}), (std::vector<char>{0, 0}));  // 60 < 10 x (10 + 1)
+  EXPECT_EQ(slow_links({-1.0, -1.0}), (std::vector<char>{0, 0}));  // nothing measured
+  auto store = c10::make_intrusive<c10d::HashStore>();
+  const int64_t window = 4;
+  std::vector<std::unique_ptr<StragglerMonitor>> m;
+  for (int r = 0; r < 2; ++r)
+    m.push_back(std::make_unique<StragglerMonitor>(store, r, 2, std::vector<std::string>{"a", "b"}, window));
+  std::mt19937 gen(9);
+  std::uniform_real_distribution<double> jitter(0.05, 3.0);
+  int64_t step = 0;
+  auto run_windows = [&](int n, double rank1_ms) {
+    for (int w = 0; w < n; ++w)
+      for (int64_t k = 0; k < window; ++k) {
+        ++step;
+        m[0]->add_step(step, 1.0, 0.0, 0.5, 0.05);
+        m[1]->add_step(step, 1.0, 0.0, 0.5, rank1_ms > 0 ? rank1_ms * (0.9 + 0.1 * jitter(gen)) : jitter(gen));
+      }
+  };
+  auto judged = [&](int64_t n) {
+    for (int i = 0; i < 500 && m[0]->windows_judged() < n; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    return m[0]->windows_judged() >= n;
+  };
+  run_windows(5, 0);
+  ASSERT_TRUE(judged(5));
+  EXPECT_TRUE(m[0]->take_reports().empty());
+  run_windows(2, 400);
+  ASSERT_TRUE(judged(7));
+  std::vector<StragglerReport> got;
+  for (int i = 0; i < 300 && got.empty(); ++i) {
+    got = m[0]->take_reports();
+    if (got.empty()) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  ASSERT_EQ(got.size(), 1u);
+  EXPECT_EQ(got[0].rank, 1);
+  EXPECT_EQ(got[0].host, "b");
+  EXPECT_EQ(got[0].phase, "link");
+  EXPECT_GT(got[0].median_s, 0.35);
+  EXPECT_NEAR(got[0].fastest_s, 0.05e-3, 1e-9);
+  EXPECT_EQ(got[0].first_step, step - 2 * window + 1);
+}
+
+// What the heartbeat thread saw while collectives waited, as the trainer reports a stall.
+TEST(LinkWatch, StallNamesTheSilentPeersAndTheStore) {
+  LinkWatch w;
+  EXPECT_EQ(w.last_answer_ms(), 0);
+  EXPECT_FALSE(w.take_round_trip_ms().has_value());
+  for (double t : {5.0, 1.0, 3.0, 2.0, 400.0}) w.store_answered(1000, t);
+  EXPECT_EQ(w.last_answer_ms(), 1000);
+  EXPECT_DOUBLE_EQ(*w.take_round_trip_ms(), 3.0);  // the median
+  EXPECT_FALSE(w.take_round_trip_ms().has_value());  // taken
+  w.silent(2, 1.25);
+  w.silent(2, 2.5);
+  w.silent(2, 1.5);  // the longest silence is kept
+  w.silent(-1, 2.0);
+  const LinkWatch::Stall st = w.take_stall();
+  ASSERT_EQ(st.silent_s.size(), 2u);
+  EXPECT_DOUBLE_EQ(st.silent_s.at(2), 2.5);
+  const std::string text = describe_stall(st, [](int r) { return "h" + std::to_string(r); }, "h0");
+  EXPECT_EQ(text, "the rendezvous store (host h0) did not answer for 2.0 s; rank 2 (host h2) was silent for 2.5 s");
+  EXPECT_TRUE(w.take_stall().empty());
+  EXPECT_NE(describe_stall(w.take_stall(), [](int) { return ""; }, "").find("every rank kept beating"), std::string::npos);
+  EXPECT_FALSE(is_stall(5.0, 0.0));   // no pace yet
+  EXPECT_FALSE(is_stall(0.9, 0.1));   // under a second
+  EXPECT_FALSE(is_stall(2.0, 0.7));   // under 3 x the median step
+  EXPECT_TRUE(is_stall(2.1, 0.7));
+}
+
 }  // namespace
 // The network choice's fixed points (the several-hosts cases run in tests/e2e/multihost.sh):
 // one host talks over loopback, a user's GLOO_SOCKET_IFNAME wins, a route is the kernel's.

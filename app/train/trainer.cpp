@@ -23,6 +23,7 @@
 #include "partial_fc/runtime/error.h"
 #include "partial_fc/runtime/log.h"
 #include "partial_fc/runtime/straggler_monitor.h"
+#include "partial_fc/runtime/link_watch.h"
 
 namespace faceshard {
 namespace {
@@ -159,6 +160,11 @@ int run_training(const TrainRequest& req) {
   if (d.world_size() > 1 && cfg.dist.straggler_window > 0)
     stragglers = std::make_unique<StragglerMonitor>(d.connect_side_store(std::chrono::seconds(5)), d.rank(),
                                                     d.world_size(), d.hosts(), cfg.dist.straggler_window);
+  // Steps held up in collectives (a partition that heals, a link slowed to a trickle): one
+  // line at most every 10 s, saying who fell silent meanwhile.
+  double median_step = 0;
+  int64_t stalls_unreported = 0;
+  auto t_stall_line = Clock::now() - std::chrono::hours(1);
   while (p.step < j.last_step) {
     const auto t_step = Clock::now();
     d.take_blocked_seconds();  // from here: this step's
@@ -187,6 +193,13 @@ int run_training(const TrainRequest& req) {
       rec.memory_gb = device_peak_memory_gb(j.device);
       if (stragglers)
         for (const StragglerReport& s : stragglers->take_reports()) {
+          if (s.phase == "link") {
+            log_warn("slow link: host ", s.host, " (rank ", s.rank, ") <-> host ", d.store_host(),
+                     " (the store's): heartbeat round trip ", format_sig(s.median_s * 1000), " ms against ",
+                     format_sig(s.fastest_s * 1000), " ms (fastest rank) in steps ", s.first_step, "-", s.last_step);
+            rec.head_state.emplace_back("slow_link/" + std::to_string(s.rank), s.median_s * 1000);
+            continue;
+          }
           log_warn("straggler: rank ", s.rank, " (host ", s.host, ") is slow in ", s.phase, ": ", format_sig(s.score, 2),
                    " of the fastest rank's pace (median ", format_sig(s.median_s), " s against ", format_sig(s.fastest_s),
                    " s a step) in steps ", s.first_step, "-", s.last_step);
@@ -240,8 +253,18 @@ int run_training(const TrainRequest& req) {
     d.set_context(p.step, "step");
     d.all_reduce(flags, ReduceOp::Max);
     const double step_s = seconds_since(t_step);
-    if (const std::optional<double> median = step_timer.add(step_s)) d.set_step_seconds(*median);
-    if (stragglers) stragglers->add_step(p.step, step_s, r.data_wait_s, d.take_blocked_seconds());
+    if (const std::optional<double> median = step_timer.add(step_s)) d.set_step_seconds(median_step = *median);
+    const double blocked_s = d.take_blocked_seconds();
+    if (stragglers) stragglers->add_step(p.step, step_s, r.data_wait_s, blocked_s, d.links().take_round_trip_ms());
+    const LinkWatch::Stall silent = d.links().take_stall();
+    if (is_stall(blocked_s, median_step) && ++stalls_unreported && seconds_since(t_stall_line) >= 10) {
+      log_warn("network: step ", p.step, " waited ", format_sig(blocked_s), " s in collectives (the median step is ",
+               format_sig(median_step), " s)",
+               stalls_unreported > 1 ? " (" + std::to_string(stalls_unreported) + " such steps since the last line)" : "",
+               ": ", describe_stall(silent, [&d](int rank) { return d.host_of(rank); }, d.store_host()));
+      stalls_unreported = 0;
+      t_stall_line = Clock::now();
+    }
     const auto f = flags.accessor<float, 1>();
     want_checkpoint = want_checkpoint || f[1] > 0;
     if (f[0] > 0) {

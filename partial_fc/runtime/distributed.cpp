@@ -247,6 +247,47 @@ class RendezvousDeadline {
   std::thread thread_;
 };
 
+// The heartbeat thread: every interval it writes this rank's beat (epoch ms and collective
+// count) and makes one round trip to the store, which proves the store still answers (a
+// set is not answered). While a collective has waited a second or more, that round trip
+// reads every rank's beat (the hang check judges them). Its connection's requests fail
+// within a few beats, after which it connects afresh; a request that blocks for good (a
+// partition) blocks only this thread, which is never joined.
+void beat_loop(DistEnv env, std::chrono::milliseconds interval, std::shared_ptr<LinkWatch> links,
+               std::shared_ptr<CollectiveTrace> trace, std::shared_ptr<std::atomic<int64_t>> seq,
+               std::shared_ptr<std::atomic<bool>> stop) {
+  const auto timeout = std::max(interval * 4, std::chrono::milliseconds(2000));
+  std::vector<std::string> keys;
+  for (int r = 0; r < env.world_size; ++r) keys.push_back(key_hb(r));
+  c10::intrusive_ptr<c10d::Store> beat;
+  while (!*stop) {
+    try {
+      if (!beat) beat = connect_store(env, false, timeout);
+      const auto t0 = Clock::now();
+      beat->set(key_hb(env.rank), to_bytes(std::to_string(now_ms()) + " " + std::to_string(seq->load())));
+      const std::optional<CollectiveRecord> pending = trace->oldest_pending();
+      if (pending && now_ms() - pending->issued_ms >= 1000) {
+        LinkWatch::PeerBeats peers;
+        for (const auto& v : beat->multiGet(keys)) {
+          std::istringstream is(to_string(v));
+          int64_t ms = 0, n = 0;
+          is >> ms >> n;
+          peers.beats.emplace_back(ms, n);
+        }
+        peers.read_ms = now_ms();
+        links->peers_read(std::move(peers));
+      } else {
+        beat->check({key_hb(env.rank)});
+      }
+      links->store_answered(now_ms(), std::chrono::duration<double, std::milli>(Clock::now() - t0).count());
+    } catch (...) {
+      beat.reset();  // the store host may be gone or cut off: the hang check judges it
+    }
+    const auto until = Clock::now() + interval;
+    while (!*stop && Clock::now() < until) std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+}
+
 }  // namespace
 
 Distributed::Distributed(const DistEnv& env, const DistOptions& opts) : env_(env), opts_(opts) {}
@@ -277,10 +318,16 @@ std::shared_ptr<Distributed> Distributed::init(const DistEnv& env, const DistOpt
       g_fatal_beat = opts.heartbeat_interval;
     }
     set_fatal_hook(&publish_fatal_to_peers);
-    d->hb_store_->set(key_host(env.rank), to_bytes(this_host()));
+    // Host names alone may repeat (containers, namespaces): a job of several hosts adds the
+    // address its collectives use.
+    const std::string me = env.local_world_size < env.world_size && !net.gloo_address.empty()
+                               ? this_host() + " (" + net.gloo_address + ")"
+                               : this_host();
+    d->hb_store_->set(key_host(env.rank), to_bytes(me));
     d->hb_store_->set(key_hb(env.rank), to_bytes(std::to_string(now_ms()) + " 0"));
     std::signal(SIGUSR1, on_trace_signal);
-    d->heartbeat_ = std::thread([p = d.get()] { p->heartbeat_loop(); });
+    std::thread(beat_loop, env, opts.heartbeat_interval, d->links_, d->trace_, d->seq_, d->beat_stop_).detach();
+    d->watch_ = std::thread([p = d.get()] { p->watch_loop(); });
     deadline.stage("Gloo full mesh");
     d->rendezvous("Gloo full mesh", [&] {
       d->gloo_ = make_gloo_backend(c10::make_intrusive<c10d::PrefixStore>("gloo", d->store_), env.rank, env.world_size,
@@ -399,29 +446,18 @@ Distributed::~Distributed() {
     log_warn("distributed shutdown: ", one_line(e));
   }
   stop_ = true;
-  if (heartbeat_.joinable()) heartbeat_.join();
+  *beat_stop_ = true;
+  if (watch_.joinable()) watch_.join();
 }
 
-void Distributed::heartbeat_loop() {
-  auto next_check = Clock::now();
+void Distributed::watch_loop() {
   while (!stop_) {
-    try {
-      hb_store_->set(key_hb(env_.rank), to_bytes(std::to_string(now_ms()) + " " + std::to_string(seq_.load())));
-    } catch (...) {
-      // The store host may be gone; the collective that notices reports it.
+    if (g_trace_requested.exchange(false)) {
+      const bool ok = write_trace("SIGUSR1");
+      log_info("SIGUSR1: collective trace ", ok ? "written to " + trace_dir_ : std::string("not written (no folder)"));
     }
-    auto until = Clock::now() + opts_.heartbeat_interval;
-    while (!stop_ && Clock::now() < until) {
-      if (g_trace_requested.exchange(false)) {
-        const bool ok = write_trace("SIGUSR1");
-        log_info("SIGUSR1: collective trace ", ok ? "written to " + trace_dir_ : std::string("not written (no folder)"));
-      }
-      if (Clock::now() >= next_check) {
-        check_for_hang();
-        next_check = Clock::now() + std::chrono::milliseconds(250);
-      }
-      std::this_thread::sleep_for(std::chrono::milliseconds(20));
-    }
+    check_for_hang();
+    for (int k = 0; k < 12 && !stop_; ++k) std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
 }
 
@@ -434,24 +470,29 @@ std::chrono::milliseconds Distributed::hang_limit() const {
 
 void Distributed::check_for_hang() {
   // Any phase once the pace is known (a checkpoint's or a verification's collectives too):
-  // only a peer that has stopped beating is judged, and a slow but live one never is.
+  // only a peer that has stopped beating is judged, and a slow but live one never is. No
+  // store request here: the heartbeat thread reads, this judges what it read.
   if (env_.world_size <= 1 || failed_ || step_seconds_.load() <= 0) return;
   const std::optional<CollectiveRecord> pending = trace_->oldest_pending();
   if (!pending) return;
-  const auto limit = hang_limit();
   const double waited_ms = static_cast<double>(now_ms()) - pending->issued_ms;
-  if (waited_ms < static_cast<double>(limit.count()) || limit >= opts_.timeout) return;
-  // Who has not entered it, and has stopped beating? A peer that beats is alive (slow, or
-  // busy elsewhere): the collective's timeout is for it.
+  if (waited_ms < 1000) return;
+  // A collective that waits: who is silent meanwhile (the trainer names them for a stalled
+  // step; the hang check below, when the wait passes the limit)?
   const auto silent_after = std::max(opts_.heartbeat_interval * 6, std::chrono::milliseconds(3000));
+  const bool store_here = !env_.agent_store && env_.rank == 0;
+  const int64_t answered = links_->last_answer_ms();
+  const int64_t store_silent_ms = store_here || answered == 0 ? 0 : now_ms() - answered;
+  if (store_silent_ms >= 1000) links_->silent(-1, store_silent_ms / 1000.0);
   std::vector<std::string> culprits;
-  try {
+  // The peers' beats, as read during this wait (an older read says nothing of it).
+  const LinkWatch::PeerBeats peers = links_->peers();
+  if (peers.read_ms >= pending->issued_ms && static_cast<int>(peers.beats.size()) == env_.world_size) {
     for (int r = 0; r < env_.world_size; ++r) {
       if (r == env_.rank) continue;
-      std::istringstream is(to_string(hb_store_->get(key_hb(r))));
-      int64_t ms = 0, seq = 0;
-      is >> ms >> seq;
-      const int64_t silent_ms = now_ms() - ms;
+      const auto [ms, seq] = peers.beats[r];
+      const int64_t silent_ms = peers.read_ms - ms;
+      if (silent_ms >= 1000 && seq <= pending->seq) links_->silent(r, silent_ms / 1000.0);
       // Silent, and not past this collective (its heartbeat may lag its counter by a beat).
       if (seq <= pending->seq && silent_ms >= silent_after.count())
         culprits.push_back("rank " + std::to_string(r) + " died (no heartbeat for " +
@@ -459,12 +500,18 @@ void Distributed::check_for_hang() {
                            host_of(r) + ") and " + (seq < pending->seq ? "never entered it" : "stopped inside it") +
                            " (its last heartbeat was at #" + std::to_string(seq) + ")");
     }
-  } catch (const std::exception&) {
-    return;  // the store is gone: the collective's own error says so
   }
+  const auto limit = hang_limit();
+  if (waited_ms < static_cast<double>(limit.count()) || limit >= opts_.timeout) return;
+  // This rank cannot reach the store's host: a partition, or that host froze.
+  if (culprits.empty() && store_silent_ms >= silent_after.count())
+    culprits.push_back("no answer from the rendezvous store " + env_.master_addr + ":" +
+                       std::to_string(env_.master_port) + " for " + std::to_string(store_silent_ms / 100 / 10.0).substr(0, 4) +
+                       " s: this host is cut off from host " + store_host() +
+                       (env_.agent_store ? " (the agent's store)" : " (rank 0 hosts it), or rank 0 is frozen"));
   if (culprits.empty()) return;
   std::ostringstream os;
-  os << pending->kind << " #" << pending->seq << " failed on rank " << env_.rank << " (host " << this_host()
+  os << pending->kind << " #" << pending->seq << " failed on rank " << env_.rank << " (host " << host_of(env_.rank)
      << ", step " << pending->step << ", " << pending->phase << "): waited " << std::fixed << std::setprecision(1)
      << waited_ms / 1000 << " s, more than 3 x the median step (" << std::setprecision(3) << step_seconds_.load()
      << " s) + 5 s = " << std::setprecision(1) << limit.count() / 1000.0 << " s; ";
@@ -472,6 +519,10 @@ void Distributed::check_for_hang() {
   failed_ = true;
   write_trace(os.str());
   exit_fatal(os.str());
+}
+
+std::string Distributed::store_host() {
+  return env_.agent_store ? env_.master_addr : host_of(0);
 }
 
 c10::intrusive_ptr<c10d::Store> Distributed::connect_side_store(std::chrono::milliseconds timeout) const {
@@ -566,7 +617,7 @@ std::string Distributed::diagnose(const std::string& what, const std::string& er
                          std::to_string((now_ms() - peers[r].last_ms) / 1000.0).substr(0, 4) + " s, host " + host_of(r) +
                          ")");
   if (causes.empty()) {
-    const int64_t mine = seq_.load();
+    const int64_t mine = seq_->load();
     for (int r = 0; r < env_.world_size; ++r)
       if (r != env_.rank && peers[r].seq < mine && peers[r].err.empty())
         causes.push_back("rank " + std::to_string(r) + " did not join collective #" + std::to_string(mine) +
@@ -587,7 +638,7 @@ c10d::Backend& Distributed::backend_for(const at::Tensor& t) {
 }
 
 int64_t Distributed::begin_collective(const char* what, const at::Tensor& t) {
-  const int64_t seq = ++seq_;
+  const int64_t seq = ++*seq_;
   trace_->begin(seq, what, t.is_cuda() && nccl_ ? "nccl" : "gloo", std::string(c10::toString(t.scalar_type())),
                 t.numel());
   return seq;
@@ -785,7 +836,8 @@ void Distributed::shutdown() {
     }
   }
   stop_ = true;
-  if (heartbeat_.joinable()) heartbeat_.join();
+  *beat_stop_ = true;
+  if (watch_.joinable()) watch_.join();
   if (nccl_) nccl_->shutdown();
   std::lock_guard<std::mutex> lock(g_fatal_mutex);
   if (!failed_) g_fatal_store.reset();

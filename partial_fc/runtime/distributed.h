@@ -19,6 +19,7 @@
 
 #include "partial_fc/runtime/collective_trace.h"
 #include "partial_fc/runtime/dist_env.h"
+#include "partial_fc/runtime/link_watch.h"
 
 namespace faceshard {
 
@@ -91,8 +92,13 @@ class Distributed {
   void set_step_seconds(double seconds) { step_seconds_ = seconds; }
   // How long a collective of a step may wait while a peer that has not entered it is silent.
   std::chrono::milliseconds hang_limit() const;
-  // The host each rank reported at start-up ("?" when unknown).
+  // The host each rank reported at start-up: its name and, on a job of several hosts, the
+  // address its collectives use ("node7 (10.0.0.7)"; "?" when unknown).
   std::string host_of(int rank);
+  // The host of the rendezvous store (rank 0's, or MASTER_ADDR under an agent's store).
+  std::string store_host();
+  // What the heartbeat thread saw of the network: store round trips, silent peers.
+  LinkWatch& links() { return *links_; }
   std::vector<std::string> hosts();
   // A connection of its own to the rendezvous store, for a helper thread that must never
   // wait long: its operations fail after `timeout` (a frozen or vanished store host).
@@ -113,7 +119,7 @@ class Distributed {
   // Runs one step of joining the job (`connect` blocks until every rank is there or the
   // rendezvous timeout passes) with a watchdog for peers that fail meanwhile.
   void rendezvous(const char* what, const std::function<void()>& connect);
-  void heartbeat_loop();
+  void watch_loop();
 
   DistEnv env_;
   DistOptions opts_;
@@ -121,7 +127,10 @@ class Distributed {
   c10::intrusive_ptr<c10d::Store> hb_store_;  // separate connection for the heartbeat thread
   c10::intrusive_ptr<c10d::Backend> gloo_;
   c10::intrusive_ptr<c10d::Backend> nccl_;
-  std::atomic<int64_t> seq_{0};
+  // Shared with the heartbeat thread, which is never joined: in a partition a store request
+  // can block for good, and the job must still be able to end.
+  std::shared_ptr<std::atomic<int64_t>> seq_ = std::make_shared<std::atomic<int64_t>>(0);
+  std::shared_ptr<std::atomic<bool>> beat_stop_ = std::make_shared<std::atomic<bool>>(false);
   std::shared_ptr<CollectiveTrace> trace_ = std::make_shared<CollectiveTrace>();
   std::mutex trace_mutex_;  // trace_dir_, async_seq_, hosts_
   std::string trace_dir_;
@@ -129,10 +138,11 @@ class Distributed {
   std::vector<std::string> hosts_;
   std::atomic<double> step_seconds_{0};
   std::atomic<int64_t> blocked_us_{0};
+  std::shared_ptr<LinkWatch> links_ = std::make_shared<LinkWatch>();
   std::atomic<bool> stop_{false};
   std::atomic<bool> failed_{false};
   bool shut_down_ = false;
-  std::thread heartbeat_;
+  std::thread watch_;  // the hang check and SIGUSR1, from what the heartbeat thread saw
 };
 
 // Backend factories (gloo_backend.cpp, nccl_backend.cpp).

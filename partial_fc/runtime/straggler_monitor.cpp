@@ -45,10 +45,21 @@ std::vector<std::vector<double>> straggler_scores(const std::vector<std::vector<
   return out;
 }
 
+std::vector<char> slow_links(const std::vector<double>& round_trip_ms) {
+  double fastest = -1;
+  for (double t : round_trip_ms)
+    if (t >= 0 && (fastest < 0 || t < fastest)) fastest = t;
+  std::vector<char> out(round_trip_ms.size(), 0);
+  for (size_t r = 0; r < round_trip_ms.size(); ++r)
+    out[r] = round_trip_ms[r] >= 20.0 && round_trip_ms[r] >= 10.0 * (fastest + 1.0);
+  return out;
+}
+
 StragglerMonitor::StragglerMonitor(c10::intrusive_ptr<c10d::Store> store, int rank, int world_size,
                                    std::vector<std::string> hosts, int64_t window)
     : store_(std::move(store)), rank_(rank), world_(world_size), hosts_(std::move(hosts)), window_(std::max<int64_t>(2, window)) {
   below_.assign(world_, std::vector<char>(kPhases, 0));
+  slow_link_.assign(world_, 0);
   hosts_.resize(world_);
   thread_ = std::thread([this] { run(); });
 }
@@ -62,13 +73,17 @@ StragglerMonitor::~StragglerMonitor() {
   thread_.join();
 }
 
-void StragglerMonitor::add_step(int64_t step, double step_s, double data_s, double blocked_s) {
+void StragglerMonitor::add_step(int64_t step, double step_s, double data_s, double blocked_s,
+                                std::optional<double> round_trip_ms) {
   compute_.push_back(std::max(0.0, step_s - data_s - blocked_s));
   data_.push_back(std::max(0.0, data_s));
+  if (round_trip_ms) round_trip_.push_back(*round_trip_ms);
   if (static_cast<int64_t>(compute_.size()) < window_) return;
-  std::vector<double> v{median(compute_), median(data_), static_cast<double>(step)};
+  std::vector<double> v{median(compute_), median(data_), static_cast<double>(step),
+                        round_trip_.empty() ? -1.0 : median(round_trip_)};
   compute_.clear();
   data_.clear();
+  round_trip_.clear();
   {
     std::lock_guard<std::mutex> lock(m_);
     to_publish_.emplace_back(windows_++, std::move(v));
@@ -106,7 +121,7 @@ void StragglerMonitor::run() {
     try {
       std::ostringstream os;
       os.precision(9);
-      os << item.second[0] << " " << item.second[1];
+      os << item.second[0] << " " << item.second[1] << " " << item.second[3];
       const std::string s = os.str();
       store_->set(key_of(item.first, rank_), std::vector<uint8_t>(s.begin(), s.end()));
       if (rank_ == 0) judge(item.first, static_cast<int64_t>(item.second[2]));
@@ -132,12 +147,18 @@ void StragglerMonitor::judge(int64_t window_index, int64_t last_step) {
     if (std::chrono::steady_clock::now() > deadline) return;
   }
   std::vector<std::vector<double>> medians;
+  std::vector<double> round_trips;
   for (const auto& v : store_->multiGet(keys)) {
     std::istringstream is(std::string(v.begin(), v.end()));
-    double c = 0, d = 0;
-    is >> c >> d;
+    double c = 0, d = 0, rt = -1;
+    is >> c >> d >> rt;
     medians.push_back({c, d});
+    round_trips.push_back(rt);
   }
+  const std::vector<char> slow = slow_links(round_trips);
+  double fastest_rt = -1;
+  for (double t : round_trips)
+    if (t >= 0 && (fastest_rt < 0 || t < fastest_rt)) fastest_rt = t;
   for (const std::string& k : keys) store_->deleteKey(k);  // the store keeps no window's figures
   const std::vector<std::vector<double>> scores = straggler_scores(medians);
   std::lock_guard<std::mutex> lock(m_);
@@ -162,6 +183,19 @@ void StragglerMonitor::judge(int64_t window_index, int64_t last_step) {
       }
       below_[r][p] = below;
     }
+    if (slow[r] && slow_link_[r]) {
+      StragglerReport rep;
+      rep.rank = r;
+      rep.host = hosts_[r].empty() ? "?" : hosts_[r];
+      rep.phase = "link";
+      rep.median_s = round_trips[r] / 1000;
+      rep.fastest_s = fastest_rt / 1000;
+      rep.score = (fastest_rt + 1.0) / (round_trips[r] + 1.0);
+      rep.last_step = last_step;
+      rep.first_step = last_step - 2 * window_ + 1;
+      reports_.push_back(rep);
+    }
+    slow_link_[r] = slow[r];
   }
 }
 

@@ -5,12 +5,16 @@
 // from a thread of the monitor's own; rank 0 reads every rank's, scores each rank per phase
 // as the fastest rank's median over this rank's (1: as fast as the fastest), and a rank
 // below 0.75 in two consecutive windows is reported (the trainer logs it and writes
-// straggler/<rank> to metrics.jsonl).
+// straggler/<rank> to metrics.jsonl). The same windows carry each rank's median heartbeat
+// round trip to the store: a rank whose round trip is at least 20 ms and 10 times the
+// fastest rank's (+1 ms) in two consecutive windows has a slow link between its host and the
+// store's (reported with the phase "link", its figures in seconds).
 #pragma once
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -21,7 +25,7 @@ namespace faceshard {
 
 struct StragglerReport {
   int rank = 0;
-  std::string host, phase;  // phase: "compute" or "data"
+  std::string host, phase;  // phase: "compute", "data" or "link"
   double score = 0;         // fastest rank's median / this rank's, in the window
   double median_s = 0, fastest_s = 0;
   int64_t first_step = 0, last_step = 0;  // the two windows
@@ -30,6 +34,8 @@ struct StragglerReport {
 // The scores of one window: per rank and phase, fastest median / the rank's (a phase whose
 // medians are all below 1 ms scores 1: nothing to be slow at). medians[r] = {compute, data}.
 std::vector<std::vector<double>> straggler_scores(const std::vector<std::vector<double>>& medians);
+// Per rank: whether its store round trip (ms; < 0: none measured) is a slow link's.
+std::vector<char> slow_links(const std::vector<double>& round_trip_ms);
 
 class StragglerMonitor {
  public:
@@ -45,8 +51,9 @@ class StragglerMonitor {
   StragglerMonitor& operator=(const StragglerMonitor&) = delete;
 
   // One step of this rank (1-based step number): its wall time, data wait and time blocked
-  // in collectives, in seconds.
-  void add_step(int64_t step, double step_s, double data_s, double blocked_s);
+  // in collectives, in seconds; the median heartbeat round trip to the store during it (ms).
+  void add_step(int64_t step, double step_s, double data_s, double blocked_s,
+                std::optional<double> round_trip_ms = std::nullopt);
   // Rank 0: the ranks flagged since the last call (two consecutive windows below the
   // threshold; a rank stays reported while it stays slow, once per window).
   std::vector<StragglerReport> take_reports();
@@ -63,13 +70,14 @@ class StragglerMonitor {
   int rank_, world_;
   std::vector<std::string> hosts_;
   int64_t window_;
-  std::vector<double> compute_, data_;  // this window's steps
+  std::vector<double> compute_, data_, round_trip_;  // this window's steps
   std::mutex m_;
   std::condition_variable cv_;
   std::deque<std::pair<int64_t, std::vector<double>>> to_publish_;  // (window index, medians + last step)
   bool stop_ = false;
   int64_t windows_ = 0;
   std::vector<std::vector<char>> below_;  // [rank][phase]: below the threshold in the last window
+  std::vector<char> slow_link_;            // [rank]: a slow link in the last window
   std::vector<StragglerReport> reports_;
   std::vector<std::vector<double>> last_scores_;
   int64_t judged_ = 0;

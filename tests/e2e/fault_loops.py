@@ -10,7 +10,19 @@
              other rank must exit non-zero within the collective timeout (plus the failure
              diagnosis) with an error line naming the lost rank.
 
-usage: fault_loops.py --source DIR --bin DIR --case kill_all|lose_rank [--trials N] [--seed S] [--keep]
+The network cases run a job of two hosts (network namespaces joined by a veth pair, one
+rank each, root needed) with the default hang limit's scale (3 x the median step + 5 s):
+  throttle   the link is limited (tbf, both ways, 24-64 Mbit/s) from a random step until the
+             slow link is named, then freed: the run must name the host pair and finish.
+  partition  the link goes down at a random step, for 0.5-2 s (the run must ride through)
+             or for good (every rank must exit non-zero within the hang limit, naming the
+             other host; no checkpoint may be lost or half-written, and --resume auto after
+             the link is back must continue from the last committed step).
+  straggler  each trial trains 8 windows of 3 steps with nothing wrong (a flag there is a
+             false flag), then slows one rank for up to 8 windows (a cgroup-v1 CPU quota of
+             20-40%, or SIGSTOP/SIGCONT bursts): it must be named, the other never.
+
+usage: fault_loops.py --source DIR --bin DIR --case CASE [--trials N] [--seed S] [--keep]
 The seed (printed first) makes the kill times and victims reproducible; the ranks are
 started here, one process each with the variables tools/launch.sh would give them, so
 that every rank's exit status and time are observed on their own.
@@ -252,11 +264,324 @@ def lose_rank(args, work, rng):
     return failures
 
 
+# --- the network cases: two hosts ------------------------------------------------------
+
+class Hosts:
+    """Two network namespaces joined by a veth pair: host 0 at 10.79.0.1, host 1 at 10.79.0.2."""
+
+    addr = ["10.79.0.1", "10.79.0.2"]
+
+    def __init__(self):
+        tag = "fl%d" % os.getpid()
+        self.ns = [tag + "h0", tag + "h1"]
+        self.dev = [tag + "a", tag + "b"]
+        cmds = [["ip", "netns", "add", self.ns[0]], ["ip", "netns", "add", self.ns[1]],
+                ["ip", "link", "add", self.dev[0], "type", "veth", "peer", "name", self.dev[1]]]
+        for h in range(2):
+            cmds += [["ip", "link", "set", self.dev[h], "netns", self.ns[h]],
+                     ["ip", "-n", self.ns[h], "addr", "add", self.addr[h] + "/24", "dev", self.dev[h]],
+                     ["ip", "-n", self.ns[h], "link", "set", self.dev[h], "up"],
+                     ["ip", "-n", self.ns[h], "link", "set", "lo", "up"]]
+        for c in cmds:
+            subprocess.run(c, check=True)
+
+    def on(self, h, *cmd, check=True):
+        return subprocess.run(["ip", "netns", "exec", self.ns[h]] + list(cmd), check=check,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).returncode
+
+    def link(self, up):
+        self.on(1, "ip", "link", "set", self.dev[1], "up" if up else "down")
+
+    def throttle(self, mbit):
+        for h in range(2):
+            if mbit:
+                self.on(h, "tc", "qdisc", "add", "dev", self.dev[h], "root", "tbf", "rate", "%dmbit" % mbit,
+                        "burst", "32kbit", "latency", "400ms")
+            else:
+                self.on(h, "tc", "qdisc", "del", "dev", self.dev[h], "root", check=False)
+
+    def close(self):
+        for ns in self.ns:
+            pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split()
+            for pid in pids:
+                try:
+                    os.kill(int(pid), signal.SIGKILL)
+                except OSError:
+                    pass
+            subprocess.run(["ip", "netns", "del", ns], stderr=subprocess.DEVNULL)
+
+
+class HostJob(Job):
+    """Rank r of a two-rank job on host r."""
+
+    def __init__(self, args, work, hosts, tag, extra):
+        self.logs = [os.path.join(work, "%s.rank%d.log" % (tag, r)) for r in range(2)]
+        self.procs = []
+        for r in range(2):
+            env = dict(os.environ, RANK=str(r), LOCAL_RANK="0", WORLD_SIZE="2", LOCAL_WORLD_SIZE="1",
+                       GROUP_RANK=str(r), NODE_RANK=str(r), MASTER_ADDR=hosts.addr[0], MASTER_PORT="29500",
+                       OMP_NUM_THREADS="1")
+            env.pop("FACESHARD_FAULTS", None)
+            with open(self.logs[r], "w") as log:
+                self.procs.append(subprocess.Popen(
+                    ["ip", "netns", "exec", hosts.ns[r], os.path.join(args.bin, "faceshard-train"),
+                     "--config", os.path.join(work, "tiny.yaml")] + extra,
+                    stdout=log, stderr=subprocess.STDOUT, env=env))
+        self.exit_time = [None] * 2
+
+    def step(self):
+        return max(steps_logged(self.log(0)) or [0])
+
+    def line_time(self, pattern, timeout):
+        """Waits for a line matching pattern on either rank; returns its text or None."""
+        found = []
+
+        def seen():
+            for r in range(2):
+                m = re.search(pattern, self.log(r))
+                if m:
+                    found.append(self.log(r)[m.start():].splitlines()[0])
+                    return True
+            return False
+        self.wait_for(seen, timeout, pattern)
+        return found[0] if found else None
+
+
+NET_STEPS = ["--set", "dist.timeout_s=120", "--set", "dist.straggler_window=3", "--set", "train.checkpoint_every=10"]
+
+
+def median(v):
+    v = sorted(v)
+    return v[len(v) // 2] if v else float("nan")
+
+
+def throttle(args, work, rng):
+    failures, detect, slow = [], [], []
+    hosts = Hosts()
+    try:
+        for trial in range(args.trials):
+            out = os.path.join(work, "out%d" % trial)
+            at, mbit, total = rng.randint(8, 14), rng.choice([24, 32, 48, 64]), 40
+            job = HostJob(args, work, hosts, "thr%d" % trial,
+                          ["--set", "output=" + out, "--set", "optim.total_steps=%d" % total] + NET_STEPS)
+            if not job.wait_for(lambda: job.step() >= at, 90, "step"):
+                job.kill_all()
+                failures.append("trial %d: no step %d within 90 s:\n%s" % (trial, at, job.log(0)[-1500:]))
+                continue
+            s0, t0 = job.step(), time.monotonic()
+            hosts.throttle(mbit)
+            line = job.line_time(r"slow link:.*", 120)
+            took, s1 = time.monotonic() - t0, job.step()
+            hosts.throttle(0)
+            done = job.wait_for(lambda: not job.running(), 180, "the end")
+            job.kill_all()
+            codes = [p.returncode for p in job.procs]
+            if not done:
+                failures.append("trial %d: HANG: still running 180 s after the link was freed" % trial)
+            elif codes != [0, 0] or job.step() != total:
+                failures.append("trial %d: exit %s at step %d of %d" % (trial, codes, job.step(), total))
+            if line is None:
+                failures.append("trial %d: %d Mbit/s from step %d: the slow link was never named" % (trial, mbit, s0))
+            elif "(%s) (rank 1) <-> host" % hosts.addr[1] not in line:
+                failures.append("trial %d: the wrong pair: %s" % (trial, line))
+            else:
+                detect.append(took)
+            if re.search(r"straggler: rank", job.log(0)):
+                failures.append("trial %d: a straggler named for a slow link" % trial)
+            rows = [json.loads(l) for l in open(os.path.join(out, "metrics.jsonl")) if '"samples_per_sec"' in l]
+            t = {r["step"]: 1.0 / r["samples_per_sec"] for r in rows if r.get("samples_per_sec")}
+            ratio = median([t[k] for k in t if s0 < k <= s1]) / median([t[k] for k in t if 3 <= k <= s0])
+            slow.append(ratio)
+            print("trial %2d: %2d Mbit/s from step %2d: named after %5.1f s (%d steps), steps %.1fx slower; exit %s" %
+                  (trial, mbit, s0, took, s1 - s0, ratio, codes), flush=True)
+            shutil.rmtree(out, ignore_errors=True)
+    finally:
+        hosts.close()
+    print("throttle: %d trials, %d named (detection median %.1f s, max %.1f s), throttled steps %.1f-%.1fx slower, "
+          "steps lost 0 unless listed, %d failures" % (args.trials, len(detect), median(detect), max(detect or [0]),
+                                                       min(slow or [0]), max(slow or [0]), len(failures)))
+    return failures
+
+
+def partition(args, work, rng):
+    failures, detect, lost_steps = [], [], []
+    rides = stops = 0
+    hosts = Hosts()
+    try:
+        for trial in range(args.trials):
+            out = os.path.join(work, "out%d" % trial)
+            at, total = rng.randint(12, 24), 40
+            short = rng.random() < 0.5
+            down_s = rng.uniform(0.5, 2.0)
+            job = HostJob(args, work, hosts, "part%d" % trial,
+                          ["--set", "output=" + out, "--set", "optim.total_steps=%d" % total] + NET_STEPS)
+            if not job.wait_for(lambda: job.step() >= at, 90, "step"):
+                job.kill_all()
+                failures.append("trial %d: no step %d within 90 s:\n%s" % (trial, at, job.log(0)[-1500:]))
+                continue
+            s0, t0 = job.step(), time.monotonic()
+            saved = committed_steps(out)
+            hosts.link(False)
+            if short:
+                time.sleep(down_s)
+                hosts.link(True)
+                done = job.wait_for(lambda: not job.running(), 180, "the end")
+                job.kill_all()
+                codes = [p.returncode for p in job.procs]
+                stall = re.findall(r"network: step .*", job.log(0) + job.log(1))
+                if not done:
+                    failures.append("trial %d: HANG after a %.1f s partition" % (trial, down_s))
+                elif codes != [0, 0] or job.step() != total:
+                    failures.append("trial %d: a %.1f s partition: exit %s at step %d" % (trial, down_s, codes, job.step()))
+                else:
+                    rides += 1
+                print("trial %2d: link down %.1f s after step %2d: exit %s; %s" %
+                      (trial, down_s, s0, codes, stall[0][:150] if stall else "no stalled step reported"), flush=True)
+                shutil.rmtree(out, ignore_errors=True)
+                continue
+            ended = job.wait_for(lambda: not job.running(), 90, "every rank's exit")
+            took = time.monotonic() - t0
+            job.kill_all()
+            hosts.link(True)
+            codes = [p.returncode for p in job.procs]
+            errors = [[l for l in job.log(r).splitlines() if "error:" in l] for r in range(2)]
+            limit = re.search(r"\+ 5 s = ([0-9.]+) s", errors[0][0]) if errors[0] else None
+            if not ended:
+                failures.append("trial %d: HANG: ranks running 90 s into the partition" % trial)
+            elif 0 in codes:
+                failures.append("trial %d: exit %s in a partition" % (trial, codes))
+            if not (len(errors[0]) == 1 and "(%s))" % hosts.addr[1] in errors[0][0] and "rank 1" in errors[0][0]):
+                failures.append("trial %d: host 0's error does not name host 1: %s" % (trial, errors[0]))
+            if not (len(errors[1]) == 1 and "cut off from host" in errors[1][0] and hosts.addr[0] in errors[1][0]):
+                failures.append("trial %d: host 1's error does not name host 0: %s" % (trial, errors[1]))
+            if limit and took > float(limit.group(1)) + EXIT_SLACK_S:
+                failures.append("trial %d: the ranks took %.1f s to stop (limit %s s)" % (trial, took, limit.group(1)))
+            if ended:
+                detect.append(took)
+            now = committed_steps(out)
+            if any(c not in now for c in saved):
+                failures.append("trial %d: committed checkpoints lost: %s -> %s" % (trial, saved, now))
+            d = os.path.join(out, "checkpoints")
+            for e in (os.listdir(d) if os.path.isdir(d) else []):
+                if e.startswith("step_") and int(e[5:]) not in now:
+                    failures.append("trial %d: %s is there uncommitted" % (trial, e))
+            last = now[-1] if now else 0
+            lost_steps.append(s0 - last)
+            res = HostJob(args, work, hosts, "res%d" % trial, ["--set", "output=" + out, "--resume", "auto", "--set",
+                                                               "optim.total_steps=%d" % (last + 4)] + NET_STEPS)
+            res.wait_for(lambda: not res.running(), 120, "the resumed run")
+            res.kill_all()
+            rcodes = [p.returncode for p in res.procs]
+            if rcodes != [0, 0] or resumed_step(res.log(0)) != last:
+                failures.append("trial %d: --resume auto: exit %s, resumed at %s, last committed %d" %
+                                (trial, rcodes, resumed_step(res.log(0)), last))
+            else:
+                stops += 1
+            print("trial %2d: link down for good after step %2d: exit %s after %4.1f s; resumed at %d (%d steps lost)" %
+                  (trial, s0, codes, took, last, s0 - last), flush=True)
+            shutil.rmtree(out, ignore_errors=True)
+    finally:
+        hosts.close()
+    print("partition: %d trials: %d short ones ridden through, %d long ones stopped and resumed (stop median %.1f s, "
+          "max %.1f s; steps lost median %s, max %s; checkpoints lost 0 unless listed), %d failures" %
+          (args.trials, rides, stops, median(detect), max(detect or [0]), median(lost_steps),
+           max(lost_steps or [0]), len(failures)))
+    return failures
+
+
+def straggler(args, work, rng):
+    failures, detect = [], []
+    clean_windows = false_flags = named = 0
+    hosts = Hosts()
+    cg = "/sys/fs/cgroup/cpu/fl%d" % os.getpid()
+    os.mkdir(cg)
+    try:
+        with open(cg + "/cpu.cfs_period_us", "w") as f:
+            f.write("100000")
+        for trial in range(args.trials):
+            out = os.path.join(work, "out%d" % trial)
+            victim = trial % 2
+            mode = "quota" if (trial // 2) % 2 == 0 else "stop"
+            clean, total = 24, 48  # 8 clean windows of 3 steps, then up to 8 slowed ones
+            job = HostJob(args, work, hosts, "strag%d" % trial,
+                          ["--set", "output=" + out, "--set", "optim.total_steps=%d" % total] + NET_STEPS)
+            if not job.wait_for(lambda: job.step() >= clean, 120, "step"):
+                job.kill_all()
+                failures.append("trial %d: no step %d within 120 s:\n%s" % (trial, clean, job.log(0)[-1500:]))
+                continue
+            s0 = job.step()
+            flagged_clean = re.findall(r"straggler: rank (\d)", job.log(0))
+            clean_windows += (s0 - 3) // 3  # windows judged before the fault (the first has no predecessor)
+            false_flags += len(flagged_clean)
+            t0 = time.monotonic()
+            what = ""
+            if mode == "quota":
+                share = rng.randint(20, 40)
+                with open(cg + "/cpu.cfs_quota_us", "w") as f:
+                    f.write(str(share * 1000))
+                with open(cg + "/cgroup.procs", "w") as f:
+                    f.write(str(job.procs[victim].pid))
+                # ip netns exec execs the program: the pid is faceshard-train's
+                what = "CPU quota %d%%" % share
+                line = job.line_time(r"straggler: rank \d.*", 120)
+                with open("/sys/fs/cgroup/cpu/cgroup.procs", "w") as f:
+                    if job.procs[victim].poll() is None:
+                        f.write(str(job.procs[victim].pid))
+            else:
+                stop_ms = rng.randint(100, 250)
+                what = "SIGSTOP %d ms every %d ms" % (stop_ms, 2 * stop_ms)
+                found = []
+                deadline = time.monotonic() + 120
+                while time.monotonic() < deadline and job.procs[victim].poll() is None and not found:
+                    job.procs[victim].send_signal(signal.SIGSTOP)
+                    time.sleep(stop_ms / 1000)
+                    job.procs[victim].send_signal(signal.SIGCONT)
+                    time.sleep(stop_ms / 1000)
+                    m = re.search(r"straggler: rank \d.*", job.log(0))
+                    if m:
+                        found.append(m.group(0))
+                line = found[0] if found else None
+            took = time.monotonic() - t0
+            done = job.wait_for(lambda: not job.running(), 180, "the end")
+            job.kill_all()
+            codes = [p.returncode for p in job.procs]
+            if not done:
+                failures.append("trial %d: HANG" % trial)
+            elif codes != [0, 0]:
+                failures.append("trial %d: exit %s" % (trial, codes))
+            if flagged_clean:
+                failures.append("trial %d: FALSE FLAG before any fault: rank(s) %s" % (trial, flagged_clean))
+            if line is None:
+                failures.append("trial %d: rank %d (%s) never named" % (trial, victim, what))
+            elif not line.startswith("straggler: rank %d " % victim):
+                failures.append("trial %d: rank %d slowed, named: %s" % (trial, victim, line))
+            else:
+                named += 1
+                detect.append(took)
+            print("trial %2d: rank %d, %-26s after step %2d: %s" %
+                  (trial, victim, what, s0, ("named after %.1f s: %s" % (took, line[:110])) if line else "NOT NAMED"),
+                  flush=True)
+            shutil.rmtree(out, ignore_errors=True)
+    finally:
+        hosts.close()
+        try:
+            os.rmdir(cg)
+        except OSError:
+            pass
+    print("straggler: %d injections, %d named, %d missed (detection median %.1f s, max %.1f s); %d false flags in %d "
+          "clean windows; %d failures" % (args.trials, named, args.trials - named, median(detect),
+                                          max(detect or [0]), false_flags, clean_windows, len(failures)))
+    return failures
+
+
+CASES = {"kill_all": kill_all, "lose_rank": lose_rank, "throttle": throttle, "partition": partition, "straggler": straggler}
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--source", required=True)
     ap.add_argument("--bin", required=True)
-    ap.add_argument("--case", required=True, choices=["kill_all", "lose_rank"])
+    ap.add_argument("--case", required=True, choices=sorted(CASES))
     ap.add_argument("--trials", type=int, default=10)
     ap.add_argument("--seed", type=int, default=None)
     ap.add_argument("--keep", action="store_true", help="keep the work folder (logs of every rank)")
@@ -268,7 +593,7 @@ def main():
     work = tempfile.mkdtemp(prefix="faceshard_faults_")
     try:
         write_setup(args, work)
-        failures = (kill_all if args.case == "kill_all" else lose_rank)(args, work, rng)
+        failures = CASES[args.case](args, work, rng)
     finally:
         if args.keep:
             print("work folder kept: " + work)

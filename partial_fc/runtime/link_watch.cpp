@@ -1,0 +1,73 @@
+#include "partial_fc/runtime/link_watch.h"
+
+#include <algorithm>
+#include <cstdio>
+
+namespace faceshard {
+
+void LinkWatch::store_answered(int64_t now_ms, double round_trip_ms) {
+  std::lock_guard<std::mutex> lock(m_);
+  last_answer_ms_ = now_ms;
+  // Bounded: a reader that never comes (a run without straggler windows) costs nothing.
+  if (round_trips_.size() >= 4096) round_trips_.erase(round_trips_.begin(), round_trips_.begin() + 2048);
+  round_trips_.push_back(round_trip_ms);
+}
+
+int64_t LinkWatch::last_answer_ms() const {
+  std::lock_guard<std::mutex> lock(m_);
+  return last_answer_ms_;
+}
+
+void LinkWatch::silent(int rank, double silent_s) {
+  std::lock_guard<std::mutex> lock(m_);
+  double& s = stall_.silent_s[rank];
+  s = std::max(s, silent_s);
+}
+
+void LinkWatch::peers_read(PeerBeats beats) {
+  std::lock_guard<std::mutex> lock(m_);
+  peers_ = std::move(beats);
+}
+
+LinkWatch::PeerBeats LinkWatch::peers() const {
+  std::lock_guard<std::mutex> lock(m_);
+  return peers_;
+}
+
+LinkWatch::Stall LinkWatch::take_stall() {
+  std::lock_guard<std::mutex> lock(m_);
+  Stall out;
+  std::swap(out, stall_);
+  return out;
+}
+
+std::optional<double> LinkWatch::take_round_trip_ms() {
+  std::lock_guard<std::mutex> lock(m_);
+  if (round_trips_.empty()) return std::nullopt;
+  std::vector<double> v;
+  v.swap(round_trips_);
+  std::nth_element(v.begin(), v.begin() + v.size() / 2, v.end());
+  return v[v.size() / 2];
+}
+
+std::string describe_stall(const LinkWatch::Stall& stall, const std::function<std::string(int)>& host_of,
+                           const std::string& store_host) {
+  if (stall.empty()) return "every rank kept beating (a slow link or a busy peer, not a silent one)";
+  std::string out;
+  char secs[32];
+  for (const auto& [rank, s] : stall.silent_s) {
+    std::snprintf(secs, sizeof secs, "%.1f", s);
+    if (!out.empty()) out += "; ";
+    if (rank < 0)
+      out += "the rendezvous store (host " + store_host + ") did not answer for " + secs + " s";
+    else
+      out += "rank " + std::to_string(rank) + " (host " + host_of(rank) + ") was silent for " + secs + " s";
+  }
+  return out;
+}
+
+bool is_stall(double blocked_s, double median_step_s) {
+  return median_step_s > 0 && blocked_s >= 1.0 && blocked_s >= 3.0 * median_step_s;
+}
+
+}  // namespace faceshard
