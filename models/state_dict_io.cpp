@@ -4,6 +4,10 @@
 
 #include <c10/util/strides.h>
 
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <cerrno>
 #include <cstring>
 
 #include "models/state_dict_reader.h"
@@ -139,8 +143,25 @@ void write_state_dict(const StateDict& weights, const std::string& path) {
   }
   p.op('u');
   p.op('.');
+  // The bytes go through a writer of our own: the first failed write (a full disk, a quota,
+  // an I/O error) is kept with its errno and the rest is let through unwritten, so that the
+  // zip writer never throws mid-file (its destructor would then end the process) and the
+  // error names what the file system said.
+  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) throw runtime_error(path, ": cannot write state_dict file: ", std::strerror(errno));
+  int error = 0;
+  auto sink = [fd, &error](const void* data, size_t n) -> size_t {
+    const char* b = static_cast<const char*>(data);
+    for (size_t done = 0; done < n && error == 0;) {
+      const ssize_t w = ::write(fd, b + done, n - done);
+      if (w > 0) done += static_cast<size_t>(w);
+      else if (w < 0 && errno == EINTR) continue;
+      else error = w < 0 ? errno : EIO;  // 0 bytes written: no progress
+    }
+    return n;
+  };
   try {
-    caffe2::serialize::PyTorchStreamWriter writer(path);
+    caffe2::serialize::PyTorchStreamWriter writer(sink);
     writer.writeRecord("data.pkl", p.bytes().data(), p.bytes().size());
     writer.writeRecord("byteorder", "little", 6);
     for (size_t i = 0; i < weights.size(); ++i) {
@@ -149,8 +170,11 @@ void write_state_dict(const StateDict& weights, const std::string& path) {
     }
     writer.writeEndOfFile();
   } catch (const std::exception& e) {
-    throw runtime_error(path, ": cannot write state_dict file: ", one_line(e));
+    ::close(fd);
+    throw runtime_error(path, ": cannot write state_dict file: ", error ? std::strerror(error) : one_line(e));
   }
+  if (::close(fd) != 0 && error == 0) error = errno;
+  if (error) throw runtime_error(path, ": cannot write state_dict file: ", std::strerror(error));
 }
 
 }  // namespace faceshard

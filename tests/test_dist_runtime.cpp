@@ -3,6 +3,8 @@
 #include <gtest/gtest.h>
 
 #include <filesystem>
+#include <fstream>
+#include <sstream>
 
 #include <fcntl.h>
 #include <sys/wait.h>
@@ -527,6 +529,46 @@ TEST(Stragglers, SlowLinkIsNamedAfterTwoWindows) {
   EXPECT_GT(got[0].median_s, 0.35);
   EXPECT_NEAR(got[0].fastest_s, 0.05e-3, 1e-9);
   EXPECT_EQ(got[0].first_step, step - 2 * window + 1);
+}
+
+// With the phases measured, a rank slow in its backward pass is named for "backward" (not
+// for "compute", their sum); a phase one rank did not measure scores 1 for all.
+TEST(Stragglers, SlowPhaseIsNamedByItsName) {
+  const auto s = straggler_scores({{1.0, 0.0, 0.3, 0.6, 0.1}, {1.6, 0.0, 0.3, 1.2, 0.1}, {1.0, 0.0, -1, 0.6, 0.1}});
+  EXPECT_NEAR(s[1][3], (0.6 + 0.05) / (1.2 + 0.05), 1e-12);
+  for (int r = 0; r < 3; ++r) EXPECT_EQ(s[r][2], 1.0) << r;  // rank 2 did not time its forward
+  auto store = c10::make_intrusive<c10d::HashStore>();
+  const int64_t window = 3;
+  std::vector<std::unique_ptr<StragglerMonitor>> m;
+  for (int r = 0; r < 2; ++r)
+    m.push_back(std::make_unique<StragglerMonitor>(store, r, 2, std::vector<std::string>{"a", "b"}, window));
+  int64_t step = 0;
+  for (int w = 0; w < 4; ++w)
+    for (int64_t k = 0; k < window; ++k) {
+      ++step;
+      const bool slow = w >= 2;  // rank 1's backward takes 3x as long in windows 2 and 3
+      for (int r = 0; r < 2; ++r) {
+        StepPhases ph;
+        ph.forward = 0.3;
+        ph.backward = r == 1 && slow ? 1.8 : 0.6;
+        ph.optimizer = 0.1;
+        const double work = ph.forward + ph.backward + ph.optimizer;
+        const double blocked = slow && r == 0 ? 1.2 : 0.0;  // rank 0 waits for rank 1
+        m[r]->add_step(step, work + blocked + 0.01, 0.01, blocked, 0.1, ph);
+      }
+    }
+  for (int i = 0; i < 500 && m[0]->windows_judged() < 4; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  ASSERT_EQ(m[0]->windows_judged(), 4);
+  std::vector<StragglerReport> got;
+  for (int i = 0; i < 300 && got.empty(); ++i) {
+    got = m[0]->take_reports();
+    if (got.empty()) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  ASSERT_EQ(got.size(), 1u);
+  EXPECT_EQ(got[0].rank, 1);
+  EXPECT_EQ(got[0].phase, "backward");
+  EXPECT_NEAR(got[0].median_s, 1.8, 1e-9);
+  EXPECT_NEAR(got[0].fastest_s, 0.6, 1e-9);
 }
 
 // What the heartbeat thread saw while collectives waited, as the trainer reports a stall.

@@ -174,6 +174,9 @@ struct TrainConfig {
   // one, start fresh when there is none (what a scheduler that reruns the command needs).
   std::string resume = "off";
   int64_t keep_checkpoints = 3;
+  // Checkpoints that fail to save (a full disk, a quota, an I/O error) in a row before the
+  // run stops (exit status 3); fewer cost nothing committed and training goes on.
+  int64_t max_failed_checkpoints = 3;
   std::optional<int64_t> max_steps;  // stop early (demo, tests); default: run the schedule
   // Dynamic loss scaling: "auto" = on exactly for fp16; "on" also scales fp32/bf16 losses
   // (useful to test the scaler without half-precision arithmetic).

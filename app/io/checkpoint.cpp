@@ -1,6 +1,7 @@
 #include "app/io/checkpoint.h"
 
 #include <fcntl.h>
+#include <sys/statvfs.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -9,10 +10,12 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
 
+#include "app/io/checkpoint_verify.h"
 #include "partial_fc/runtime/error.h"
 #include "partial_fc/runtime/log.h"
 
@@ -29,34 +32,75 @@ std::string step_dir(const std::string& root, int64_t step) {
   return root + "/" + buf;
 }
 
+// A failed fsync means the data may never reach the disk: the write has failed.
 void fsync_path(const std::string& path, bool directory) {
   int fd = ::open(path.c_str(), directory ? (O_RDONLY | O_DIRECTORY) : O_RDONLY);
-  if (fd < 0) return;
-  ::fsync(fd);
+  if (fd < 0) throw runtime_error("cannot open '", path, "' to flush it: ", std::strerror(errno));
+  if (::fsync(fd) != 0) {
+    const int e = errno;
+    ::close(fd);
+    // Some file systems cannot flush a folder (EINVAL): nothing is lost by that.
+    if (!(directory && e == EINVAL)) throw runtime_error("cannot flush '", path, "' to disk: ", std::strerror(e));
+    return;
+  }
   ::close(fd);
 }
 
 void durable_rename(const std::string& tmp, const std::string& path) {
-  fsync_path(tmp, false);
-  if (std::rename(tmp.c_str(), path.c_str()) != 0)
-    throw runtime_error("cannot rename '", tmp, "' to '", path, "'");
+  try {
+    fsync_path(tmp, false);
+  } catch (...) {
+    ::unlink(tmp.c_str());
+    throw;
+  }
+  if (std::rename(tmp.c_str(), path.c_str()) != 0) {
+    const int e = errno;
+    ::unlink(tmp.c_str());
+    throw runtime_error("cannot rename '", tmp, "' to '", path, "': ", std::strerror(e));
+  }
   fsync_path(fs::path(path).parent_path().string(), true);
+}
+
+// A failed write in one line that says what the disk said: the library's own message (a
+// zip writer's "unexpected pos 1344 vs 1240") often hides a full disk.
+std::string describe_write_error(const std::exception& e, const std::string& dir) {
+  std::string what = one_line(e);
+  struct statvfs sv {};
+  if (::statvfs(dir.c_str(), &sv) == 0) {
+    const double free_bytes = static_cast<double>(sv.f_bavail) * static_cast<double>(sv.f_frsize);
+    if (free_bytes < 64.0 * 1024 * 1024)
+      what += " (the file system holding '" + dir + "' has " + format_bytes(free_bytes) + " free: full?)";
+  }
+  return what;
 }
 
 }  // namespace
 
 void write_state_dict_durably(const StateDict& weights, const std::string& path) {
   const std::string tmp = path + ".tmp." + std::to_string(::getpid());
-  write_state_dict(weights, tmp);
+  try {
+    write_state_dict(weights, tmp);
+  } catch (...) {
+    ::unlink(tmp.c_str());  // nothing partial stays behind, under any name
+    throw;
+  }
   durable_rename(tmp, path);
 }
 
 void write_text_durably(const std::string& text, const std::string& path) {
   const std::string tmp = path + ".tmp." + std::to_string(::getpid());
-  {
-    std::ofstream f(tmp, std::ios::binary);
-    f << text;
-    if (!f) throw runtime_error("cannot write '", tmp, "'");
+  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) throw runtime_error("cannot write '", tmp, "': ", std::strerror(errno));
+  int error = 0;
+  for (size_t done = 0; done < text.size() && error == 0;) {
+    const ssize_t w = ::write(fd, text.data() + done, text.size() - done);
+    if (w > 0) done += static_cast<size_t>(w);
+    else if (!(w < 0 && errno == EINTR)) error = w < 0 ? errno : EIO;
+  }
+  if (::close(fd) != 0 && error == 0) error = errno;
+  if (error) {
+    ::unlink(tmp.c_str());
+    throw runtime_error("cannot write '", tmp, "': ", std::strerror(error));
   }
   durable_rename(tmp, path);
 }
@@ -121,46 +165,78 @@ void check_checkpoint_values(const at::Tensor& t, const std::string& source, con
 CheckpointManager::CheckpointManager(std::string root, Distributed& dist, int64_t keep)
     : root_(std::move(root)), dist_(dist), keep_(std::max<int64_t>(1, keep)) {}
 
-void CheckpointManager::save(int64_t step, int64_t num_classes, const StateDict& backbone,
+bool CheckpointManager::save(int64_t step, int64_t num_classes, const StateDict& backbone,
                              const StateDict& train_state, const StateDict& shard) {
   const std::string dir = step_dir(root_, step);
+  const std::string shard_path = dir + "/fc_shard_" + std::to_string(dist_.rank()) + ".pt";
+  const std::string tmp = shard_path + ".tmp." + std::to_string(::getpid());
+  // Every stage ends with the ranks agreeing on what failed (one small all-gather), so that
+  // a disk error on one rank makes every rank give the save up at the same point.
+  std::string problem;
   if (dist_.rank() == 0) {
     std::error_code ec;
     fs::remove_all(dir, ec);  // an uncommitted leftover of a crashed save
     fs::create_directories(dir, ec);
-    if (ec) throw runtime_error("cannot create checkpoint folder '", dir, "': ", ec.message());
+    if (ec) problem = "cannot create checkpoint folder '" + dir + "': " + ec.message();
   }
-  dist_.barrier();
+  problem = agree_on_problem(problem, dist_);
   const auto t0 = std::chrono::steady_clock::now();
   std::vector<std::string> written;
-  if (dist_.rank() == 0) {
-    write_state_dict_durably(backbone, dir + "/backbone.pt");
-    write_state_dict_durably(train_state, dir + "/train_state.pt");
-    written = {dir + "/backbone.pt", dir + "/train_state.pt"};
+  if (problem.empty()) {
+    try {
+      if (dist_.rank() == 0) {
+        write_state_dict_durably(backbone, dir + "/backbone.pt");
+        written.push_back(dir + "/backbone.pt");
+        write_state_dict_durably(train_state, dir + "/train_state.pt");
+        written.push_back(dir + "/train_state.pt");
+      }
+      write_state_dict(shard, tmp);
+      if (mid_save_hook_) mid_save_hook_(step);
+      durable_rename(tmp, shard_path);
+      written.push_back(shard_path);
+      // Read back before the commit: what is committed verifies.
+      for (const std::string& f : written) {
+        const std::string bad = verify_checkpoint_file(f);
+        if (!bad.empty()) throw runtime_error("read back: ", bad);
+      }
+    } catch (const std::exception& e) {
+      problem = "rank " + std::to_string(dist_.rank()) + ": " + describe_write_error(e, dir);
+    }
+    problem = agree_on_problem(problem, dist_);
   }
-  const std::string shard_path = dir + "/fc_shard_" + std::to_string(dist_.rank()) + ".pt";
-  const std::string tmp = shard_path + ".tmp." + std::to_string(::getpid());
-  write_state_dict(shard, tmp);
-  if (mid_save_hook_) mid_save_hook_(step);
-  durable_rename(tmp, shard_path);
-  written.push_back(shard_path);
-  {
+  if (problem.empty()) {
     const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     std::error_code ec;
     double gb = 0;
     for (const auto& f : written) gb += static_cast<double>(fs::file_size(f, ec)) / 1e9;
     log_info("checkpoint step ", step, ": this rank wrote ", format_bytes(gb * 1e9), " in ", format_sig(s), " s (",
-             format_bytes(gb * 1e9 / std::max(s, 1e-9)), "/s, fsync included)");
+             format_bytes(gb * 1e9 / std::max(s, 1e-9)), "/s, fsync and read-back included)");
+    // Every rank has its files in place and read back: rank 0 commits.
+    if (dist_.rank() == 0) {
+      try {
+        std::ostringstream os;
+        os << "step " << step << "\nworld_size " << dist_.world_size() << "\nnum_classes " << num_classes << "\n";
+        write_text_durably(os.str(), dir + "/" + kMarker);
+      } catch (const std::exception& e) {
+        problem = "rank 0: " + describe_write_error(e, dir);
+      }
+    }
+    problem = agree_on_problem(problem, dist_);
   }
-  // Only when every rank has its files in place does the checkpoint exist.
-  dist_.barrier();
-  if (dist_.rank() == 0) {
-    std::ostringstream os;
-    os << "step " << step << "\nworld_size " << dist_.world_size() << "\nnum_classes " << num_classes << "\n";
-    write_text_durably(os.str(), dir + "/" + kMarker);
-    prune(dir);
+  if (!problem.empty()) {
+    // Nothing of this save stays: the previous committed checkpoint is the newest.
+    std::error_code ec;
+    fs::remove(tmp, ec);
+    if (dist_.rank() == 0) fs::remove_all(dir, ec);
+    dist_.barrier();
+    failed_in_a_row_++;
+    last_problem_ = problem;
+    return false;
   }
+  failed_in_a_row_ = 0;
+  if (dist_.rank() == 0) prune(dir);
   dist_.barrier();
+  return true;
 }
 
 std::string CheckpointManager::latest() const { return latest_checkpoint(root_); }

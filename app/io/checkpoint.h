@@ -30,8 +30,15 @@ class CheckpointManager {
   // Collective: every rank calls it with its shard; rank 0's backbone/train_state are the
   // ones written. Shard files carry "rows.start" and "rows.count"; tensors whose first
   // dimension equals rows.count and whose name starts with "rows/" are per-class rows.
-  void save(int64_t step, int64_t num_classes, const StateDict& backbone, const StateDict& train_state,
+  // Each rank reads its files back (CRC-32 of every entry) before rank 0 commits. A save
+  // that fails on any rank (a full disk, a quota, an I/O error, a read-back that does not
+  // match) is given up by every rank at the same point: nothing of it stays, the previous
+  // committed checkpoint is untouched, and it returns false (last_problem() says why).
+  bool save(int64_t step, int64_t num_classes, const StateDict& backbone, const StateDict& train_state,
             const StateDict& shard);
+  // Saves that failed since the last one that committed, and the last one's reason.
+  int64_t failed_in_a_row() const { return failed_in_a_row_; }
+  const std::string& last_problem() const { return last_problem_; }
 
   // The newest committed checkpoint under root ("" when none).
   std::string latest() const;
@@ -47,6 +54,8 @@ class CheckpointManager {
   Distributed& dist_;
   int64_t keep_;
   std::function<void(int64_t)> mid_save_hook_;
+  int64_t failed_in_a_row_ = 0;
+  std::string last_problem_;
 };
 
 // The newest committed checkpoint (step folder) under root, "" when none; folders with an

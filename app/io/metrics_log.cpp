@@ -1,5 +1,7 @@
 #include "app/io/metrics_log.h"
 
+#include "app/io/append_file.h"
+
 #include <cerrno>
 #include <cmath>
 #include <cstdlib>
@@ -62,13 +64,10 @@ MetricsLog::MetricsLog(const std::string& path, bool append) : path_(path) {
     std::filesystem::create_directories(parent, ec);
     if (ec) throw runtime_error(kFile, ": cannot create directory '", parent.string(), "': ", ec.message());
   }
-  file_ = std::fopen(path.c_str(), append ? "a" : "w");
-  if (!file_) throw runtime_error(kFile, ": cannot open '", path, "' for writing: ", std::strerror(errno));
+  file_ = std::make_unique<AppendFile>(path, append);
 }
 
-MetricsLog::~MetricsLog() {
-  if (file_) std::fclose(file_);
-}
+MetricsLog::~MetricsLog() = default;
 
 void MetricsLog::write(const std::vector<std::pair<std::string, double>>& fields) {
   std::string line = "{";
@@ -85,8 +84,7 @@ void MetricsLog::write(const std::vector<std::pair<std::string, double>>& fields
   }
   line += "}\n";
   std::lock_guard<std::mutex> lock(mu_);
-  if (std::fwrite(line.data(), 1, line.size(), file_) != line.size() || std::fflush(file_) != 0)
-    throw runtime_error(kFile, ": write failed for '", path_, "'");
+  file_->append(line);  // the whole line or nothing
 }
 
 }  // namespace faceshard

@@ -2,7 +2,7 @@
 // appended and flushed line by line so that a crash loses at most the line being written
 // and plots can follow a run while it trains.
 #pragma once
-#include <cstdio>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <utility>
@@ -27,7 +27,8 @@ class MetricsLog {
   MetricsLog(const MetricsLog&) = delete;
   MetricsLog& operator=(const MetricsLog&) = delete;
 
-  // Writes the fields in the given order as one line and flushes it. "step", "epoch" and
+  // Writes the fields in the given order as one line, whole or not at all (append_file.h:
+  // a failed write throws and leaves no part of the line). "step", "epoch" and
   // "global_step" holding whole numbers are printed as integers. Thread-safe.
   void write(const std::vector<std::pair<std::string, double>>& fields);
 
@@ -35,7 +36,7 @@ class MetricsLog {
 
  private:
   std::string path_;
-  std::FILE* file_ = nullptr;
+  std::unique_ptr<class AppendFile> file_;
   std::mutex mu_;
 };
 

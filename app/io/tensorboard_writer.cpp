@@ -1,5 +1,7 @@
 #include "app/io/tensorboard_writer.h"
 
+#include "app/io/append_file.h"
+
 #include <unistd.h>
 
 #include <array>
@@ -72,16 +74,13 @@ TensorBoardWriter::TensorBoardWriter(const std::string& logdir) {
   // one file.
   path_ = base;
   for (int k = 1; std::filesystem::exists(path_); ++k) path_ = base + "." + std::to_string(k);
-  file_ = std::fopen(path_.c_str(), "wb");
-  if (!file_) throw runtime_error(kFile, ": cannot open '", path_, "' for writing: ", std::strerror(errno));
+  file_ = std::make_unique<AppendFile>(path_, false);
   const std::string version = "brain.Event:2";
   write_record(encode_event(now_seconds(), 0, &version, nullptr));
   flush();
 }
 
-TensorBoardWriter::~TensorBoardWriter() {
-  if (file_) std::fclose(file_);  // no throwing from a destructor; flush() reports errors
-}
+TensorBoardWriter::~TensorBoardWriter() = default;  // what was not flushed is left out
 
 void TensorBoardWriter::write_record(const std::string& data) {
   // TFRecord: uint64 length, masked CRC32C of the length bytes, data, masked CRC32C of data.
@@ -90,8 +89,7 @@ void TensorBoardWriter::write_record(const std::string& data) {
   put_le<uint32_t>(rec, masked_crc32c(rec.data(), 8));
   rec += data;
   put_le<uint32_t>(rec, masked_crc32c(data.data(), data.size()));
-  if (std::fwrite(rec.data(), 1, rec.size(), file_) != rec.size())
-    throw runtime_error(kFile, ": write failed for '", path_, "'");
+  pending_ += rec;
 }
 
 void TensorBoardWriter::add_scalar(const std::string& tag, double value, int64_t step) {
@@ -108,7 +106,11 @@ void TensorBoardWriter::add_scalar(const std::string& tag, double value, int64_t
 
 void TensorBoardWriter::flush() {
   std::lock_guard<std::mutex> lock(mu_);
-  if (std::fflush(file_) != 0) throw runtime_error(kFile, ": flush failed for '", path_, "'");
+  // The records since the last flush, whole or not at all: a reader never meets half a
+  // record (it would stop reading the file there).
+  std::string records;
+  records.swap(pending_);
+  if (!records.empty()) file_->append(records);
 }
 
 }  // namespace faceshard

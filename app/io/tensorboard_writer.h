@@ -4,6 +4,7 @@
 #pragma once
 #include <cstdint>
 #include <cstdio>
+#include <memory>
 #include <mutex>
 #include <string>
 
@@ -27,6 +28,8 @@ class TensorBoardWriter {
   // One Event{wall_time, step, Summary{Value{tag, simple_value}}}. The value is stored
   // as float (simple_value is a float in the format). Thread-safe.
   void add_scalar(const std::string& tag, double value, int64_t step);
+  // Writes the records added since the last flush, all of them or none (a failed write
+  // throws and they are dropped: the file stays readable to its last whole record).
   void flush();
 
   const std::string& path() const { return path_; }
@@ -35,7 +38,8 @@ class TensorBoardWriter {
   void write_record(const std::string& data);
 
   std::string path_;
-  std::FILE* file_ = nullptr;
+  std::unique_ptr<class AppendFile> file_;
+  std::string pending_;  // records since the last flush
   std::mutex mu_;
 };
 

@@ -7,6 +7,7 @@
 
 #include "app/io/metrics_log.h"
 #include "app/io/tensorboard_writer.h"
+#include "partial_fc/runtime/error.h"
 #include "partial_fc/runtime/log.h"
 
 namespace faceshard {
@@ -50,7 +51,14 @@ void ConsoleSink::validation(const ValidationRecord& r) {
   log_info(os.str());
 }
 
-MetricsSink::MetricsSink(const std::string& path, bool append) : log_(std::make_unique<MetricsLog>(path, append)) {}
+MetricsSink::MetricsSink(const std::string& path, bool append) : path_(path), append_(append) {
+  try {
+    log_ = std::make_unique<MetricsLog>(path, append);
+  } catch (const Error& e) {
+    lost_ = 1;  // tried again at every line
+    log_warn(one_line(e), ": metrics.jsonl is tried again at every line; training goes on");
+  }
+}
 MetricsSink::~MetricsSink() = default;
 
 void MetricsSink::train(const TrainRecord& r) {
@@ -62,32 +70,80 @@ void MetricsSink::train(const TrainRecord& r) {
                                                 {"samples_per_sec", r.samples_per_sec}};
   if (r.loss_scale) f.emplace_back("loss_scale", *r.loss_scale);
   for (const auto& kv : r.head_state) f.push_back(kv);
-  log_->write(f);
+  write(f, r.step);
+}
+
+// A line that cannot be written (a full disk, a quota, an I/O error) costs that line: one
+// warning while the failures last, and training goes on; the file keeps its whole lines.
+void MetricsSink::write(const std::vector<std::pair<std::string, double>>& fields, int64_t step) {
+  try {
+    if (!log_) log_ = std::make_unique<MetricsLog>(path_, append_);
+    log_->write(fields);
+    if (lost_ > 0) log_info(log_->path(), ": writing again from step ", step, " (", lost_, " lines left out)");
+    lost_ = 0;
+  } catch (const Error& e) {
+    if (lost_++ == 0)
+      log_warn(one_line(e), ": the line of step ", step, " is left out; training goes on (the next lines are tried)");
+  }
 }
 
 void MetricsSink::validation(const ValidationRecord& r) {
-  log_->write({{"step", static_cast<double>(r.step)},
-               {"val/" + r.set + "/accuracy", r.accuracy},
-               {"val/" + r.set + "/accuracy_std", r.accuracy_std},
-               {"val/" + r.set + "/best_accuracy", r.best_accuracy}});
+  write({{"step", static_cast<double>(r.step)},
+         {"val/" + r.set + "/accuracy", r.accuracy},
+         {"val/" + r.set + "/accuracy_std", r.accuracy_std},
+         {"val/" + r.set + "/best_accuracy", r.best_accuracy}},
+        r.step);
 }
 
-TensorBoardSink::TensorBoardSink(const std::string& dir) : tb_(std::make_unique<TensorBoardWriter>(dir)) {}
+TensorBoardSink::TensorBoardSink(const std::string& dir) : dir_(dir) {
+  try {
+    tb_ = std::make_unique<TensorBoardWriter>(dir);
+  } catch (const Error& e) {
+    lost_ = 1;
+    log_warn(one_line(e), ": the TensorBoard file is tried again at every record; training goes on");
+  }
+}
 TensorBoardSink::~TensorBoardSink() = default;
 
 void TensorBoardSink::train(const TrainRecord& r) {
+  if (!open(r.step)) return;
   tb_->add_scalar("loss", r.loss, r.step);
   tb_->add_scalar("accuracy", r.accuracy, r.step);
   tb_->add_scalar("learning_rate", r.lr, r.step);
   tb_->add_scalar("samples_per_sec", r.samples_per_sec, r.step);
   if (r.loss_scale) tb_->add_scalar("loss_scale", *r.loss_scale, r.step);
   for (const auto& kv : r.head_state) tb_->add_scalar(kv.first, kv.second, r.step);
-  tb_->flush();
+  flush(r.step);
 }
 
 void TensorBoardSink::validation(const ValidationRecord& r) {
+  if (!open(r.step)) return;
   tb_->add_scalar("val/" + r.set + "/accuracy", r.accuracy, r.step);
-  tb_->flush();
+  flush(r.step);
+}
+
+bool TensorBoardSink::open(int64_t step) {
+  if (tb_) return true;
+  try {
+    tb_ = std::make_unique<TensorBoardWriter>(dir_);
+    return true;
+  } catch (const Error& e) {
+    lost_++;
+    (void)step;
+    return false;
+  }
+}
+
+// As metrics.jsonl: a step's records that cannot be written are left out, training goes on.
+void TensorBoardSink::flush(int64_t step) {
+  try {
+    tb_->flush();
+    if (lost_ > 0) log_info(tb_->path(), ": writing again from step ", step, " (", lost_, " steps' records left out)");
+    lost_ = 0;
+  } catch (const Error& e) {
+    if (lost_++ == 0)
+      log_warn(one_line(e), ": the records of step ", step, " are left out; training goes on (the next ones are tried)");
+  }
 }
 
 }  // namespace faceshard

@@ -60,7 +60,11 @@ class MetricsSink : public LogSink {
   void validation(const ValidationRecord& r) override;
 
  private:
-  std::unique_ptr<MetricsLog> log_;
+  void write(const std::vector<std::pair<std::string, double>>& fields, int64_t step);
+  std::string path_;
+  bool append_;
+  std::unique_ptr<MetricsLog> log_;  // null while the file cannot be opened
+  int64_t lost_ = 0;  // lines left out since the last one written
 };
 
 // <output>/tensorboard: scalars flushed after every record.
@@ -72,7 +76,11 @@ class TensorBoardSink : public LogSink {
   void validation(const ValidationRecord& r) override;
 
  private:
-  std::unique_ptr<TensorBoardWriter> tb_;
+  void flush(int64_t step);
+  bool open(int64_t step);  // the writer, made now if it could not be before
+  std::string dir_;
+  std::unique_ptr<TensorBoardWriter> tb_;  // null while the file cannot be made
+  int64_t lost_ = 0;
 };
 
 class LogSinks {

@@ -50,7 +50,7 @@ void restore_generator(at::Generator& gen, const TensorSource& file, size_t i, c
 
 }  // namespace
 
-void TrainState::save(CheckpointManager& checkpoints) const {
+bool TrainState::save(CheckpointManager& checkpoints) const {
   const TrainJob& j = job_;
   const TrainProgress& p = progress_;
   StateDict ts;
@@ -75,8 +75,9 @@ void TrainState::save(CheckpointManager& checkpoints) const {
   shard.emplace_back("rng.cpu", at::detail::getDefaultCPUGenerator().get_state());
   if (j.device.is_cuda()) shard.emplace_back("rng.cuda", at::globalContext().defaultGenerator(j.device).get_state());
 
-  checkpoints.save(p.step, *j.cfg.data.num_classes, j.backbone->state_dict(), ts, shard);
+  if (!checkpoints.save(p.step, *j.cfg.data.num_classes, j.backbone->state_dict(), ts, shard)) return false;
   log_info("checkpoint saved: ", checkpoints.root(), " step ", p.step);
+  return true;
 }
 
 namespace {

@@ -34,7 +34,8 @@ class TrainState {
   const TrainProgress& progress() const { return progress_; }
 
   // Collective: every rank writes its shard, rank 0 the rest.
-  void save(CheckpointManager& checkpoints) const;
+  // False when the save failed on some rank (nothing of it stays; checkpoints.last_problem()).
+  bool save(CheckpointManager& checkpoints) const;
   // Restores everything from a committed checkpoint folder (errors name its files).
   void load(const std::string& dir);
 

@@ -22,11 +22,16 @@ using Clock = std::chrono::steady_clock;
 // is timed without a host synchronisation inside it.
 class PhaseClock {
  public:
-  PhaseClock(bool on, torch::Device device) : on_(on), device_(device), t_(Clock::now()) {
+  PhaseClock(bool on, torch::Device device, const Distributed& dist)
+      : on_(on), device_(device), dist_(dist), t_(Clock::now()), blocked_(dist.blocked_seconds_total()) {
     if (on_ && !device_.is_cpu()) mark(nullptr);
   }
-  void lap(double& into) {
+  // `wait`: where the host's time blocked in collectives during the phase goes.
+  void lap(double& into, double* wait = nullptr) {
     if (!on_) return;
+    const double b = dist_.blocked_seconds_total();
+    if (wait) *wait += b - blocked_;
+    blocked_ = b;
     if (!device_.is_cpu()) return mark(&into);
     const auto now = Clock::now();
     into += std::chrono::duration<double>(now - t_).count();
@@ -50,7 +55,9 @@ class PhaseClock {
 
   bool on_;
   torch::Device device_;
+  const Distributed& dist_;
   Clock::time_point t_;
+  double blocked_;
   std::vector<std::pair<std::unique_ptr<c10::Event>, double*>> marks_;
 };
 
@@ -66,7 +73,7 @@ StepResult TrainStep::run(const BatchSource& next, int64_t step) {
   StepResult r;
   r.lr = j.schedule.lr(step);
   r.fc_lr = j.fc_schedule.lr(step);
-  PhaseClock clock(timing_, j.device);
+  PhaseClock clock(timing_, j.device, *j.dist);
   const auto zero = torch::TensorOptions().device(j.device);
   at::Tensor loss_sum = torch::zeros({}, zero), acc_sum = torch::zeros({}, zero);
   // A step that is never skipped nor inspected before it is taken: the classifier's
@@ -82,7 +89,7 @@ StepResult TrainStep::run(const BatchSource& next, int64_t step) {
     at::Tensor loss = j.micro > 1 ? out.loss / static_cast<double>(j.micro) : out.loss;
     at::Tensor scaled = j.scaler->scale(loss).reshape(loss.sizes());
     j.ddp->prepare_for_backward({scaled});
-    clock.lap(r.times.forward);
+    clock.lap(r.times.forward, &r.times.forward_wait);
     j.dist->set_context(step + 1, "backward");
     if (k + 1 == j.micro) {
       scaled.backward();
@@ -96,7 +103,7 @@ StepResult TrainStep::run(const BatchSource& next, int64_t step) {
     if (!j.loss_scaling) first_bad_.masked_fill_((~torch::isfinite(out.loss.detach())) & (first_bad_ < 0), step);
     // The classifier's sampled rows change every micro-batch: keep their gradient.
     if (k + 1 < j.micro) j.fc->accumulate();
-    clock.lap(r.times.backward);
+    clock.lap(r.times.backward, &r.times.backward_wait);
   }
   j.dist->set_context(step + 1, "optimizer");
   if (gradient_hook_) gradient_hook_(step + 1);
@@ -116,7 +123,7 @@ StepResult TrainStep::run(const BatchSource& next, int64_t step) {
     j.fc->step(r.fc_lr);
     j.opt->zero_grad();
   }
-  clock.lap(r.times.optimizer);
+  clock.lap(r.times.optimizer, &r.times.optimizer_wait);
   clock.finish();
   r.loss = loss_sum / static_cast<double>(j.micro);
   r.accuracy = acc_sum / static_cast<double>(j.micro);

@@ -20,6 +20,8 @@ namespace faceshard {
 // waits for it; the trainer leaves it off).
 struct StepTimes {
   double data = 0, forward = 0, backward = 0, optimizer = 0;
+  // The host's time blocked in collectives within each phase (waiting for other ranks).
+  double forward_wait = 0, backward_wait = 0, optimizer_wait = 0;
   double total() const { return data + forward + backward + optimizer; }
 };
 

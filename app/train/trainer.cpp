@@ -12,6 +12,7 @@
 #include <filesystem>
 
 #include "app/io/checkpoint.h"
+#include "app/io/checkpoint_verify.h"
 #include "app/train/device_readout.h"
 #include "app/train/log_sinks.h"
 #include "app/train/run_folder.h"
@@ -31,6 +32,8 @@ namespace {
 std::atomic<int> g_stop_signal{0};
 // EX_TEMPFAIL: the run is not finished; its agent should restart this rank.
 constexpr int kStoppedForPeerRestart = 75;
+// Checkpoints could not be saved (train.max_failed_checkpoints in a row, or the last one).
+constexpr int kCheckpointsFailing = 3;
 extern "C" void on_stop_signal(int sig) { g_stop_signal = sig; }
 
 using Clock = std::chrono::steady_clock;
@@ -62,9 +65,12 @@ int run_training(const TrainRequest& req) {
   const std::string& output = req.config.output;
   if (req.overwrite && req.resume)
     throw usage_error("--overwrite starts afresh and --resume continues: give one of them");
-  const std::string from = !req.resume_from.empty() ? resolve_resume_source(req.resume_from)
-                           : req.resume           ? latest_checkpoint(output + "/checkpoints")
-                                                  : "";
+  std::string from = !req.resume_from.empty() ? resolve_resume_source(req.resume_from)
+                     : req.resume           ? latest_checkpoint(output + "/checkpoints")
+                                            : "";
+  // A run folder or --resume auto may walk back past a newest checkpoint that does not
+  // verify; a checkpoint named on its own is that one or none.
+  const bool walk_back = req.resume_from.empty() || from != req.resume_from;
   // Runs never mix: a fresh run into a folder holding a run is refused before anything is
   // built or written. (--resume with no checkpoint yet is the same run restarted: it starts
   // fresh in its own folder; --resume DIR continues the checkpoint it names.)
@@ -86,6 +92,10 @@ int run_training(const TrainRequest& req) {
   // Each rank's record of its last collectives goes here when one hangs or fails, on
   // SIGUSR1 and at a fatal error (faceshard-dist-check --trace reads them).
   d.set_trace_dir(cfg.output + "/trace");
+  // The checkpoint a resume starts from is read back first (its files shared out among the
+  // ranks, CRC-32 of every entry): a corrupt or incomplete one is passed over for the newest
+  // that verifies, in one line; none that verifies is an error, never a fresh start.
+  if (!from.empty() && std::filesystem::exists(from + "/COMMITTED")) from = choose_verified_checkpoint(from, walk_back, d);
   CheckpointManager checkpoints(cfg.output + "/checkpoints", d, cfg.train.keep_checkpoints);
   TrainState state(j);
   TrainProgress& p = state.progress();
@@ -98,6 +108,30 @@ int run_training(const TrainRequest& req) {
     if (cfg.train.tensorboard) sinks.add(std::make_unique<TensorBoardSink>(cfg.output + "/tensorboard"));
   }
   Validation validation(j);
+  // A checkpoint that cannot be saved (a full disk, a quota, an I/O error on any rank) costs
+  // nothing committed: one warning, training goes on, the next interval tries again. After
+  // train.max_failed_checkpoints in a row, or when the run's last checkpoint (its end, a
+  // stop) fails, the run stops: one line, exit status kCheckpointsFailing.
+  auto save_checkpoint = [&](bool last) -> bool {
+    if (state.save(checkpoints)) return true;
+    const std::string latest = checkpoints.latest();
+    const std::string kept = latest.empty() ? "no checkpoint is committed yet"
+                                            : "the last committed checkpoint, " + latest + ", is untouched";
+    const int64_t n = checkpoints.failed_in_a_row();
+    if (last || n >= cfg.train.max_failed_checkpoints) {
+      if (d.rank() == 0)
+        report_fatal("faceshard-train", detail::concat(n, " checkpoint save", n > 1 ? "s" : "", " failed in a row (",
+                                                       last ? "the run's last one" : "train.max_failed_checkpoints " +
+                                                       std::to_string(cfg.train.max_failed_checkpoints), "), the last at step ",
+                                                       p.step, ": ", checkpoints.last_problem(), "; ", kept));
+      return false;
+    }
+    if (n == 1)
+      log_warn("checkpoint step ", p.step, " not saved: ", checkpoints.last_problem(), "; ", kept,
+               "; training goes on and the next checkpoint tries again (the run stops after ",
+               cfg.train.max_failed_checkpoints, " failures in a row)");
+    return true;
+  };
   if (req.resume && from.empty()) log_info("--resume: no committed checkpoint under ", checkpoints.root(), ", starting fresh");
   if (!from.empty()) state.load(from);
   // (An explicit --resume DIR at its last step still saves at once: resharding a checkpoint.)
@@ -160,6 +194,9 @@ int run_training(const TrainRequest& req) {
   if (d.world_size() > 1 && cfg.dist.straggler_window > 0)
     stragglers = std::make_unique<StragglerMonitor>(d.connect_side_store(std::chrono::seconds(5)), d.rank(),
                                                     d.world_size(), d.hosts(), cfg.dist.straggler_window);
+  // On the CPU the phases are timed by the host's clock at no cost: a slow rank is named
+  // with the phase it is slow in. (A GPU's phases would need a wait for the device.)
+  if (stragglers && j.device.is_cpu()) train_step.set_timing(true);
   // Steps held up in collectives (a partition that heals, a link slowed to a trickle): one
   // line at most every 10 s, saying who fell silent meanwhile.
   double median_step = 0;
@@ -255,7 +292,15 @@ int run_training(const TrainRequest& req) {
     const double step_s = seconds_since(t_step);
     if (const std::optional<double> median = step_timer.add(step_s)) d.set_step_seconds(median_step = *median);
     const double blocked_s = d.take_blocked_seconds();
-    if (stragglers) stragglers->add_step(p.step, step_s, r.data_wait_s, blocked_s, d.links().take_round_trip_ms());
+    if (stragglers) {
+      StepPhases own;
+      if (j.device.is_cpu()) {  // the host's clock is the work's: each phase less its waits
+        own.forward = std::max(0.0, r.times.forward - r.times.forward_wait);
+        own.backward = std::max(0.0, r.times.backward - r.times.backward_wait);
+        own.optimizer = std::max(0.0, r.times.optimizer - r.times.optimizer_wait);
+      }
+      stragglers->add_step(p.step, step_s, r.data_wait_s, blocked_s, d.links().take_round_trip_ms(), own);
+    }
     const LinkWatch::Stall silent = d.links().take_stall();
     if (is_stall(blocked_s, median_step) && ++stalls_unreported && seconds_since(t_stall_line) >= 10) {
       log_warn("network: step ", p.step, " waited ", format_sig(blocked_s), " s in collectives (the median step is ",
@@ -274,7 +319,10 @@ int run_training(const TrainRequest& req) {
       const bool signalled_here = g_stop_signal.load() != 0;
       log_info("stop requested (signal", signalled_here ? "" : " to another rank", "): checkpointing at step ", p.step,
                " and exiting");
-      state.save(checkpoints);
+      if (!save_checkpoint(/*last=*/true)) {
+        d.shutdown();
+        return kCheckpointsFailing;
+      }
       log_info("stopped at step ", p.step, " of ", j.last_step, "; checkpoint ", checkpoints.latest(),
                "; to continue, run the same command with --resume");
       d.shutdown();
@@ -295,7 +343,10 @@ int run_training(const TrainRequest& req) {
       d.set_context(p.step, "checkpoint");
       readout.deliver(/*wait=*/true);
       check_finite();
-      state.save(checkpoints);
+      if (!save_checkpoint(/*last=*/false)) {
+        d.shutdown();
+        return kCheckpointsFailing;
+      }
       t_checkpoint = Clock::now();
     }
   }
@@ -304,7 +355,10 @@ int run_training(const TrainRequest& req) {
   check_finite();
   if (skipped) log_info("loss scaling: ", skipped, " steps skipped for non-finite gradients");
   validation.run(p.step, p.best_accuracy, sinks);
-  state.save(checkpoints);
+  if (!save_checkpoint(/*last=*/true)) {
+    d.shutdown();
+    return kCheckpointsFailing;
+  }
   export_model(j, p.step);
   d.shutdown();
   log_info("done: ", p.step, " steps in ", format_duration(seconds_since(t_start)));

@@ -128,6 +128,17 @@ c10::intrusive_ptr<c10d::Store> connect_store(const DistEnv& env, bool server, s
   o.multiTenant = true;
   c10::intrusive_ptr<c10d::Store> store;
   try {
+    // TCPStore alone would listen on every interface: the store listens on MASTER_ADDR's
+    // address only (a loopback address keeps a one-host job off the network).
+    if (server) {
+      std::string ip;
+      try {
+        ip = resolve_ipv4(env.master_addr);
+      } catch (const Error&) {
+        // Not an IPv4 name (IPv6): TCPStore binds as it does.
+      }
+      if (!ip.empty()) o.masterListenFd = listen_socket(ip, env.master_port);
+    }
     store = c10::make_intrusive<c10d::TCPStore>(env.master_addr, o);
   } catch (const std::exception& e) {
     // A master name that means this very host here cannot be the other hosts' master.

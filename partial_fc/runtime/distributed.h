@@ -104,7 +104,13 @@ class Distributed {
   // wait long: its operations fail after `timeout` (a frozen or vanished store host).
   c10::intrusive_ptr<c10d::Store> connect_side_store(std::chrono::milliseconds timeout) const;
   // Seconds this rank's host spent blocked waiting for collectives since the last call.
-  double take_blocked_seconds() { return static_cast<double>(blocked_us_.exchange(0)) * 1e-6; }
+  double take_blocked_seconds() {
+    const int64_t now = blocked_us_.load(), since = now - taken_us_;
+    taken_us_ = now;
+    return static_cast<double>(since) * 1e-6;
+  }
+  // All of it since the start (seconds).
+  double blocked_seconds_total() const { return static_cast<double>(blocked_us_.load()) * 1e-6; }
 
   // Explains a failed collective: which rank died, threw, or hung.
   std::string diagnose(const std::string& what, const std::string& error);
@@ -137,7 +143,8 @@ class Distributed {
   std::map<const c10d::Work*, int64_t> async_seq_;
   std::vector<std::string> hosts_;
   std::atomic<double> step_seconds_{0};
-  std::atomic<int64_t> blocked_us_{0};
+  std::atomic<int64_t> blocked_us_{0};  // grows only
+  int64_t taken_us_ = 0;                  // take_blocked_seconds()'s last reading
   std::shared_ptr<LinkWatch> links_ = std::make_shared<LinkWatch>();
   std::atomic<bool> stop_{false};
   std::atomic<bool> failed_{false};

@@ -47,6 +47,23 @@ std::string resolve_ipv4(const std::string& host) {
   return ip;
 }
 
+int listen_socket(const std::string& ipv4, int port) {
+  sockaddr_in sa{};
+  sa.sin_family = AF_INET;
+  sa.sin_port = htons(static_cast<uint16_t>(port));
+  if (::inet_pton(AF_INET, ipv4.c_str(), &sa.sin_addr) != 1) throw runtime_error("'", ipv4, "' is not an IPv4 address");
+  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) throw runtime_error("cannot make a socket: ", std::strerror(errno));
+  const int one = 1;
+  ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+  if (::bind(fd, reinterpret_cast<const sockaddr*>(&sa), sizeof sa) != 0 || ::listen(fd, 1024) != 0) {
+    const int e = errno;
+    ::close(fd);
+    throw runtime_error("cannot listen on ", ipv4, ":", port, ": ", std::strerror(e));
+  }
+  return fd;
+}
+
 bool is_loopback_ipv4(const std::string& address) { return address.rfind("127.", 0) == 0; }
 
 std::vector<LocalInterface> external_interfaces() {

@@ -23,6 +23,10 @@ bool is_loopback_ipv4(const std::string& address);
 // The local end of the route to `address` (a UDP socket connected to it: the kernel picks
 // the source address; no packet is sent) and the interface holding it.
 LocalInterface route_to(const std::string& address);
+// A TCP socket bound to `ipv4`:`port` and listening (close-on-exec; the caller owns it): the
+// rendezvous store listens on the address it was given, never on every interface. Runtime
+// error naming the address and the cause when it cannot be bound (in use, not local).
+int listen_socket(const std::string& ipv4, int port);
 // Interfaces that are up, not loopback, with an IPv4 address.
 std::vector<LocalInterface> external_interfaces();
 

@@ -10,8 +10,10 @@
 namespace faceshard {
 namespace {
 
-constexpr int kPhases = 2;  // compute, data
-const char* kPhaseName[kPhases] = {"compute", "data"};
+// compute: the step less its data wait and its time blocked in collectives; forward,
+// backward, optimizer: that work split by phase where the trainer measures it (-1: not).
+constexpr int kPhases = 5;
+const char* kPhaseName[kPhases] = {"compute", "data", "forward", "backward", "optimizer"};
 
 double median(std::vector<double> v) {
   if (v.empty()) return 0;
@@ -38,6 +40,9 @@ std::vector<std::vector<double>> straggler_scores(const std::vector<std::vector<
   }
   const double eps = std::max(0.002, 0.05 * step);
   for (int p = 0; p < kPhases; ++p) {
+    bool measured = true;
+    for (const auto& m : medians) measured = measured && static_cast<int>(m.size()) > p && m[p] >= 0;
+    if (!measured) continue;  // a phase some rank does not time scores 1 everywhere
     double fastest = medians[0][p];
     for (const auto& m : medians) fastest = std::min(fastest, m[p]);
     for (size_t r = 0; r < W; ++r) out[r][p] = (fastest + eps) / (medians[r][p] + eps);
@@ -74,13 +79,21 @@ StragglerMonitor::~StragglerMonitor() {
 }
 
 void StragglerMonitor::add_step(int64_t step, double step_s, double data_s, double blocked_s,
-                                std::optional<double> round_trip_ms) {
+                                std::optional<double> round_trip_ms, const StepPhases& phases) {
   compute_.push_back(std::max(0.0, step_s - data_s - blocked_s));
   data_.push_back(std::max(0.0, data_s));
   if (round_trip_ms) round_trip_.push_back(*round_trip_ms);
+  const double own[3] = {phases.forward, phases.backward, phases.optimizer};
+  for (int k = 0; k < 3; ++k) phase_[k].push_back(own[k] < 0 ? -1.0 : own[k]);
   if (static_cast<int64_t>(compute_.size()) < window_) return;
-  std::vector<double> v{median(compute_), median(data_), static_cast<double>(step),
-                        round_trip_.empty() ? -1.0 : median(round_trip_)};
+  // Published: compute, data, round trip, forward, backward, optimizer (-1: not measured in
+  // every step of the window), and the last step.
+  std::vector<double> v{median(compute_), median(data_), round_trip_.empty() ? -1.0 : median(round_trip_)};
+  for (auto& ph : phase_) {
+    v.push_back(*std::min_element(ph.begin(), ph.end()) < 0 ? -1.0 : median(ph));
+    ph.clear();
+  }
+  v.push_back(static_cast<double>(step));
   compute_.clear();
   data_.clear();
   round_trip_.clear();
@@ -121,10 +134,10 @@ void StragglerMonitor::run() {
     try {
       std::ostringstream os;
       os.precision(9);
-      os << item.second[0] << " " << item.second[1] << " " << item.second[3];
+      for (size_t k = 0; k + 1 < item.second.size(); ++k) os << (k ? " " : "") << item.second[k];
       const std::string s = os.str();
       store_->set(key_of(item.first, rank_), std::vector<uint8_t>(s.begin(), s.end()));
-      if (rank_ == 0) judge(item.first, static_cast<int64_t>(item.second[2]));
+      if (rank_ == 0) judge(item.first, static_cast<int64_t>(item.second.back()));
     } catch (const std::exception& e) {
       // The store is gone: the collectives say why; the monitor has nothing to add.
       log_debug("straggler monitor: ", one_line(e));
@@ -150,9 +163,9 @@ void StragglerMonitor::judge(int64_t window_index, int64_t last_step) {
   std::vector<double> round_trips;
   for (const auto& v : store_->multiGet(keys)) {
     std::istringstream is(std::string(v.begin(), v.end()));
-    double c = 0, d = 0, rt = -1;
-    is >> c >> d >> rt;
-    medians.push_back({c, d});
+    double c = 0, d = 0, rt = -1, f = -1, b = -1, o = -1;
+    is >> c >> d >> rt >> f >> b >> o;
+    medians.push_back({c, d, f, b, o});
     round_trips.push_back(rt);
   }
   const std::vector<char> slow = slow_links(round_trips);
@@ -165,9 +178,13 @@ void StragglerMonitor::judge(int64_t window_index, int64_t last_step) {
   last_scores_ = scores;
   judged_++;
   for (int r = 0; r < world_; ++r) {
+    // A rank slow in forward, backward or the optimiser is reported for those phases, and
+    // for "compute" (their sum) only where no single phase is below the threshold.
+    bool phase_named = false;
+    for (int p = 2; p < kPhases; ++p) phase_named = phase_named || (scores[r][p] < kThreshold && below_[r][p]);
     for (int p = 0; p < kPhases; ++p) {
       const bool below = scores[r][p] < kThreshold;
-      if (below && below_[r][p]) {
+      if (below && below_[r][p] && !(p == 0 && phase_named)) {
         StragglerReport rep;
         rep.rank = r;
         rep.host = hosts_[r].empty() ? "?" : hosts_[r];

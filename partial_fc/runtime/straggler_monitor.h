@@ -23,16 +23,23 @@
 
 namespace faceshard {
 
+// A step's own work per phase in seconds, its time blocked in collectives left out (-1:
+// not measured; the trainer measures it on the CPU, where the host's clock is the work's).
+struct StepPhases {
+  double forward = -1, backward = -1, optimizer = -1;
+};
+
 struct StragglerReport {
   int rank = 0;
-  std::string host, phase;  // phase: "compute", "data" or "link"
+  std::string host, phase;  // "compute", "data", "forward", "backward", "optimizer" or "link"
   double score = 0;         // fastest rank's median / this rank's, in the window
   double median_s = 0, fastest_s = 0;
   int64_t first_step = 0, last_step = 0;  // the two windows
 };
 
-// The scores of one window: per rank and phase, fastest median / the rank's (a phase whose
-// medians are all below 1 ms scores 1: nothing to be slow at). medians[r] = {compute, data}.
+// The scores of one window: per rank and phase, fastest median / the rank's, with 5% of the
+// fastest step (at least 2 ms) added to both. medians[r] = {compute, data[, forward,
+// backward, optimizer]}; a phase that some rank did not measure (< 0) scores 1.
 std::vector<std::vector<double>> straggler_scores(const std::vector<std::vector<double>>& medians);
 // Per rank: whether its store round trip (ms; < 0: none measured) is a slow link's.
 std::vector<char> slow_links(const std::vector<double>& round_trip_ms);
@@ -53,11 +60,12 @@ class StragglerMonitor {
   // One step of this rank (1-based step number): its wall time, data wait and time blocked
   // in collectives, in seconds; the median heartbeat round trip to the store during it (ms).
   void add_step(int64_t step, double step_s, double data_s, double blocked_s,
-                std::optional<double> round_trip_ms = std::nullopt);
+                std::optional<double> round_trip_ms = std::nullopt, const StepPhases& phases = {});
   // Rank 0: the ranks flagged since the last call (two consecutive windows below the
   // threshold; a rank stays reported while it stays slow, once per window).
   std::vector<StragglerReport> take_reports();
-  // The latest window's scores (rank 0; empty before the first), [rank][compute, data].
+  // The latest window's scores (rank 0; empty before the first):
+  // [rank][compute, data, forward, backward, optimizer].
   std::vector<std::vector<double>> last_scores();
   // Rank 0: how many windows it has judged.
   int64_t windows_judged();
@@ -71,6 +79,7 @@ class StragglerMonitor {
   std::vector<std::string> hosts_;
   int64_t window_;
   std::vector<double> compute_, data_, round_trip_;  // this window's steps
+  std::vector<double> phase_[3];                      // forward, backward, optimizer
   std::mutex m_;
   std::condition_variable cv_;
   std::deque<std::pair<int64_t, std::vector<double>>> to_publish_;  // (window index, medians + last step)

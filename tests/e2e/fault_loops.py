@@ -12,15 +12,23 @@
 
 The network cases run a job of two hosts (network namespaces joined by a veth pair, one
 rank each, root needed) with the default hang limit's scale (3 x the median step + 5 s):
-  throttle   the link is limited (tbf, both ways, 24-64 Mbit/s) from a random step until the
+  throttle   the link is limited (tbf, both ways, 16-32 Mbit/s) from a random step until the
              slow link is named, then freed: the run must name the host pair and finish.
-  partition  the link goes down at a random step, for 0.5-2 s (the run must ride through)
+  partition  the link goes down at a random step past the 10th (from where the hang limit
+             scales with the measured step), for 0.5-2 s (the run must ride through)
              or for good (every rank must exit non-zero within the hang limit, naming the
              other host; no checkpoint may be lost or half-written, and --resume auto after
              the link is back must continue from the last committed step).
-  straggler  each trial trains 8 windows of 3 steps with nothing wrong (a flag there is a
-             false flag), then slows one rank for up to 8 windows (a cgroup-v1 CPU quota of
+  straggler  each trial trains 6 windows of 3 steps with nothing wrong (a flag there is a
+             false flag), then slows one rank for up to 6 windows (a cgroup-v1 CPU quota of
              20-40%, or SIGSTOP/SIGCONT bursts): it must be named, the other never.
+
+The storage cases (storage_faults.py, one rank):
+  enospc / eio     a random kind of file (a checkpoint's, metrics.jsonl, TensorBoard's, the
+                   export's), operation and call fails with ENOSPC / EIO (a quarter of the
+                   trials: from that call on)
+  corrupt_latest   the newest checkpoint damaged (in a fifth of the trials the one before
+                   too): --resume auto walks back, or refuses in one line
 
 usage: fault_loops.py --source DIR --bin DIR --case CASE [--trials N] [--seed S] [--keep]
 The seed (printed first) makes the kill times and victims reproducible; the ranks are
@@ -361,7 +369,7 @@ def throttle(args, work, rng):
     try:
         for trial in range(args.trials):
             out = os.path.join(work, "out%d" % trial)
-            at, mbit, total = rng.randint(8, 14), rng.choice([24, 32, 48, 64]), 40
+            at, mbit, total = rng.randint(8, 12), rng.choice([16, 24, 32]), 32
             job = HostJob(args, work, hosts, "thr%d" % trial,
                           ["--set", "output=" + out, "--set", "optim.total_steps=%d" % total] + NET_STEPS)
             if not job.wait_for(lambda: job.step() >= at, 90, "step"):
@@ -410,7 +418,7 @@ def partition(args, work, rng):
     try:
         for trial in range(args.trials):
             out = os.path.join(work, "out%d" % trial)
-            at, total = rng.randint(12, 24), 40
+            at, total = rng.randint(11, 17), 24  # the hang limit scales from step 10 on
             short = rng.random() < 0.5
             down_s = rng.uniform(0.5, 2.0)
             job = HostJob(args, work, hosts, "part%d" % trial,
@@ -502,7 +510,7 @@ def straggler(args, work, rng):
             out = os.path.join(work, "out%d" % trial)
             victim = trial % 2
             mode = "quota" if (trial // 2) % 2 == 0 else "stop"
-            clean, total = 24, 48  # 8 clean windows of 3 steps, then up to 8 slowed ones
+            clean, total = 18, 36  # 6 clean windows of 3 steps, then up to 6 slowed ones
             job = HostJob(args, work, hosts, "strag%d" % trial,
                           ["--set", "output=" + out, "--set", "optim.total_steps=%d" % total] + NET_STEPS)
             if not job.wait_for(lambda: job.step() >= clean, 120, "step"):
@@ -574,7 +582,21 @@ def straggler(args, work, rng):
     return failures
 
 
-CASES = {"kill_all": kill_all, "lose_rank": lose_rank, "throttle": throttle, "partition": partition, "straggler": straggler}
+# --- the storage cases: storage_faults.py's loops, with this script's seed and trials ---------
+
+def storage_case(name):
+    def run_case(args, work, rng):
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        import storage_faults
+        s = storage_faults.Setup(args, work)
+        if name == "corrupt_latest":
+            return storage_faults.corrupt_latest(args, s, rng)
+        return storage_faults.loop(args, s, rng, name.upper())
+    return run_case
+
+
+CASES = {"kill_all": kill_all, "lose_rank": lose_rank, "throttle": throttle, "partition": partition, "straggler": straggler,
+         "enospc": storage_case("enospc"), "eio": storage_case("eio"), "corrupt_latest": storage_case("corrupt_latest")}
 
 
 def main():
@@ -592,7 +614,8 @@ def main():
     rng = random.Random(seed)
     work = tempfile.mkdtemp(prefix="faceshard_faults_")
     try:
-        write_setup(args, work)
+        if args.case not in ("enospc", "eio", "corrupt_latest"):
+            write_setup(args, work)
         failures = CASES[args.case](args, work, rng)
     finally:
         if args.keep:

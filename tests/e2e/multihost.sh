@@ -5,7 +5,7 @@
 # 127.0.0.1, as in many containers: the ranks must find the address that reaches the master.
 # usage: multihost.sh SOURCE_DIR BIN_DIR CASE
 #   CASE: dist_check_2x1 | dist_check_2x2 | train_resume | host_killed | host_frozen_traced | straggler_cpu_quota |
-#         rendezvous_fails | torchrun
+#         rendezvous_fails | torchrun | listeners
 # Exits 77 (skipped) when namespaces cannot be created here (no privilege).
 set -u
 root="$1"; bin="$2"; case_name="$3"
@@ -189,6 +189,38 @@ straggler_cpu_quota)
   grep -q '"straggler/1"' "$work/out/metrics.jsonl" || fail "no straggler/1 in metrics.jsonl"
   grep -q "straggler: rank 0" "$work/s0.log" && fail "rank 0 named"
   grep -m1 "straggler:" "$work/s0.log" | sed 's/.*straggler:/straggler:/'
+  echo "PASS" ;;
+listeners)
+  # Every socket a job listens on, per host, while faceshard-dist-check runs: on one host
+  # (MASTER_ADDR 127.0.0.1) all on loopback; on two hosts x 2 ranks each on its host's own
+  # address. None on every interface (0.0.0.0 or *), which TCPStore alone would choose.
+  table() {  # table NS LOG: "address:port owner" of each listener in NS (the store is port 29500)
+    on "$1" ss -Hltnp | "$py" -c "
+import re, sys
+for l in sys.stdin:
+    f = l.split()
+    local, who = f[3], re.search(r'\(\(\"([^\"]+)', l)
+    port = local.rsplit(':', 1)[1]
+    print(local, 'store' if port == '29500' else (who.group(1) if who else '?'))"
+  }
+  on "$h0" "$root/tools/launch.sh" --nproc 2 --master-addr 127.0.0.1 --master-port 29500 -- "$bin/faceshard-dist-check" \
+    --rounds 400 --interval-ms 20 > "$work/one.log" 2>&1 &
+  wait_for_line "$work/one.log" "round 80/" 60 || { cat "$work/one.log"; fail "the one-host job did not start"; }
+  table "$h0" > "$work/one.txt"
+  wait
+  launch "$h1" 1 2 "$work/l1.log" "$bin/faceshard-dist-check" --rounds 400 --interval-ms 20
+  launch "$h0" 0 2 "$work/l0.log" "$bin/faceshard-dist-check" --rounds 400 --interval-ms 20
+  wait_for_line "$work/l0.log" "round 80/" 60 || { cat "$work/l0.log" "$work/l1.log"; fail "the two-host job did not start"; }
+  table "$h0" > "$work/h0.txt"; table "$h1" > "$work/h1.txt"
+  wait
+  echo "one host (MASTER_ADDR 127.0.0.1):"; cat "$work/one.txt"
+  echo "host 0 ($a0):"; cat "$work/h0.txt"; echo "host 1 ($a1):"; cat "$work/h1.txt"
+  grep -q "^127.0.0.1:29500 store" "$work/one.txt" || fail "the one-host store is not on 127.0.0.1:29500"
+  grep -qv "^127.0.0.1:" "$work/one.txt" && fail "a one-host listener off loopback"
+  grep -q "^$a0:29500 store" "$work/h0.txt" || fail "host 0's store is not on $a0:29500"
+  [ "$(wc -l < "$work/h1.txt")" -ge 2 ] || fail "host 1 lists fewer than its 2 ranks' listeners"
+  grep -qv "^$a0:" "$work/h0.txt" && fail "a host 0 listener off $a0"
+  grep -qv "^$a1:" "$work/h1.txt" && fail "a host 1 listener off $a1"
   echo "PASS" ;;
 *) fail "unknown case $case_name" ;;
 esac

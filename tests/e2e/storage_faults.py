@@ -1,0 +1,446 @@
+#!/usr/bin/env python3
+"""Storage faults: faceshard-train (one rank, CPU, a tiny job) meets a failing file system.
+
+  matrix     the fault shim (LD_PRELOAD, tests/fault_shim/fault_shim.c) fails the N-th
+             open/write/fsync/rename/close of one kind of file with ENOSPC, EDQUOT, EIO,
+             EROFS or a short write, N walked over the calls a run makes (every one up to
+             --ordinals per operation, evenly spread beyond): the checkpoint's files
+             (fc_shard, backbone.pt, train_state.pt, the COMMITTED marker), metrics.jsonl,
+             the TensorBoard events, the export (model.pt, model.json). Each trial resumes a
+             run that has committed checkpoints at steps 2 and 4 and trains to step 8
+             (checkpoints at 6 and 8).
+  full_fs    the output on a small tmpfs that fills during the fourth checkpoint: every save
+             from there fails, the run stops after train.max_failed_checkpoints (3) with
+             exit status 3 and one line saying the disk is full.
+  corrupt_latest
+             the newest committed checkpoint (step 4) is damaged at random: a byte of an
+             entry's data flipped, a file cut short, emptied or deleted; in one trial of
+             five the one before (step 2) too. --resume auto must say which checkpoint it
+             passes over and why in one line and resume from the newest that verifies (and
+             train on), or, when none verifies, exit non-zero with one line (never a crash
+             or a fresh start).
+  enospc / eio
+             fault loops: each trial draws a file kind, an operation and a call at random
+             (ENOSPC, or EIO), from a seed.
+
+After every trial: no crash (exit 0; 3 when a checkpoint that had to be saved was not; 1
+when the export failed), one warning or error line naming the file and the cause when
+the fault fired, no temporary file left, every committed checkpoint verifying (zipfile's
+CRC check and torch.load, independent of faceshard's reader) and the newest one resuming
+(a run of one more step), metrics.jsonl's every line JSON, the TensorBoard file whole
+records to its end, model.pt absent or loadable.
+
+usage: storage_faults.py --source DIR --bin DIR --case matrix|full_fs|corrupt_latest|enospc|eio
+       [--ordinals K] [--trials N] [--seed S] [--keep]
+"""
+import argparse
+import glob
+import json
+import os
+import random
+import re
+import shutil
+import struct
+import subprocess
+import sys
+import tempfile
+import zipfile
+
+ERRORS = ["ENOSPC", "EDQUOT", "EIO", "EROFS", "short"]
+OPS = ["open", "write", "fsync", "rename", "close"]
+# What the shim matches (a part of the path) for each kind of file.
+KINDS = {
+    "fc_shard": "fc_shard_0.pt",
+    "backbone": "backbone.pt",
+    "train_state": "train_state.pt",
+    "commit_marker": "COMMITTED",
+    "metrics": "metrics.jsonl",
+    "tensorboard": "tfevents",
+    "export_model": "model.pt",
+    "export_json": "model.json",
+}
+CHECKPOINT_KINDS = {"fc_shard", "backbone", "train_state", "commit_marker"}
+
+
+def run(cmd, env=None, timeout=300):
+    p = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=timeout)
+    return p.returncode, p.stdout.decode(errors="replace")
+
+
+class Setup:
+    def __init__(self, args, work):
+        self.args, self.work = args, work
+        self.train = os.path.join(args.bin, "faceshard-train")
+        self.shim = os.path.join(os.path.dirname(os.path.abspath(args.bin)), "lib", "libfaceshard_fault_shim.so")
+        if not os.path.exists(self.shim):
+            sys.exit("no fault shim at %s (build the faceshard_fault_shim target)" % self.shim)
+        self.py = os.path.join(args.source, ".venv", "bin", "python")
+        if not os.path.exists(self.py):
+            self.py = sys.executable
+        run([os.path.join(args.bin, "faceshard-synth"), "--output", os.path.join(work, "data"), "--identities", "16",
+             "--images", "8", "--holdout", "4", "--pairs", "8", "--seed", "3"])
+        self.config = os.path.join(work, "tiny.yaml")
+        with open(self.config, "w") as f:
+            f.write("""base: {root}/configs/base.yaml
+output: {work}/out
+seed: 7
+data: {{rec: {work}/data, num_classes: 16, batch_size: 4, num_workers: 1}}
+model: {{backbone: mbf, embedding_size: 32}}
+loss: {{margin: [1.0, 0.0, 0.4], scale: 16}}
+optim: {{lr: 0.05, epochs: 1000, warmup_epochs: 0}}
+train: {{log_every: 1, verify_every: 0, checkpoint_every: 2, keep_checkpoints: 3, tensorboard: true}}
+dist: {{device: cpu}}
+""".format(root=args.source, work=work))
+        # The starting point of every trial: committed checkpoints at steps 2 and 4.
+        self.base = os.path.join(work, "base")
+        code, out = self.train_run(self.base, ["--set", "train.max_steps=4"])
+        if code != 0:
+            sys.exit("the base run failed:\n" + out[-3000:])
+
+    def train_run(self, output, extra, env_extra=None, timeout=300):
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "FACESHARD_FAULT", "FACESHARD_FAULTS"):
+            env.pop(k, None)
+        env.update(env_extra or {})
+        return run([self.train, "--config", self.config, "--set", "output=" + output] + extra, env, timeout)
+
+    def faulted(self, output, spec, extra=None):
+        """Resumes a copy of the base run to step 8 under the shim with FACESHARD_FAULT=spec."""
+        shutil.rmtree(output, ignore_errors=True)
+        shutil.copytree(self.base, output)
+        log = os.path.join(self.work, "fault.log")
+        if os.path.exists(log):
+            os.remove(log)
+        env = {"LD_PRELOAD": self.shim, "FACESHARD_FAULT": spec, "FACESHARD_FAULT_LOG": log}
+        code, out = self.train_run(output, ["--resume", "--set", "train.max_steps=8"] + (extra or []), env)
+        fired = open(log).read().strip() if os.path.exists(log) else ""
+        return code, out, fired
+
+    def count_calls(self, text):
+        """Calls per operation a faultless resume to step 8 makes on paths containing text."""
+        output = os.path.join(self.work, "count")
+        shutil.rmtree(output, ignore_errors=True)
+        shutil.copytree(self.base, output)
+        counts = os.path.join(self.work, "counts.txt")
+        if os.path.exists(counts):
+            os.remove(counts)
+        env = {"LD_PRELOAD": self.shim, "FACESHARD_FAULT": "none:0:EIO:" + text, "FACESHARD_FAULT_COUNT": counts}
+        code, out = self.train_run(output, ["--resume", "--set", "train.max_steps=8"], env)
+        if code != 0:
+            sys.exit("the counting run failed:\n" + out[-3000:])
+        got = {}
+        for line in open(counts):
+            op, n = line.split()
+            got[op] = got.get(op, 0) + int(n)
+        return got
+
+    def check_output(self, output):
+        """The checks every trial's output folder must pass; a list of problems."""
+        problems = []
+        leftovers = [p for p in glob.glob(os.path.join(output, "**", "*.tmp.*"), recursive=True)]
+        if leftovers:
+            problems.append("temporary files left: %s" % [os.path.relpath(p, output) for p in leftovers])
+        committed = sorted(glob.glob(os.path.join(output, "checkpoints", "step_*", "COMMITTED")))
+        if not committed:
+            problems.append("no committed checkpoint")
+        for c in committed:
+            d = os.path.dirname(c)
+            for f in ("backbone.pt", "train_state.pt", "fc_shard_0.pt"):
+                p = os.path.join(d, f)
+                try:
+                    with zipfile.ZipFile(p) as z:
+                        bad = z.testzip()
+                    if bad:
+                        problems.append("%s: entry %s fails its CRC" % (os.path.relpath(p, output), bad))
+                except Exception as e:  # a missing or torn file
+                    problems.append("%s: %s" % (os.path.relpath(p, output), e))
+        uncommitted = [d for d in glob.glob(os.path.join(output, "checkpoints", "step_*"))
+                       if not os.path.exists(os.path.join(d, "COMMITTED"))]
+        if uncommitted:
+            problems.append("uncommitted step folders left: %s" % [os.path.basename(d) for d in uncommitted])
+        metrics = os.path.join(output, "metrics.jsonl")
+        if os.path.exists(metrics):
+            for k, line in enumerate(open(metrics, "rb").read().split(b"\n")):
+                if line.strip():
+                    try:
+                        json.loads(line)
+                    except ValueError:
+                        problems.append("metrics.jsonl line %d is not JSON: %r" % (k + 1, line[:80]))
+        for tb in glob.glob(os.path.join(output, "tensorboard", "*tfevents*")):
+            data = open(tb, "rb").read()
+            pos = 0
+            while pos < len(data):
+                if pos + 12 > len(data):
+                    problems.append("%s: a torn record header at byte %d" % (os.path.basename(tb), pos))
+                    break
+                (n,) = struct.unpack("<Q", data[pos:pos + 8])
+                if pos + 12 + n + 4 > len(data):
+                    problems.append("%s: a torn record at byte %d" % (os.path.basename(tb), pos))
+                    break
+                pos += 12 + n + 4
+        checks = []
+        for f in committed:
+            d = os.path.dirname(f)
+            checks += [os.path.join(d, n) for n in ("backbone.pt", "train_state.pt", "fc_shard_0.pt")]
+        model = os.path.join(output, "model.pt")
+        if os.path.exists(model):
+            checks.append(model)
+        if checks and not any("fails its CRC" in p or "torn" in p for p in problems):
+            code, out = run([self.py, "-c", "import sys, torch\nfor f in sys.argv[1:]: torch.load(f, weights_only=True)"]
+                            + checks)
+            if code != 0:
+                problems.append("torch.load: " + out.strip().splitlines()[-1][:200])
+        return problems
+
+    def resumes(self, output):
+        """The newest committed checkpoint loads and trains one step."""
+        code, out = self.train_run(output, ["--resume", "--set", "train.max_steps=9"])
+        if code != 0:
+            return "resume: exit %d: %s" % (code, out.strip().splitlines()[-1][:200])
+        return None
+
+
+def judge(s, kind, op, err, n, code, out, fired, output, full_check):
+    """Problems of one trial (empty: it passed)."""
+    problems = []
+    if code not in (0, 1, 3) or "terminate called" in out or "Segmentation" in out:
+        problems.append("exit %d%s" % (code, " (crash)" if code < 0 or code > 128 else ""))
+    lines = [l for l in out.splitlines() if "warning:" in l or "error:" in l]
+    if fired and err == "short":
+        pass  # a short write is not an error: the writer writes the rest
+    elif fired:
+        named = [l for l in lines if any(w in l for w in ("No space left", "quota", "Input/output", "Read-only",
+                                                         "cannot", "not saved", "left out"))]
+        if not named:
+            problems.append("the fault fired (%s) but no line says so" % fired)
+        if code == 1 and kind not in ("export_model", "export_json"):
+            problems.append("exit 1 for a fault in %s" % kind)
+        if code == 3 and kind not in CHECKPOINT_KINDS:
+            problems.append("exit 3 for a fault in %s" % kind)
+    elif code != 0:
+        problems.append("exit %d without a fault" % code)
+    errors = [l for l in out.splitlines() if "error:" in l]
+    if len(errors) > 1:
+        problems.append("%d error lines" % len(errors))
+    problems += s.check_output(output)
+    if full_check and not problems:
+        r = s.resumes(output)
+        if r:
+            problems.append(r)
+    return problems, (errors or [l for l in lines if "warning:" in l] or [""])[0]
+
+
+def ordinals(count, k):
+    """Every call up to k, else k calls spread evenly over 1..count (first and last included)."""
+    if count <= k:
+        return list(range(1, count + 1))
+    return sorted({1 + round(i * (count - 1) / (k - 1)) for i in range(k)})
+
+
+def matrix(args, s, rng):
+    failures, rows = [], []
+    for kind, text in KINDS.items():
+        counts = s.count_calls(text)
+        for op in OPS:
+            walked = ordinals(counts.get(op, 0), args.ordinals)
+            for err in ERRORS:
+                if err == "short" and op != "write":
+                    continue
+                outcomes = {}
+                said = ""
+                for n in walked:
+                    out_dir = os.path.join(s.work, "trial")
+                    code, out, fired = s.faulted(out_dir, "%s:%d:%s:%s" % (op, n, err, text))
+                    problems, line = judge(s, kind, op, err, n, code, out, fired, out_dir, full_check=(n == walked[-1]))
+                    outcomes[code] = outcomes.get(code, 0) + 1
+                    if fired and line and not said:
+                        said = re.sub(r"^\[rank \d+/\d+\] ", "", line)[:160]
+                    for p in problems:
+                        failures.append("%s %s call %d %s: %s" % (kind, op, n, err, p))
+                if walked:
+                    rows.append((kind, op, err, len(walked), counts.get(op, 0), outcomes, said))
+                    print("%-13s %-6s %-6s calls walked %3d of %4d: exits %s | %s" %
+                          (kind, op, err, len(walked), counts.get(op, 0),
+                           ", ".join("%d x%d" % kv for kv in sorted(outcomes.items())), said), flush=True)
+    print("matrix: %d rows, %d trials, %d failures" % (len(rows), sum(r[3] for r in rows), len(failures)))
+    return failures
+
+
+def loop(args, s, rng, err):
+    failures = []
+    counts = {kind: s.count_calls(text) for kind, text in KINDS.items()}
+    for trial in range(args.trials):
+        kind = rng.choice(sorted(KINDS))
+        ops = [op for op in OPS if counts[kind].get(op, 0) > 0]
+        op = rng.choice(ops)
+        n = rng.randint(1, counts[kind][op])
+        sticky = rng.random() < 0.25  # a disk that stays full
+        spec = "%s:%d:%s%s:%s" % (op, n, err, "+" if sticky else "", KINDS[kind])
+        out_dir = os.path.join(s.work, "trial")
+        code, out, fired = s.faulted(out_dir, spec)
+        problems, line = judge(s, kind, op, err, n, code, out, fired, out_dir, full_check=True)
+        for p in problems:
+            failures.append("trial %d (%s): %s" % (trial, spec, p))
+        print("trial %2d: %-40s exit %d, %s" % (trial, spec, code, re.sub(r"^\[rank \d+/\d+\] ", "", line)[:120]
+                                                  or "nothing logged"), flush=True)
+    print("%s: %d trials, %d failures" % (err.lower(), args.trials, len(failures)))
+    return failures
+
+
+def damage(path, rng):
+    """Damages one checkpoint file at random; says how."""
+    how = rng.choice(["flip", "flip", "cut", "empty", "delete"])
+    name = os.path.basename(path)
+    if how == "delete":
+        os.remove(path)
+        return "%s deleted" % name
+    size = os.path.getsize(path)
+    if how == "empty":
+        open(path, "w").close()
+        return "%s emptied" % name
+    if how == "cut":
+        n = rng.randint(0, size - 1)
+        with open(path, "r+b") as f:
+            f.truncate(n)
+        return "%s cut to %d of %d bytes" % (name, n, size)
+    with zipfile.ZipFile(path) as z:
+        entries = [i for i in z.infolist() if i.file_size > 0]
+        e = rng.choice(entries)
+    with open(path, "r+b") as f:
+        f.seek(e.header_offset + 26)
+        name_len, extra_len = struct.unpack("<HH", f.read(4))
+        at = e.header_offset + 30 + name_len + extra_len + rng.randrange(e.file_size)
+        f.seek(at)
+        b = f.read(1)
+        f.seek(at)
+        f.write(bytes([b[0] ^ (1 << rng.randrange(8))]))
+    return "%s: a bit of entry %s flipped at byte %d" % (name, e.filename, at)
+
+
+def corrupt_latest(args, s, rng):
+    failures = []
+    walked = refused = 0
+    for trial in range(args.trials):
+        out_dir = os.path.join(s.work, "trial")
+        shutil.rmtree(out_dir, ignore_errors=True)
+        shutil.copytree(s.base, out_dir)
+        ck = os.path.join(out_dir, "checkpoints")
+        both = rng.random() < 0.2
+        what = []
+        for step in ([4, 2] if both else [4]):
+            d = os.path.join(ck, "step_%08d" % step)
+            what.append("step %d: %s" % (step, damage(os.path.join(d, rng.choice(
+                ["backbone.pt", "train_state.pt", "fc_shard_0.pt"])), rng)))
+        code, out = s.train_run(out_dir, ["--resume", "auto", "--set", "train.max_steps=6"])
+        errors = [l for l in out.splitlines() if "error:" in l]
+        said = [l for l in out.splitlines() if "does not verify" in l]
+        problem = None
+        if code < 0 or code > 2 or "terminate called" in out:
+            problem = "exit %d (crash?)" % code
+        elif both:
+            if code == 0 or len(errors) != 1 or "no checkpoint under" not in errors[0]:
+                problem = "both damaged: exit %d, errors %s" % (code, errors)
+            elif "starting fresh" in out or re.search(r"step 1/", out):
+                problem = "started afresh"
+            else:
+                refused += 1
+        else:
+            if code != 0:
+                problem = "exit %d: %s" % (code, errors)
+            elif len(said) != 1 or "step_00000004 does not verify" not in said[0] or "resuming from step_00000002" not in said[0]:
+                problem = "the walk-back was not said in one line: %s" % said
+            elif not re.search(r"resumed from \S*step_00000002 at step 2", out):
+                problem = "did not resume at step 2"
+            else:
+                walked += 1
+        if problem:
+            failures.append("trial %d (%s): %s" % (trial, "; ".join(what), problem))
+        line = re.sub(r"^\[rank \d+/\d+\] ", "", (said or errors or [""])[0])
+        print("trial %2d: %-60s exit %d | %s" % (trial, "; ".join(what)[:60], code, line[:170]), flush=True)
+    print("corrupt_latest: %d trials: %d walked back to step 2, %d refused (both damaged), %d failures" %
+          (args.trials, walked, refused, len(failures)))
+    return failures
+
+
+def full_fs(args, s, rng):
+    mnt = os.path.join(s.work, "small")
+    os.makedirs(mnt)
+    code, out = run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", mnt])
+    if code != 0:
+        print("SKIP: cannot mount a tmpfs here: " + out.strip()[:200])
+        return None
+    try:
+        out_dir = os.path.join(mnt, "out")
+        # A checkpoint is about 15 MB: fill the file system so that the fourth one does not fit.
+        code, out = s.train_run(out_dir, ["--set", "train.max_steps=6", "--set", "train.keep_checkpoints=10"])
+        used = sum(os.path.getsize(p) for p in glob.glob(os.path.join(out_dir, "**"), recursive=True) if os.path.isfile(p))
+        st = os.statvfs(mnt)
+        free = st.f_bavail * st.f_frsize
+        with open(os.path.join(mnt, "filler"), "wb") as f:
+            f.write(b"\0" * max(0, free - used // 3 // 2))
+        code, out = s.train_run(out_dir, ["--resume", "--set", "train.max_steps=20", "--set", "train.keep_checkpoints=10"])
+        failures = []
+        errors = [l for l in out.splitlines() if "error:" in l]
+        warns = [l for l in out.splitlines() if "not saved" in l]
+        if code != 3:
+            failures.append("exit %d, expected 3:\n%s" % (code, out[-2000:]))
+        if len(errors) != 1 or "No space left" not in errors[0] or "full?" not in errors[0]:
+            failures.append("the error line does not say the disk is full: %s" % errors)
+        if len(warns) != 1:
+            failures.append("%d 'not saved' warnings, expected one" % len(warns))
+        os.remove(os.path.join(mnt, "filler"))
+        failures += s.check_output(out_dir)
+        r = s.resumes(out_dir)
+        if r:
+            failures.append(r)
+        print("full file system: exit %d" % code)
+        for l in warns + errors:
+            print("  " + re.sub(r"^\[rank \d+/\d+\] ", "", l)[:300])
+        return failures
+    finally:
+        run(["umount", mnt])
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--source", required=True)
+    ap.add_argument("--bin", required=True)
+    ap.add_argument("--case", required=True, choices=["matrix", "full_fs", "corrupt_latest", "enospc", "eio"])
+    ap.add_argument("--ordinals", type=int, default=6, help="calls walked per operation (evenly spread beyond)")
+    ap.add_argument("--trials", type=int, default=50)
+    ap.add_argument("--seed", type=int, default=None)
+    ap.add_argument("--keep", action="store_true")
+    args = ap.parse_args()
+    args.source, args.bin = os.path.abspath(args.source), os.path.abspath(args.bin)
+    seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(4), "little")
+    print("storage faults %s: seed %d" % (args.case, seed), flush=True)
+    rng = random.Random(seed)
+    work = tempfile.mkdtemp(prefix="faceshard_storage_")
+    try:
+        s = Setup(args, work)
+        if args.case == "matrix":
+            failures = matrix(args, s, rng)
+        elif args.case == "corrupt_latest":
+            failures = corrupt_latest(args, s, rng)
+        elif args.case == "full_fs":
+            failures = full_fs(args, s, rng)
+            if failures is None:
+                return 77
+        else:
+            failures = loop(args, s, rng, args.case.upper())
+    finally:
+        if args.keep:
+            print("work folder kept: " + work)
+        else:
+            shutil.rmtree(work, ignore_errors=True)
+    for f in failures:
+        print("FAIL: " + f)
+    if failures:
+        print("seed %d" % seed)
+        return 1
+    print("PASS")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
