@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "app/io/checkpoint.h"
+#include "app/io/checkpoint_verify.h"
 #include "app/io/resharded_rows.h"
 #include "app/train/train_state.h"
 #include "models/backbone.h"
@@ -546,6 +547,57 @@ TEST(PartialFCState, RowsAllocatedForACheckpointAreFilledBeforeUse) {
     fc->step(0.1);
   }
   EXPECT_TRUE(torch::equal(fresh.weight(), resumed.weight()));
+}
+
+// A save that fails on one rank (here rank 1's shard cannot be written) is given up by both
+// ranks at the same point: it returns false everywhere, nothing of it stays, the previous
+// committed checkpoint is the newest and still verifies, and the next save commits again.
+TEST(CheckpointSave, FailureOnOneRankIsGivenUpByAll) {
+  testing::run_ranks(2, [&](Distributed& d) {
+    // One folder for both ranks: rank 0's, told to rank 1 through the store.
+    if (d.rank() == 0) {
+      const std::string made = testing::temp_dir("ckfail");
+      d.store()->set("ckfail_dir", std::vector<uint8_t>(made.begin(), made.end()));
+    }
+    const std::vector<uint8_t> got = d.store()->get("ckfail_dir");
+    const std::string dir(got.begin(), got.end());
+    CheckpointManager ck(dir + "/ck", d, 3);
+    const StateDict backbone{{"w", torch::arange(6, torch::kFloat)}};
+    const StateDict ts{{"step", torch::tensor({2}, torch::kLong)}};
+    StateDict shard{{"rows.start", torch::tensor({d.rank() * 4}, torch::kLong)},
+                    {"rows.count", torch::tensor({4}, torch::kLong)},
+                    {"rows/weight", torch::ones({4, 3})}};
+    ASSERT_TRUE(ck.save(2, 8, backbone, ts, shard)) << ck.last_problem();
+    StateDict bad = shard;
+    if (d.rank() == 1) bad.emplace_back("rows/broken", at::Tensor());  // cannot be written
+    EXPECT_FALSE(ck.save(4, 8, backbone, ts, bad));
+    EXPECT_EQ(ck.failed_in_a_row(), 1);
+    EXPECT_NE(ck.last_problem().find("rank 1: "), std::string::npos) << ck.last_problem();
+    d.barrier();
+    EXPECT_FALSE(std::filesystem::exists(dir + "/ck/step_00000004"));
+    EXPECT_EQ(std::filesystem::path(ck.latest()).filename(), "step_00000002");
+    EXPECT_EQ(verify_checkpoint(ck.latest(), d), "");
+    EXPECT_TRUE(ck.save(6, 8, backbone, ts, shard));
+    EXPECT_EQ(ck.failed_in_a_row(), 0);
+    EXPECT_EQ(std::filesystem::path(ck.latest()).filename(), "step_00000006");
+    // A bit flipped in a committed file: the read-back names the file and its CRC.
+    d.barrier();
+    if (d.rank() == 0) {
+      const std::string f = dir + "/ck/step_00000006/fc_shard_1.pt";
+      std::fstream io(f, std::ios::in | std::ios::out | std::ios::binary);
+      std::string bytes((std::istreambuf_iterator<char>(io)), std::istreambuf_iterator<char>());
+      const size_t at = bytes.find(std::string(reinterpret_cast<const char*>(torch::ones({1}).data_ptr<float>()), 4));
+      ASSERT_NE(at, std::string::npos);
+      io.seekp(static_cast<std::streamoff>(at + 3));
+      io.put(static_cast<char>(bytes[at + 3] ^ 0x10));
+    }
+    d.barrier();
+    const std::string problem = verify_checkpoint(dir + "/ck/step_00000006", d);
+    EXPECT_NE(problem.find("fc_shard_1.pt"), std::string::npos) << problem;
+    EXPECT_NE(problem.find("CRC"), std::string::npos) << problem;
+    EXPECT_EQ(std::filesystem::path(choose_verified_checkpoint(dir + "/ck/step_00000006", true, d)).filename(),
+              "step_00000002");
+  });
 }
 
 }  // namespace
