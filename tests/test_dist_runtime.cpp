@@ -432,6 +432,21 @@ TEST(Stragglers, ScoreIsTheFastestPaceOverThisRanks) {
   EXPECT_NEAR(d[1][0], 1.0, 1e-12);
 }
 
+// Rank 0's monitor judges in a thread of its own: waits (bounded) until it has judged n
+// windows, and for the reports of the last one.
+bool judged(StragglerMonitor& m, int64_t n) {
+  for (int i = 0; i < 500 && m.windows_judged() < n; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  return m.windows_judged() >= n;
+}
+std::vector<StragglerReport> reports_of(StragglerMonitor& m) {
+  std::vector<StragglerReport> got;
+  for (int i = 0; i < 300 && got.empty(); ++i) {
+    got = m.take_reports();
+    if (got.empty()) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  return got;
+}
+
 // Three ranks' monitors over one store: a rank slowed for two windows is reported once the
 // second ends, with its host and phase; jitter of +-10% on every rank is never reported.
 TEST(Stragglers, TwoSlowWindowsAreReportedCleanRunsNever) {
@@ -442,7 +457,7 @@ TEST(Stragglers, TwoSlowWindowsAreReportedCleanRunsNever) {
     m.push_back(std::make_unique<StragglerMonitor>(store, r, 3, std::vector<std::string>{"a", "b", "c"}, window));
   std::mt19937 gen(5);
   std::uniform_real_distribution<double> jitter(0.9, 1.1);
-  int64_t step = 0;
+  int64_t step = StragglerMonitor::kWarmupSteps;  // the warm-up steps are not timed
   auto run_windows = [&](int n, int slow_rank) {
     for (int w = 0; w < n; ++w)
       for (int64_t k = 0; k < window; ++k) {
@@ -455,26 +470,17 @@ TEST(Stragglers, TwoSlowWindowsAreReportedCleanRunsNever) {
         }
       }
   };
-  // Rank 0 judges in a thread of its own: wait (bounded) until it has judged n windows.
-  auto judged = [&](int64_t n) {
-    for (int i = 0; i < 500 && m[0]->windows_judged() < n; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(10));
-    return m[0]->windows_judged() >= n;
-  };
   run_windows(4, -1);
-  ASSERT_TRUE(judged(4));
+  ASSERT_TRUE(judged(*m[0], 4));
   EXPECT_TRUE(m[0]->take_reports().empty());  // jitter is not a straggler
   EXPECT_EQ(m[0]->last_scores().size(), 3u);
   run_windows(1, 2);
-  ASSERT_TRUE(judged(5));
+  ASSERT_TRUE(judged(*m[0], 5));
   EXPECT_TRUE(m[0]->take_reports().empty());  // one slow window is not enough
   EXPECT_LT(m[0]->last_scores()[2][0], 0.75);
   run_windows(1, 2);
-  ASSERT_TRUE(judged(6));
-  std::vector<StragglerReport> got;
-  for (int i = 0; i < 300 && got.empty(); ++i) {
-    got = m[0]->take_reports();
-    if (got.empty()) std::this_thread::sleep_for(std::chrono::milliseconds(10));
-  }
+  ASSERT_TRUE(judged(*m[0], 6));
+  const std::vector<StragglerReport> got = reports_of(*m[0]);
   ASSERT_EQ(got.size(), 1u);
   EXPECT_EQ(got[0].rank, 2);
   EXPECT_EQ(got[0].host, "c");
@@ -499,7 +505,7 @@ TEST(Stragglers, SlowLinkIsNamedAfterTwoWindows) {
     m.push_back(std::make_unique<StragglerMonitor>(store, r, 2, std::vector<std::string>{"a", "b"}, window));
   std::mt19937 gen(9);
   std::uniform_real_distribution<double> jitter(0.05, 3.0);
-  int64_t step = 0;
+  int64_t step = StragglerMonitor::kWarmupSteps;  // the warm-up steps are not timed
   auto run_windows = [&](int n, double rank1_ms) {
     for (int w = 0; w < n; ++w)
       for (int64_t k = 0; k < window; ++k) {
@@ -508,20 +514,12 @@ TEST(Stragglers, SlowLinkIsNamedAfterTwoWindows) {
         m[1]->add_step(step, 1.0, 0.0, 0.5, rank1_ms > 0 ? rank1_ms * (0.9 + 0.1 * jitter(gen)) : jitter(gen));
       }
   };
-  auto judged = [&](int64_t n) {
-    for (int i = 0; i < 500 && m[0]->windows_judged() < n; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(10));
-    return m[0]->windows_judged() >= n;
-  };
   run_windows(5, 0);
-  ASSERT_TRUE(judged(5));
+  ASSERT_TRUE(judged(*m[0], 5));
   EXPECT_TRUE(m[0]->take_reports().empty());
   run_windows(2, 400);
-  ASSERT_TRUE(judged(7));
-  std::vector<StragglerReport> got;
-  for (int i = 0; i < 300 && got.empty(); ++i) {
-    got = m[0]->take_reports();
-    if (got.empty()) std::this_thread::sleep_for(std::chrono::milliseconds(10));
-  }
+  ASSERT_TRUE(judged(*m[0], 7));
+  const std::vector<StragglerReport> got = reports_of(*m[0]);
   ASSERT_EQ(got.size(), 1u);
   EXPECT_EQ(got[0].rank, 1);
   EXPECT_EQ(got[0].host, "b");
@@ -535,14 +533,14 @@ TEST(Stragglers, SlowLinkIsNamedAfterTwoWindows) {
 // for "compute", their sum); a phase one rank did not measure scores 1 for all.
 TEST(Stragglers, SlowPhaseIsNamedByItsName) {
   const auto s = straggler_scores({{1.0, 0.0, 0.3, 0.6, 0.1}, {1.6, 0.0, 0.3, 1.2, 0.1}, {1.0, 0.0, -1, 0.6, 0.1}});
-  EXPECT_NEAR(s[1][3], (0.6 + 0.05) / (1.2 + 0.05), 1e-12);
+  EXPECT_NEAR(s[1][3], (0.6 + 0.1) / (1.2 + 0.1), 1e-12);  // 10% of the fastest step (1.0 s)
   for (int r = 0; r < 3; ++r) EXPECT_EQ(s[r][2], 1.0) << r;  // rank 2 did not time its forward
   auto store = c10::make_intrusive<c10d::HashStore>();
   const int64_t window = 3;
   std::vector<std::unique_ptr<StragglerMonitor>> m;
   for (int r = 0; r < 2; ++r)
     m.push_back(std::make_unique<StragglerMonitor>(store, r, 2, std::vector<std::string>{"a", "b"}, window));
-  int64_t step = 0;
+  int64_t step = StragglerMonitor::kWarmupSteps;  // the warm-up steps are not timed
   for (int w = 0; w < 4; ++w)
     for (int64_t k = 0; k < window; ++k) {
       ++step;
@@ -557,13 +555,8 @@ TEST(Stragglers, SlowPhaseIsNamedByItsName) {
         m[r]->add_step(step, work + blocked + 0.01, 0.01, blocked, 0.1, ph);
       }
     }
-  for (int i = 0; i < 500 && m[0]->windows_judged() < 4; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(10));
-  ASSERT_EQ(m[0]->windows_judged(), 4);
-  std::vector<StragglerReport> got;
-  for (int i = 0; i < 300 && got.empty(); ++i) {
-    got = m[0]->take_reports();
-    if (got.empty()) std::this_thread::sleep_for(std::chrono::milliseconds(10));
-  }
+  ASSERT_TRUE(judged(*m[0], 4));
+  const std::vector<StragglerReport> got = reports_of(*m[0]);
   ASSERT_EQ(got.size(), 1u);
   EXPECT_EQ(got[0].rank, 1);
   EXPECT_EQ(got[0].phase, "backward");

@@ -38,8 +38,11 @@ std::vector<std::vector<double>> straggler_scores(const std::vector<std::vector<
     const double s = m[0] + m[1];
     if (step < 0 || s < step) step = s;
   }
-  const double eps = std::max(0.002, 0.05 * step);
+  // A phase of the step (forward, backward, optimiser) is a fraction of it, its median over a
+  // window noisier against its size: its difference counts once it is 10% of a step.
+  const double eps_whole = std::max(0.002, 0.05 * step), eps_part = std::max(0.002, 0.10 * step);
   for (int p = 0; p < kPhases; ++p) {
+    const double eps = p < 2 ? eps_whole : eps_part;
     bool measured = true;
     for (const auto& m : medians) measured = measured && static_cast<int>(m.size()) > p && m[p] >= 0;
     if (!measured) continue;  // a phase some rank does not time scores 1 everywhere
@@ -80,6 +83,7 @@ StragglerMonitor::~StragglerMonitor() {
 
 void StragglerMonitor::add_step(int64_t step, double step_s, double data_s, double blocked_s,
                                 std::optional<double> round_trip_ms, const StepPhases& phases) {
+  if (step <= kWarmupSteps) return;  // first allocations, caches and loaders warming: not a pace
   compute_.push_back(std::max(0.0, step_s - data_s - blocked_s));
   data_.push_back(std::max(0.0, data_s));
   if (round_trip_ms) round_trip_.push_back(*round_trip_ms);

@@ -38,7 +38,7 @@ struct StragglerReport {
 };
 
 // The scores of one window: per rank and phase, fastest median / the rank's, with 5% of the
-// fastest step (at least 2 ms) added to both. medians[r] = {compute, data[, forward,
+// fastest step (at least 2 ms; 10% for forward, backward and optimizer) added to both. medians[r] = {compute, data[, forward,
 // backward, optimizer]}; a phase that some rank did not measure (< 0) scores 1.
 std::vector<std::vector<double>> straggler_scores(const std::vector<std::vector<double>>& medians);
 // Per rank: whether its store round trip (ms; < 0: none measured) is a slow link's.
@@ -47,6 +47,8 @@ std::vector<char> slow_links(const std::vector<double>& round_trip_ms);
 class StragglerMonitor {
  public:
   static constexpr double kThreshold = 0.75;
+  // Steps 1..kWarmupSteps are not timed (the same warm-up the hang detection waits out).
+  static constexpr int64_t kWarmupSteps = 10;
 
   // `store`: a connection of the monitor's own (its thread's operations should time out
   // within seconds: Distributed::connect_side_store). `hosts[r]`: rank r's host (for the

@@ -19,8 +19,8 @@ rank each, root needed) with the default hang limit's scale (3 x the median step
              or for good (every rank must exit non-zero within the hang limit, naming the
              other host; no checkpoint may be lost or half-written, and --resume auto after
              the link is back must continue from the last committed step).
-  straggler  each trial trains 6 windows of 3 steps with nothing wrong (a flag there is a
-             false flag), then slows one rank for up to 6 windows (a cgroup-v1 CPU quota of
+  straggler  each trial trains 10 warm-up steps and 6 windows of 3 steps with nothing wrong
+             (a flag there is a false flag), then slows one rank for up to 6 windows (a cgroup-v1 CPU quota of
              20-40%, or SIGSTOP/SIGCONT bursts): it must be named, the other never.
 
 The storage cases (storage_faults.py, one rank):
@@ -510,7 +510,7 @@ def straggler(args, work, rng):
             out = os.path.join(work, "out%d" % trial)
             victim = trial % 2
             mode = "quota" if (trial // 2) % 2 == 0 else "stop"
-            clean, total = 18, 36  # 6 clean windows of 3 steps, then up to 6 slowed ones
+            clean, total = 28, 46  # 6 clean windows of 3 steps after the 10 warm-up steps, then 6 slowed
             job = HostJob(args, work, hosts, "strag%d" % trial,
                           ["--set", "output=" + out, "--set", "optim.total_steps=%d" % total] + NET_STEPS)
             if not job.wait_for(lambda: job.step() >= clean, 120, "step"):
@@ -519,7 +519,7 @@ def straggler(args, work, rng):
                 continue
             s0 = job.step()
             flagged_clean = re.findall(r"straggler: rank (\d)", job.log(0))
-            clean_windows += (s0 - 3) // 3  # windows judged before the fault (the first has no predecessor)
+            clean_windows += (s0 - 10) // 3  # windows judged before the fault (steps 1-10 are warm-up)
             false_flags += len(flagged_clean)
             t0 = time.monotonic()
             what = ""
