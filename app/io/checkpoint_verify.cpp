@@ -94,7 +94,7 @@ std::string choose_verified_checkpoint(const std::string& newest, bool walk_back
     }
     passed += (passed.empty() ? "" : "; ") + name + " does not verify (" + problem + ")";
   }
-  throw usage_error("resume: no checkpoint under '", fs::path(newest).parent_path().string(), "' verifies: ", passed);
+  throw runtime_error("resume: no checkpoint under '", fs::path(newest).parent_path().string(), "' verifies: ", passed);
 }
 
 }  // namespace faceshard

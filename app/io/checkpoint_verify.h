@@ -29,8 +29,8 @@ std::string agree_on_problem(const std::string& mine, Distributed& d);
 
 // Collective, for a resume: `newest` (a committed step folder) when it verifies; otherwise,
 // with walk_back, the newest older committed checkpoint beside it that does, saying on rank
-// 0 in one line which ones were passed over and why. Usage error (the same on every rank)
-// when none verifies.
+// 0 in one line which ones were passed over and why. Runtime error (a data error, exit
+// status 1; the same on every rank) when none verifies.
 std::string choose_verified_checkpoint(const std::string& newest, bool walk_back, Distributed& d);
 
 }  // namespace faceshard

@@ -233,6 +233,8 @@ def judge(s, kind, op, err, n, code, out, fired, output, full_check):
 
 def ordinals(count, k):
     """Every call up to k, else k calls spread evenly over 1..count (first and last included)."""
+    if k <= 1:
+        return [count] if count else []
     if count <= k:
         return list(range(1, count + 1))
     return sorted({1 + round(i * (count - 1) / (k - 1)) for i in range(k)})
@@ -241,6 +243,8 @@ def ordinals(count, k):
 def matrix(args, s, rng):
     failures, rows = [], []
     for kind, text in KINDS.items():
+        if args.kinds and kind not in args.kinds.split(","):
+            continue
         counts = s.count_calls(text)
         for op in OPS:
             walked = ordinals(counts.get(op, 0), args.ordinals)
@@ -258,6 +262,7 @@ def matrix(args, s, rng):
                         said = re.sub(r"^\[rank \d+/\d+\] ", "", line)[:160]
                     for p in problems:
                         failures.append("%s %s call %d %s: %s" % (kind, op, n, err, p))
+                        print("FAIL: " + failures[-1], flush=True)
                 if walked:
                     rows.append((kind, op, err, len(walked), counts.get(op, 0), outcomes, said))
                     print("%-13s %-6s %-6s calls walked %3d of %4d: exits %s | %s" %
@@ -409,6 +414,7 @@ def main():
     ap.add_argument("--case", required=True, choices=["matrix", "full_fs", "corrupt_latest", "enospc", "eio"])
     ap.add_argument("--ordinals", type=int, default=6, help="calls walked per operation (evenly spread beyond)")
     ap.add_argument("--trials", type=int, default=50)
+    ap.add_argument("--kinds", default="", help="matrix: only these kinds of file (comma-separated)")
     ap.add_argument("--seed", type=int, default=None)
     ap.add_argument("--keep", action="store_true")
     args = ap.parse_args()
