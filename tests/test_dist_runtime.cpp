@@ -588,6 +588,8 @@ TEST(LinkWatch, StallNamesTheSilentPeersAndTheStore) {
   EXPECT_FALSE(is_stall(0.9, 0.1));   // under a second
   EXPECT_FALSE(is_stall(2.0, 0.7));   // under 3 x the median step
   EXPECT_TRUE(is_stall(2.1, 0.7));
+  EXPECT_TRUE(is_stall(1.2, 0.7, /*someone_silent=*/true));   // a silence needs no pace
+  EXPECT_FALSE(is_stall(0.9, 0.0, /*someone_silent=*/true));  // but a second's wait
 }
 
 }  // namespace

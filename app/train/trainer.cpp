@@ -302,7 +302,7 @@ int run_training(const TrainRequest& req) {
       stragglers->add_step(p.step, step_s, r.data_wait_s, blocked_s, d.links().take_round_trip_ms(), own);
     }
     const LinkWatch::Stall silent = d.links().take_stall();
-    if (is_stall(blocked_s, median_step) && ++stalls_unreported && seconds_since(t_stall_line) >= 10) {
+    if (is_stall(blocked_s, median_step, !silent.empty()) && ++stalls_unreported && seconds_since(t_stall_line) >= 10) {
       log_warn("network: step ", p.step, " waited ", format_sig(blocked_s), " s in collectives (the median step is ",
                format_sig(median_step), " s)",
                stalls_unreported > 1 ? " (" + std::to_string(stalls_unreported) + " such steps since the last line)" : "",

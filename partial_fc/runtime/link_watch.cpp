@@ -66,8 +66,8 @@ std::string describe_stall(const LinkWatch::Stall& stall, const std::function<st
   return out;
 }
 
-bool is_stall(double blocked_s, double median_step_s) {
-  return median_step_s > 0 && blocked_s >= 1.0 && blocked_s >= 3.0 * median_step_s;
+bool is_stall(double blocked_s, double median_step_s, bool someone_silent) {
+  return blocked_s >= 1.0 && (someone_silent || (median_step_s > 0 && blocked_s >= 3.0 * median_step_s));
 }
 
 }  // namespace faceshard

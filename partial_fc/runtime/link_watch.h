@@ -54,8 +54,9 @@ class LinkWatch {
 std::string describe_stall(const LinkWatch::Stall& stall, const std::function<std::string(int)>& host_of,
                            const std::string& store_host);
 
-// Whether a step that waited `blocked_s` in collectives stalled: at least 1 s, and at least 3
-// times the median step (seconds; 0 while unknown: nothing is judged).
-bool is_stall(double blocked_s, double median_step_s);
+// Whether a step that waited `blocked_s` in collectives stalled: at least 1 s, and either
+// someone fell silent meanwhile (a beat missed by a second: never the case on a healthy
+// network) or the wait was at least 3 times the median step (seconds; 0 while unknown).
+bool is_stall(double blocked_s, double median_step_s, bool someone_silent = false);
 
 }  // namespace faceshard
