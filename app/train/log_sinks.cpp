@@ -106,7 +106,7 @@ TensorBoardSink::TensorBoardSink(const std::string& dir) : dir_(dir) {
 TensorBoardSink::~TensorBoardSink() = default;
 
 void TensorBoardSink::train(const TrainRecord& r) {
-  if (!open(r.step)) return;
+  if (!open()) return;
   tb_->add_scalar("loss", r.loss, r.step);
   tb_->add_scalar("accuracy", r.accuracy, r.step);
   tb_->add_scalar("learning_rate", r.lr, r.step);
@@ -117,19 +117,18 @@ void TensorBoardSink::train(const TrainRecord& r) {
 }
 
 void TensorBoardSink::validation(const ValidationRecord& r) {
-  if (!open(r.step)) return;
+  if (!open()) return;
   tb_->add_scalar("val/" + r.set + "/accuracy", r.accuracy, r.step);
   flush(r.step);
 }
 
-bool TensorBoardSink::open(int64_t step) {
+bool TensorBoardSink::open() {
   if (tb_) return true;
   try {
     tb_ = std::make_unique<TensorBoardWriter>(dir_);
     return true;
-  } catch (const Error& e) {
-    lost_++;
-    (void)step;
+  } catch (const Error&) {
+    lost_++;  // a step's records left out; the warning was given when it first failed
     return false;
   }
 }

@@ -77,7 +77,7 @@ class TensorBoardSink : public LogSink {
 
  private:
   void flush(int64_t step);
-  bool open(int64_t step);  // the writer, made now if it could not be before
+  bool open();  // the writer, made now if it could not be before
   std::string dir_;
   std::unique_ptr<TensorBoardWriter> tb_;  // null while the file cannot be made
   int64_t lost_ = 0;
