@@ -149,15 +149,29 @@ void write_state_dict(const StateDict& weights, const std::string& path) {
   // error names what the file system said.
   const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   if (fd < 0) throw runtime_error(path, ": cannot write state_dict file: ", std::strerror(errno));
+  // The zip writer hands over headers, padding and data in pieces of a few bytes up: they
+  // reach the file in blocks of 4 MiB (a small model is one write call).
+  constexpr size_t kBlock = 4u << 20;
   int error = 0;
-  auto sink = [fd, &error](const void* data, size_t n) -> size_t {
-    const char* b = static_cast<const char*>(data);
+  std::string block;
+  auto put = [fd, &error](const char* b, size_t n) {
     for (size_t done = 0; done < n && error == 0;) {
       const ssize_t w = ::write(fd, b + done, n - done);
       if (w > 0) done += static_cast<size_t>(w);
       else if (w < 0 && errno == EINTR) continue;
       else error = w < 0 ? errno : EIO;  // 0 bytes written: no progress
     }
+  };
+  auto flush = [&] {
+    put(block.data(), block.size());
+    block.clear();
+  };
+  auto sink = [&](const void* data, size_t n) -> size_t {
+    if (error) return n;
+    const char* b = static_cast<const char*>(data);
+    if (block.size() + n > kBlock) flush();
+    if (n >= kBlock) put(b, n);
+    else block.append(b, n);
     return n;
   };
   try {
@@ -169,6 +183,7 @@ void write_state_dict(const StateDict& weights, const std::string& path) {
       writer.writeRecord("data/" + std::to_string(i), t.data_ptr(), t.numel() * t.element_size());
     }
     writer.writeEndOfFile();
+    flush();
   } catch (const std::exception& e) {
     ::close(fd);
     throw runtime_error(path, ": cannot write state_dict file: ", error ? std::strerror(error) : one_line(e));

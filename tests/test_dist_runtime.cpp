@@ -22,6 +22,7 @@
 #include "partial_fc/runtime/collective_trace.h"
 #include "partial_fc/runtime/distributed.h"
 #include "partial_fc/runtime/error.h"
+#include "partial_fc/runtime/guard_store.h"
 #include "partial_fc/runtime/network.h"
 #include "partial_fc/runtime/straggler_monitor.h"
 #include "tests/harness.h"
@@ -249,12 +250,8 @@ TEST(DistFailure, PeerThatDiesDuringRendezvousIsNamed) {
     execle(bin.c_str(), "faceshard-dist-check", "--rendezvous-timeout-s", "60", (char*)nullptr, env);
     _exit(127);
   }
-  c10d::TCPStoreOptions co;
-  co.port = static_cast<uint16_t>(port);
-  co.isServer = false;
-  co.timeout = std::chrono::seconds(30);
   {
-    c10d::TCPStore peer("127.0.0.1", co);  // retries until rank 0 listens
+    faceshard::GuardStore peer("127.0.0.1", port, "", std::chrono::seconds(30));  // retries until rank 0 listens
     peer.set("faceshard/fs/hb/1", std::vector<uint8_t>{'1', ' ', '0'});
   }
   int status = 0;

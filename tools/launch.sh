@@ -39,6 +39,14 @@ if [ -z "$master_port" ]; then
 fi
 
 world=$((nproc * nnodes))
+# The rendezvous store lets in the job's members only: they prove they know the job's token.
+# One host: a fresh random token for this launch (a process's environment is readable by its
+# user alone). Several hosts: every host must be given the same one (FACESHARD_JOB_TOKEN or
+# FACESHARD_JOB_TOKEN_FILE), which the user provides.
+if [ "$nnodes" -eq 1 ] && [ -z "${FACESHARD_JOB_TOKEN:-}" ] && [ -z "${FACESHARD_JOB_TOKEN_FILE:-}" ]; then
+  FACESHARD_JOB_TOKEN=$(od -An -N32 -tx1 /dev/urandom | tr -d ' \n')
+  export FACESHARD_JOB_TOKEN
+fi
 pids=()
 stop_all() {
   local sig="$1"

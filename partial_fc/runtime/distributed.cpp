@@ -5,6 +5,7 @@
 #include <torch/csrc/distributed/c10d/Types.hpp>
 
 #include <c10/util/Logging.h>
+#include <sys/resource.h>
 
 #include <algorithm>
 #include <csignal>
@@ -18,6 +19,9 @@
 #include <thread>
 
 #include "partial_fc/runtime/error.h"
+#include "partial_fc/runtime/gloo_port_guard.h"
+#include "partial_fc/runtime/guard_store.h"
+#include "partial_fc/runtime/job_token.h"
 #include "partial_fc/runtime/log.h"
 #include "partial_fc/runtime/network.h"
 
@@ -119,27 +123,26 @@ c10d::ReduceOp to_c10d(ReduceOp op) {
 }
 
 c10::intrusive_ptr<c10d::Store> connect_store(const DistEnv& env, bool server, std::chrono::milliseconds timeout) {
-  c10d::TCPStoreOptions o;
-  o.port = static_cast<uint16_t>(env.master_port);
-  o.isServer = server;
-  o.numWorkers = std::nullopt;
-  o.waitWorkers = false;
-  o.timeout = timeout;
-  o.multiTenant = true;
   c10::intrusive_ptr<c10d::Store> store;
+  // torchrun's agent hosts its own TCPStore; otherwise rank 0 hosts faceshard's, which lets
+  // in the job's members only (guard_store.h) and listens on MASTER_ADDR's address alone (a
+  // loopback address keeps a one-host job off the network).
+  const std::string token = env.agent_store ? std::string() : job_token().secret;
   try {
-    // TCPStore alone would listen on every interface: the store listens on MASTER_ADDR's
-    // address only (a loopback address keeps a one-host job off the network).
-    if (server) {
-      std::string ip;
-      try {
-        ip = resolve_ipv4(env.master_addr);
-      } catch (const Error&) {
-        // Not an IPv4 name (IPv6): TCPStore binds as it does.
-      }
-      if (!ip.empty()) o.masterListenFd = listen_socket(ip, env.master_port);
+    if (env.agent_store) {
+      c10d::TCPStoreOptions o;
+      o.port = static_cast<uint16_t>(env.master_port);
+      o.isServer = false;
+      o.numWorkers = std::nullopt;
+      o.waitWorkers = false;
+      o.timeout = timeout;
+      store = c10::make_intrusive<c10d::TCPStore>(env.master_addr, o);
+    } else {
+      std::shared_ptr<GuardStoreServer> host;
+      if (server)
+        host = std::make_shared<GuardStoreServer>(listen_socket(resolve_ipv4(env.master_addr), env.master_port), token);
+      store = c10::make_intrusive<GuardStore>(env.master_addr, env.master_port, token, timeout, host);
     }
-    store = c10::make_intrusive<c10d::TCPStore>(env.master_addr, o);
   } catch (const std::exception& e) {
     // A master name that means this very host here cannot be the other hosts' master.
     std::string hint;
@@ -152,10 +155,11 @@ c10::intrusive_ptr<c10d::Store> connect_store(const DistEnv& env, bool server, s
       } catch (const Error&) {
       }
     }
-    throw runtime_error(server ? "rank 0 cannot host the rendezvous store on port "
-                               : "cannot reach the rendezvous store at ",
-                        server ? std::to_string(env.master_port) : env.master_addr + ":" + std::to_string(env.master_port),
-                        hint, ": ", one_line(e));
+    if (server) throw runtime_error("rank 0 cannot host the rendezvous store on port ", env.master_port, ": ", one_line(e));
+    if (env.agent_store)
+      throw runtime_error("cannot reach the rendezvous store at ", env.master_addr, ":", env.master_port, hint, ": ",
+                          one_line(e));
+    throw runtime_error(one_line(e), " (rank 0 hosts it)", hint);
   }
   if (env.agent_store) {
     store = c10::make_intrusive<c10d::PrefixStore>("/worker/attempt_" + std::to_string(env.restart_count), store);
@@ -299,6 +303,23 @@ void beat_loop(DistEnv env, std::chrono::milliseconds interval, std::shared_ptr<
   }
 }
 
+// Gloo ends the process when an accept finds no descriptor left, and each peer, stranger
+// or member, holds a few: the soft limit on open files goes up to the hard one.
+void allow_many_descriptors() {
+  rlimit r{};
+  if (::getrlimit(RLIMIT_NOFILE, &r) != 0 || r.rlim_cur >= r.rlim_max) return;
+  const rlim_t before = r.rlim_cur;
+  r.rlim_cur = r.rlim_max;
+  if (::setrlimit(RLIMIT_NOFILE, &r) == 0)
+    log_debug("open files: the soft limit went from ", before, " to ", r.rlim_cur);
+}
+
+std::string join_ints(const std::vector<int>& v) {
+  std::string s;
+  for (int x : v) s += (s.empty() ? "" : ",") + std::to_string(x);
+  return s.empty() ? "none" : s;
+}
+
 }  // namespace
 
 Distributed::Distributed(const DistEnv& env, const DistOptions& opts) : env_(env), opts_(opts) {}
@@ -316,8 +337,25 @@ std::shared_ptr<Distributed> Distributed::init(const DistEnv& env, const DistOpt
       log_notice("network: Gloo on ", net.gloo_interfaces.empty() ? net.gloo_address : "interfaces " + join(net.gloo_interfaces),
                  ": ", net.reason);
     const bool host = !env.agent_store && env.rank == 0;
+    const JobToken& token = job_token();  // a bad token file is a usage error before anything connects
+    if (env.rank == 0 && env.local_world_size < env.world_size) {
+      if (env.agent_store)
+        log_notice("network: the rendezvous store is torchrun's: it lets in anyone who reaches ", env.master_addr, ":",
+                   env.master_port, " (keep that port private to the job's hosts)");
+      else if (token.empty())
+        log_notice("network: no FACESHARD_JOB_TOKEN: the rendezvous store at ", env.master_addr, ":", env.master_port,
+                   " lets in any faceshard process that reaches it; set FACESHARD_JOB_TOKEN or FACESHARD_JOB_TOKEN_FILE",
+                   " on every host to keep other jobs out");
+    }
+    allow_many_descriptors();
     RendezvousDeadline deadline(env, opts.rendezvous_timeout + std::chrono::seconds(5));
-    d->store_ = connect_store(env, host, opts.rendezvous_timeout);
+    try {
+      d->store_ = connect_store(env, host, opts.rendezvous_timeout);
+    } catch (const Error& e) {
+      if (e.kind() == ErrorKind::Usage || host) throw;
+      throw runtime_error("rendezvous at ", env.master_addr, ":", env.master_port, " failed on rank ", env.rank,
+                          " (store connect): ", e.what());
+    }
     d->hb_store_ = connect_store(env, false, opts.rendezvous_timeout);
     {
       // From here on a fatal error of this rank reaches the others (also during rendezvous).
@@ -344,6 +382,10 @@ std::shared_ptr<Distributed> Distributed::init(const DistEnv& env, const DistOpt
       d->gloo_ = make_gloo_backend(c10::make_intrusive<c10d::PrefixStore>("gloo", d->store_), env.rank, env.world_size,
                                    net, opts.rendezvous_timeout);
     });
+    // The mesh has formed: whatever connects to Gloo's ports from now on is no member.
+    d->gloo_guard_ = std::make_shared<GlooPortGuard>(host ? std::vector<int>{env.master_port} : std::vector<int>{},
+                                                     std::chrono::milliseconds(250));
+    log_debug("Gloo listens on port(s) ", join_ints(d->gloo_guard_->ports()), "; later connections to them are closed");
     // Every rank published its host before the mesh formed: read them all in one request.
     try {
       std::vector<std::string> keys;

@@ -133,6 +133,7 @@ class Distributed {
   c10::intrusive_ptr<c10d::Store> hb_store_;  // separate connection for the heartbeat thread
   c10::intrusive_ptr<c10d::Backend> gloo_;
   c10::intrusive_ptr<c10d::Backend> nccl_;
+  std::shared_ptr<class GlooPortGuard> gloo_guard_;  // closes strangers' connections to Gloo's ports
   // Shared with the heartbeat thread, which is never joined: in a partition a store request
   // can block for good, and the job must still be able to end.
   std::shared_ptr<std::atomic<int64_t>> seq_ = std::make_shared<std::atomic<int64_t>>(0);

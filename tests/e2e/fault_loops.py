@@ -23,6 +23,11 @@ rank each, root needed) with the default hang limit's scale (3 x the median step
              (a flag there is a false flag), then slows one rank for up to 6 windows (a cgroup-v1 CPU quota of
              20-40%, or SIGSTOP/SIGCONT bursts): it must be named, the other never.
 
+The stranger case (strangers.py, two ranks on this host): each trial starts a job and one
+kind of stranger (idle connections, random bytes, a 2^63 length prefix, a slow drip, a
+replayed handshake) on one of its ports (the store, either rank's Gloo port): every
+stranger's connection closed within 2 s, the job trains on and stops cleanly, RSS +16 MiB at most.
+
 The storage cases (storage_faults.py, one rank):
   enospc / eio     a random kind of file (a checkpoint's, metrics.jsonl, TensorBoard's, the
                    export's), operation and call fails with ENOSPC / EIO (a quarter of the
@@ -72,7 +77,7 @@ class Job:
 
     def __init__(self, args, work, tag, nproc, extra, env_extra=None):
         self.logs = [os.path.join(work, "%s.rank%d.log" % (tag, r)) for r in range(nproc)]
-        port = free_port()
+        port = self.port = free_port()
         self.procs = []
         for r in range(nproc):
             env = dict(os.environ, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(nproc),
@@ -595,8 +600,15 @@ def storage_case(name):
     return run_case
 
 
+def stranger(args, work, rng):
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import strangers
+    return strangers.loop(args, work, rng)
+
+
 CASES = {"kill_all": kill_all, "lose_rank": lose_rank, "throttle": throttle, "partition": partition, "straggler": straggler,
-         "enospc": storage_case("enospc"), "eio": storage_case("eio"), "corrupt_latest": storage_case("corrupt_latest")}
+         "enospc": storage_case("enospc"), "eio": storage_case("eio"), "corrupt_latest": storage_case("corrupt_latest"),
+         "stranger": stranger}
 
 
 def main():
