@@ -267,7 +267,17 @@ c10::intrusive_ptr<c10d::Store> GuardStore::clone() {
 void GuardStore::set(const std::string& key, const std::vector<uint8_t>& value) {
   std::string req = op_key(kSet, key);
   put_bytes(req, value);
-  call(req, "set", key, std::nullopt);
+  // Not answered (as TCPStore's): a rank publishing its failure to a frozen or cut-off store
+  // host must not wait for it. The requests that follow on this connection see the value.
+  std::lock_guard<std::mutex> lock(m_);
+  if (fd_ < 0) connect_locked(timeout_);
+  int err = 0;
+  const Io io = send_all(fd_, frame(req), deadline_in(timeout_), err);
+  if (io != Io::Ok) {
+    drop_locked();
+    fail_network("rendezvous store at " + host_ + ":" + std::to_string(port_) + ": set '" + detail::printable(key) +
+                 "': " + (io == Io::Timeout ? std::string("the store takes nothing") : std::strerror(err)));
+  }
 }
 
 std::vector<uint8_t> GuardStore::compareSet(const std::string& key, const std::vector<uint8_t>& expected,

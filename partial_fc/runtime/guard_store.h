@@ -9,8 +9,9 @@
 // the greeting's few bytes; at most kMaxPending such connections are held at once (the
 // oldest goes first).
 //
-// Members send length-prefixed frames (at most kMaxFrame bytes each). Requests that wait
-// for keys (get, wait, multiGet) are answered once the keys exist. Every request of a
+// Members send length-prefixed frames (at most kMaxFrame bytes each). A set is not answered
+// (as with TCPStore); requests that wait for keys (get, wait, multiGet) are answered once
+// the keys exist. Every request of a
 // member has a deadline (the store's timeout, for waits the wait's own): a store host
 // that stops answering fails the request instead of blocking it for good, and the
 // connection is dropped (the next request connects afresh).

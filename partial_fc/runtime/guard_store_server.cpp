@@ -145,8 +145,9 @@ struct GuardStoreServer::Impl {
     return true;
   }
 
-  // Answers one request, or returns false when it waits for keys. `mutated` is set when
-  // the request changed the store (held requests are looked at again).
+  // Answers one request (`reply` empty: a set, which is not answered), or returns false
+  // when it waits for keys. `mutated` is set when the request changed the store (held
+  // requests are looked at again).
   bool answer(const std::string& body, std::string& reply, bool& mutated) {
     Reader r(body);
     const uint8_t op = r.u8();
@@ -156,7 +157,7 @@ struct GuardStoreServer::Impl {
         r.end();
         kv[k] = std::move(v);
         mutated = true;
-        reply = ok();
+        reply.clear();  // a set is not answered (a member that is failing must not wait on it)
         return true;
       }
       case kGet: {
@@ -292,7 +293,7 @@ struct GuardStoreServer::Impl {
       std::string reply;
       try {
         if (answer(body, reply, mutated)) {
-          c.out += frame(reply);
+          if (!reply.empty()) c.out += frame(reply);
         } else {
           c.waiting = true;
           c.held = std::move(body);
