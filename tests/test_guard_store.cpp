@@ -233,6 +233,12 @@ TEST(GuardStore, WaitsForKeysAndTimesOutWithoutLosingTheStore) {
   EXPECT_EQ(s(c.get("after")), "ok");
   auto clone = a.clone();
   EXPECT_EQ(s(clone->get("x")), "1");
+  // A set is not answered: one sent just before its member goes away still lands.
+  for (int i = 0; i < 20; ++i) {
+    GuardStore brief("127.0.0.1", server->port(), "", std::chrono::seconds(10));
+    brief.set("last words " + std::to_string(i), b("bye"));
+  }
+  for (int i = 0; i < 20; ++i) EXPECT_EQ(s(a.get("last words " + std::to_string(i))), "bye");
 }
 
 // A member with the wrong token, or a process reaching another program's port, gets one line.

@@ -362,8 +362,9 @@ struct GuardStoreServer::Impl {
       if (room == 0) break;
       const ssize_t n = ::recv(c.fd, buf, room, 0);
       if (n == 0) {
-        if (c.member) drop(it);
-        else refuse(it, "it closed before the handshake");
+        // A member's last requests (a set, sent just before it closed) still count.
+        if (!c.member) refuse(it, "it closed before the handshake");
+        else if (serve(it, mutated)) drop(it);  // (serve drops it itself on a malformed request)
         return false;
       }
       if (n < 0) {
