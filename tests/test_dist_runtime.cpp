@@ -491,8 +491,10 @@ TEST(Stragglers, TwoSlowWindowsAreReportedCleanRunsNever) {
 // host's link to the store's host is slow) is reported with the phase "link" after two
 // such windows; a healthy spread of round trips (0.05-3 ms) never is.
 TEST(Stragglers, SlowLinkIsNamedAfterTwoWindows) {
-  const auto flags = slow_links({0.05, 0.3, 60.0, -1.0, 9.0});
-  EXPECT_EQ(flags, (std::vector<char>{0, 0, 1, 0, 0}));  // 9 ms: below 20 ms
+  const auto flags = slow_links({0.05, 0.3, 60.0, -1.0, 9.0, 14.5});
+  EXPECT_EQ(flags, (std::vector<char>{0, 0, 1, 0, 0, 1}));  // 9 ms: below 10 ms
+  // A rank whose own work is slow has a starved CPU, which delays its heartbeat too.
+  EXPECT_EQ(slow_links({0.05, 60.0}, {0, 1}), (std::vector<char>{0, 0}));
   EXPECT_EQ(slow_links({10.0, 60.0}), (std::vector<char>{0, 0}));  // 60 < 10 x (10 + 1)
   EXPECT_EQ(slow_links({-1.0, -1.0}), (std::vector<char>{0, 0}));  // nothing measured
   auto store = c10::make_intrusive<c10d::HashStore>();
@@ -524,6 +526,20 @@ TEST(Stragglers, SlowLinkIsNamedAfterTwoWindows) {
   EXPECT_GT(got[0].median_s, 0.35);
   EXPECT_NEAR(got[0].fastest_s, 0.05e-3, 1e-9);
   EXPECT_EQ(got[0].first_step, step - 2 * window + 1);
+  // A rank whose work is slow (a starved CPU: its heartbeat is late too) is a straggler.
+  for (int w = 0; w < 2; ++w)
+    for (int64_t k = 0; k < window; ++k) {
+      ++step;
+      m[0]->add_step(step, 1.0, 0.0, 0.5, 0.05);
+      m[1]->add_step(step, 3.0, 0.0, 0.5, 40.0);
+    }
+  ASSERT_TRUE(judged(*m[0], 9));
+  const std::vector<StragglerReport> busy = reports_of(*m[0]);
+  ASSERT_FALSE(busy.empty());
+  for (const auto& r : busy) {
+    EXPECT_EQ(r.rank, 1);
+    EXPECT_NE(r.phase, "link");
+  }
 }
 
 // With the phases measured, a rank slow in its backward pass is named for "backward" (not

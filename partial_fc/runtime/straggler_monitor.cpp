@@ -53,13 +53,14 @@ std::vector<std::vector<double>> straggler_scores(const std::vector<std::vector<
   return out;
 }
 
-std::vector<char> slow_links(const std::vector<double>& round_trip_ms) {
+std::vector<char> slow_links(const std::vector<double>& round_trip_ms, const std::vector<char>& computing_slowly) {
   double fastest = -1;
   for (double t : round_trip_ms)
     if (t >= 0 && (fastest < 0 || t < fastest)) fastest = t;
   std::vector<char> out(round_trip_ms.size(), 0);
   for (size_t r = 0; r < round_trip_ms.size(); ++r)
-    out[r] = round_trip_ms[r] >= 20.0 && round_trip_ms[r] >= 10.0 * (fastest + 1.0);
+    out[r] = round_trip_ms[r] >= 10.0 && round_trip_ms[r] >= 10.0 * (fastest + 1.0) &&
+             !(r < computing_slowly.size() && computing_slowly[r]);
   return out;
 }
 
@@ -172,12 +173,22 @@ void StragglerMonitor::judge(int64_t window_index, int64_t last_step) {
     medians.push_back({c, d, f, b, o});
     round_trips.push_back(rt);
   }
-  const std::vector<char> slow = slow_links(round_trips);
+  // A rank slow in its own work (a starved CPU also delays its heartbeat) is a straggler,
+  // not a slow link.
+  const std::vector<std::vector<double>> scores = straggler_scores(medians);
+  std::vector<char> computing_slowly(world_, 0);
+  for (int r = 0; r < world_; ++r)
+    for (int p : {0, 2, 3, 4}) computing_slowly[r] = computing_slowly[r] || scores[r][p] < kThreshold;
+  const std::vector<char> slow = slow_links(round_trips, computing_slowly);
+  {
+    std::string rts;
+    for (double t : round_trips) rts += (rts.empty() ? "" : " ") + (t < 0 ? std::string("-") : format_sig(t));
+    log_debug("straggler window ", window_index, " (to step ", last_step, "): heartbeat round trips (ms) by rank: ", rts);
+  }
   double fastest_rt = -1;
   for (double t : round_trips)
     if (t >= 0 && (fastest_rt < 0 || t < fastest_rt)) fastest_rt = t;
   for (const std::string& k : keys) store_->deleteKey(k);  // the store keeps no window's figures
-  const std::vector<std::vector<double>> scores = straggler_scores(medians);
   std::lock_guard<std::mutex> lock(m_);
   last_scores_ = scores;
   judged_++;

@@ -6,9 +6,10 @@
 // as the fastest rank's median over this rank's (1: as fast as the fastest), and a rank
 // below 0.75 in two consecutive windows is reported (the trainer logs it and writes
 // straggler/<rank> to metrics.jsonl). The same windows carry each rank's median heartbeat
-// round trip to the store: a rank whose round trip is at least 20 ms and 10 times the
-// fastest rank's (+1 ms) in two consecutive windows has a slow link between its host and the
-// store's (reported with the phase "link", its figures in seconds).
+// round trip to the store: a rank whose round trip is at least 10 ms and 10 times the
+// fastest rank's (+1 ms) in two consecutive windows, while its own work is not slow (a
+// starved CPU delays its heartbeat too), has a slow link between its host and the store's
+// (reported with the phase "link", its figures in seconds).
 #pragma once
 #include <condition_variable>
 #include <cstdint>
@@ -41,8 +42,9 @@ struct StragglerReport {
 // fastest step (at least 2 ms; 10% for forward, backward and optimizer) added to both. medians[r] = {compute, data[, forward,
 // backward, optimizer]}; a phase that some rank did not measure (< 0) scores 1.
 std::vector<std::vector<double>> straggler_scores(const std::vector<std::vector<double>>& medians);
-// Per rank: whether its store round trip (ms; < 0: none measured) is a slow link's.
-std::vector<char> slow_links(const std::vector<double>& round_trip_ms);
+// Per rank: whether its store round trip (ms; < 0: none measured) is a slow link's; a rank
+// marked in `computing_slowly` (its compute phases score below the threshold) never is.
+std::vector<char> slow_links(const std::vector<double>& round_trip_ms, const std::vector<char>& computing_slowly = {});
 
 class StragglerMonitor {
  public:
