@@ -64,6 +64,17 @@ DIAGNOSIS_S = 6.5
 EXIT_SLACK_S = 10.0
 
 
+def verdict(failures, seed):
+    """Prints each failure and PASS, or the seed to replay them; the exit status."""
+    for f in failures:
+        print("FAIL: " + f)
+    if failures:
+        print("seed %d" % seed)
+        return 1
+    print("PASS")
+    return 0
+
+
 def free_port():
     s = socket.socket()
     s.bind(("127.0.0.1", 0))
@@ -634,13 +645,7 @@ def main():
             print("work folder kept: " + work)
         else:
             shutil.rmtree(work, ignore_errors=True)
-    for f in failures:
-        print("FAIL: " + f)
-    if failures:
-        print("seed %d" % seed)
-        return 1
-    print("PASS")
-    return 0
+    return verdict(failures, seed)
 
 
 if __name__ == "__main__":

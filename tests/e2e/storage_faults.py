@@ -46,6 +46,9 @@ import sys
 import tempfile
 import zipfile
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import fault_loops  # noqa: E402  (verdict)
+
 ERRORS = ["ENOSPC", "EDQUOT", "EIO", "EROFS", "short"]
 OPS = ["open", "write", "fsync", "rename", "close"]
 # What the shim matches (a part of the path) for each kind of file.
@@ -440,13 +443,7 @@ def main():
             print("work folder kept: " + work)
         else:
             shutil.rmtree(work, ignore_errors=True)
-    for f in failures:
-        print("FAIL: " + f)
-    if failures:
-        print("seed %d" % seed)
-        return 1
-    print("PASS")
-    return 0
+    return fault_loops.verdict(failures, seed)
 
 
 if __name__ == "__main__":

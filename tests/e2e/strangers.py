@@ -368,13 +368,7 @@ def main():
             print("\n".join(report))
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    for f in failures:
-        print("FAIL: " + f)
-    if failures:
-        print("seed %d" % seed)
-        return 1
-    print("PASS")
-    return 0
+    return fault_loops.verdict(failures, seed)
 
 
 if __name__ == "__main__":
