@@ -181,9 +181,13 @@ void StragglerMonitor::judge(int64_t window_index, int64_t last_step) {
     for (int p : {0, 2, 3, 4}) computing_slowly[r] = computing_slowly[r] || scores[r][p] < kThreshold;
   const std::vector<char> slow = slow_links(round_trips, computing_slowly);
   {
-    std::string rts;
-    for (double t : round_trips) rts += (rts.empty() ? "" : " ") + (t < 0 ? std::string("-") : format_sig(t));
-    log_debug("straggler window ", window_index, " (to step ", last_step, "): heartbeat round trips (ms) by rank: ", rts);
+    std::string rts, work;
+    for (int r = 0; r < world_; ++r) {
+      rts += (r ? " " : "") + (round_trips[r] < 0 ? std::string("-") : format_sig(round_trips[r]));
+      work += (r ? " " : "") + format_sig(std::min({scores[r][0], scores[r][2], scores[r][3], scores[r][4]}));
+    }
+    log_debug("straggler window ", window_index, " (to step ", last_step, "): heartbeat round trips (ms) by rank: ", rts,
+              "; lowest work score by rank: ", work);
   }
   double fastest_rt = -1;
   for (double t : round_trips)
