@@ -8,6 +8,7 @@
 #include <cstring>
 
 #include "partial_fc/runtime/error.h"
+#include "partial_fc/runtime/log.h"
 
 namespace faceshard {
 
@@ -19,7 +20,10 @@ AppendFile::AppendFile(const std::string& path, bool append) : path_(path) {
 }
 
 AppendFile::~AppendFile() {
-  if (fd_ >= 0) ::close(fd_);
+  // The file system may report a failed write only now (a full disk under NFS, a quota):
+  // one line says the last pieces may not have reached the disk.
+  if (fd_ >= 0 && ::close(fd_) != 0 && errno != EINTR)
+    log_warn("cannot close '", path_, "': ", std::strerror(errno), ": its last lines may not be on disk");
 }
 
 void AppendFile::append(const std::string& bytes) {

@@ -13,7 +13,7 @@ class AppendFile {
   // Opens (creating) `path`; append=false empties it first. Runtime error naming the file
   // and the cause when it cannot be opened.
   AppendFile(const std::string& path, bool append);
-  ~AppendFile();
+  ~AppendFile();  // a failed close is one warning naming the file
   AppendFile(const AppendFile&) = delete;
   AppendFile& operator=(const AppendFile&) = delete;
 
