@@ -348,6 +348,9 @@ std::shared_ptr<Distributed> Distributed::init(const DistEnv& env, const DistOpt
                    " on every host to keep other jobs out");
     }
     allow_many_descriptors();
+    // A peer that dies leaves sockets that a write then finds closed: that must be an error
+    // this rank reports naming the peer (Gloo writes without MSG_NOSIGNAL), not SIGPIPE.
+    std::signal(SIGPIPE, SIG_IGN);
     RendezvousDeadline deadline(env, opts.rendezvous_timeout + std::chrono::seconds(5));
     try {
       d->store_ = connect_store(env, host, opts.rendezvous_timeout);
