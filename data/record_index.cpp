@@ -371,6 +371,14 @@ std::string default_index_cache_dir() {
 RecordIndexOptions default_record_index_options() {
   RecordIndexOptions o;
   o.cache_dir = default_index_cache_dir();
+  // $FACESHARD_INDEX_CACHE_MIN_BYTES: cache smaller indexes too (0: every one); anything but a
+  // plain number keeps the default.
+  if (const char* e = std::getenv("FACESHARD_INDEX_CACHE_MIN_BYTES"); e && *e) {
+    char* end = nullptr;
+    errno = 0;
+    const unsigned long long v = std::strtoull(e, &end, 10);
+    if (errno == 0 && end && *end == '\0' && *e != '-') o.min_cache_bytes = v;
+  }
   return o;
 }
 
@@ -420,23 +428,32 @@ RecordIndex::RecordIndex(const std::string& idx_path, uint64_t rec_size, const R
   p.keys = {};
   p.offsets = {};
   if (locked) {
+    // Written under a temporary name, flushed, closed and renamed: a failing disk leaves no
+    // partial cache file under the final name (the index is then held in memory).
     const std::string tmp = path + ".tmp." + std::to_string(::getpid());
-    Fd out(::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
     const size_t bytes = words.size() * 8;
     size_t done = 0;
-    while (out.get() >= 0 && done < bytes) {
-      const ssize_t r = ::write(out.get(), reinterpret_cast<const char*>(words.data()) + done, bytes - done);
+    int err = 0;
+    int out = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    if (out < 0) err = errno;
+    while (out >= 0 && !err && done < bytes) {
+      const ssize_t r = ::write(out, reinterpret_cast<const char*>(words.data()) + done, bytes - done);
       if (r < 0 && errno == EINTR) continue;
-      if (r <= 0) break;
-      done += size_t(r);
+      if (r < 0) err = errno;
+      else if (r == 0) err = EIO;
+      else done += size_t(r);
     }
-    if (done == bytes && ::rename(tmp.c_str(), path.c_str()) == 0) {
+    if (out >= 0 && !err && ::fsync(out) != 0) err = errno;
+    if (out >= 0 && ::close(out) != 0 && !err) err = errno;
+    if (out >= 0 && !err && ::rename(tmp.c_str(), path.c_str()) != 0) err = errno;
+    if (!err) {
       if (image_->map_file(path, id, rec_size)) {
         source_ = "cache " + path + " (built)";
         return;
       }
+      why_not = detail::concat(path, " does not read back");
     } else {
-      why_not = detail::concat("cannot write ", path, ": ", std::strerror(errno ? errno : EIO));
+      why_not = detail::concat("cannot write ", path, ": ", std::strerror(err));
       ::unlink(tmp.c_str());
     }
   }

@@ -30,6 +30,7 @@ struct RecordIndexOptions {
 // Where the compact index files go unless told otherwise: $FACESHARD_INDEX_CACHE ("off":
 // nowhere), else $XDG_CACHE_HOME/faceshard/rec-index, else $HOME/.cache/faceshard/rec-index.
 std::string default_index_cache_dir();
+// That folder, and min_cache_bytes from $FACESHARD_INDEX_CACHE_MIN_BYTES when set.
 RecordIndexOptions default_record_index_options();
 
 // The lines of a .idx as they are (no duplicate checks), for tools and tests; see
@@ -62,8 +63,10 @@ class RecordIndex {
   uint64_t max_key() const;  // size() > 0
 
   // How the index was obtained, for one log line: "cache <path> (built)", "cache <path>",
-  // or "memory".
+  // "memory", or "memory (<why the cache was not used>)" when a cache folder was given but
+  // could not be written or locked (cache_failed()).
   const std::string& source() const { return source_; }
+  bool cache_failed() const { return source_.rfind("memory (", 0) == 0; }
   // Bytes of the compact form (mapped or held).
   uint64_t bytes() const;
 

@@ -163,6 +163,56 @@ TEST(RecordIndex, UnwritableCacheFolderFallsBackToMemory) {
   expect_index_equals(r, keys, where);
 }
 
+// The cache file cannot be written (its temporary name is taken by a folder: open fails):
+// the index is held in memory, the reason names the file, and nothing is left under the
+// cache file's final name; the next process builds it once the way is clear.
+TEST(RecordIndex, CacheFileThatCannotBeWrittenLeavesNoFileAndFallsBackToMemory) {
+  TempDir d;
+  const std::vector<uint64_t> keys = {0, 1, 2, 3};
+  const auto where = write_rec(d / "a.rec", d / "a.idx", keys);
+  const std::string cache = d / "c";
+  std::string cache_file;
+  {
+    // Learn the cache file's name from a build in another folder.
+    const IndexedRecordIO probe(d / "a.rec", d / "a.idx", cache_in(d / "probe"));
+    for (const auto& e : fs::directory_iterator(d / "probe"))
+      if (e.path().extension() == ".fsidx") cache_file = e.path().filename().string();
+  }
+  ASSERT_FALSE(cache_file.empty());
+  const std::string blocker = cache + "/" + cache_file + ".tmp." + std::to_string(::getpid());
+  fs::create_directories(blocker);
+  {
+    const IndexedRecordIO r(d / "a.rec", d / "a.idx", cache_in(cache));
+    EXPECT_TRUE(r.index().cache_failed()) << r.index().source();
+    EXPECT_NE(r.index().source().find("cannot write " + cache + "/" + cache_file), std::string::npos)
+        << r.index().source();
+    EXPECT_NE(r.index().source().find(std::strerror(EISDIR)), std::string::npos) << r.index().source();
+    EXPECT_FALSE(fs::exists(cache + "/" + cache_file));
+    expect_index_equals(r, keys, where);
+  }
+  fs::remove(blocker);
+  const IndexedRecordIO r(d / "a.rec", d / "a.idx", cache_in(cache));
+  EXPECT_FALSE(r.index().cache_failed()) << r.index().source();
+  EXPECT_NE(r.index().source().find("(built)"), std::string::npos) << r.index().source();
+  expect_index_equals(r, keys, where);
+}
+
+TEST(RecordIndex, MinimumCachedSizeComesFromTheEnvironment) {
+  const char* before = std::getenv("FACESHARD_INDEX_CACHE_MIN_BYTES");
+  const std::string saved = before ? before : "";
+  const uint64_t fallback = RecordIndexOptions{}.min_cache_bytes;
+  ::setenv("FACESHARD_INDEX_CACHE_MIN_BYTES", "0", 1);
+  EXPECT_EQ(default_record_index_options().min_cache_bytes, 0u);
+  ::setenv("FACESHARD_INDEX_CACHE_MIN_BYTES", "4096", 1);
+  EXPECT_EQ(default_record_index_options().min_cache_bytes, 4096u);
+  for (const char* bad : {"-1", "12k", "", "99999999999999999999999"}) {
+    ::setenv("FACESHARD_INDEX_CACHE_MIN_BYTES", bad, 1);
+    EXPECT_EQ(default_record_index_options().min_cache_bytes, fallback) << "'" << bad << "'";
+  }
+  if (before) ::setenv("FACESHARD_INDEX_CACHE_MIN_BYTES", saved.c_str(), 1);
+  else ::unsetenv("FACESHARD_INDEX_CACHE_MIN_BYTES");
+}
+
 TEST(RecordIndex, DuplicateKeysAndSharedOffsetsAreRejected) {
   TempDir d;
   write_rec(d / "a.rec", d / "a.idx", {0, 1, 2, 3});

@@ -2,6 +2,7 @@
 // real processes, and failure reporting (a rank that throws, dies or hangs is named).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
@@ -509,8 +510,8 @@ TEST(Stragglers, SlowLinkIsNamedAfterTwoWindows) {
     for (int w = 0; w < n; ++w)
       for (int64_t k = 0; k < window; ++k) {
         ++step;
-        m[0]->add_step(step, 1.0, 0.0, 0.5, 0.05);
-        m[1]->add_step(step, 1.0, 0.0, 0.5, rank1_ms > 0 ? rank1_ms * (0.9 + 0.1 * jitter(gen)) : jitter(gen));
+        m[0]->add_step(step, 1.0, 0.0, 0.5, {0.05});
+        m[1]->add_step(step, 1.0, 0.0, 0.5, {rank1_ms > 0 ? rank1_ms * (0.9 + 0.1 * jitter(gen)) : jitter(gen)});
       }
   };
   run_windows(5, 0);
@@ -530,8 +531,8 @@ TEST(Stragglers, SlowLinkIsNamedAfterTwoWindows) {
   for (int w = 0; w < 2; ++w)
     for (int64_t k = 0; k < window; ++k) {
       ++step;
-      m[0]->add_step(step, 1.0, 0.0, 0.5, 0.05);
-      m[1]->add_step(step, 3.0, 0.0, 0.5, 40.0);
+      m[0]->add_step(step, 1.0, 0.0, 0.5, {0.05});
+      m[1]->add_step(step, 3.0, 0.0, 0.5, {40.0});
     }
   ASSERT_TRUE(judged(*m[0], 9));
   const std::vector<StragglerReport> busy = reports_of(*m[0]);
@@ -540,6 +541,50 @@ TEST(Stragglers, SlowLinkIsNamedAfterTwoWindows) {
     EXPECT_EQ(r.rank, 1);
     EXPECT_NE(r.phase, "link");
   }
+}
+
+// A rate-limited link delays the heartbeats that meet its queue while a collective sends
+// and not the others: the window's median stays fast, its 90th percentile does not. One
+// late heartbeat in twenty (a busy moment) is not a slow link.
+TEST(Stragglers, BurstyLinkIsNamedByTheUpperTailOfItsRoundTrips) {
+  for (size_t n : {1u, 2u, 9u, 10u, 11u, 20u, 37u}) {
+    std::vector<double> v(n);
+    for (size_t i = 0; i < n; ++i) v[i] = double((i * 7919) % n);  // a permutation of 0..n-1
+    std::vector<double> sorted = v;
+    std::sort(sorted.begin(), sorted.end());
+    const size_t rank = (9 * n + 9) / 10;  // ceil(0.9 n), nearest rank
+    EXPECT_EQ(round_trip_figure(v), sorted[rank - 1]) << n;
+  }
+  EXPECT_EQ(round_trip_figure({}), -1.0);
+  auto store = c10::make_intrusive<c10d::HashStore>();
+  const int64_t window = 4;
+  std::vector<std::unique_ptr<StragglerMonitor>> m;
+  for (int r = 0; r < 2; ++r)
+    m.push_back(std::make_unique<StragglerMonitor>(store, r, 2, std::vector<std::string>{"a", "b"}, window));
+  int64_t step = StragglerMonitor::kWarmupSteps;
+  // Five heartbeats a step; `late` of every 20 in a window (one step in four has them) take 35 ms.
+  auto run_windows = [&](int n, int late) {
+    for (int w = 0; w < n; ++w)
+      for (int64_t k = 0; k < window; ++k) {
+        ++step;
+        std::vector<double> rt(5, 0.2);
+        for (int i = 0; i < 5; ++i)
+          if (int(k) * 5 + i < late) rt[i] = 35.0;
+        m[0]->add_step(step, 1.0, 0.0, 0.5, {0.05, 0.06});
+        m[1]->add_step(step, 1.0, 0.0, 0.5, rt);
+      }
+  };
+  run_windows(3, 1);
+  ASSERT_TRUE(judged(*m[0], 3));
+  EXPECT_TRUE(m[0]->take_reports().empty());
+  run_windows(2, 4);  // 4 of 20 late: the median is 0.2 ms, the 90th percentile 35 ms
+  ASSERT_TRUE(judged(*m[0], 5));
+  const std::vector<StragglerReport> got = reports_of(*m[0]);
+  ASSERT_EQ(got.size(), 1u);
+  EXPECT_EQ(got[0].rank, 1);
+  EXPECT_EQ(got[0].phase, "link");
+  EXPECT_NEAR(got[0].median_s, 35e-3, 1e-12);
+  EXPECT_NEAR(got[0].fastest_s, 0.06e-3, 1e-12);
 }
 
 // With the phases measured, a rank slow in its backward pass is named for "backward" (not
@@ -565,7 +610,7 @@ TEST(Stragglers, SlowPhaseIsNamedByItsName) {
         ph.optimizer = 0.1;
         const double work = ph.forward + ph.backward + ph.optimizer;
         const double blocked = slow && r == 0 ? 1.2 : 0.0;  // rank 0 waits for rank 1
-        m[r]->add_step(step, work + blocked + 0.01, 0.01, blocked, 0.1, ph);
+        m[r]->add_step(step, work + blocked + 0.01, 0.01, blocked, {0.1}, ph);
       }
     }
   ASSERT_TRUE(judged(*m[0], 4));
@@ -581,11 +626,11 @@ TEST(Stragglers, SlowPhaseIsNamedByItsName) {
 TEST(LinkWatch, StallNamesTheSilentPeersAndTheStore) {
   LinkWatch w;
   EXPECT_EQ(w.last_answer_ms(), 0);
-  EXPECT_FALSE(w.take_round_trip_ms().has_value());
+  EXPECT_TRUE(w.take_round_trips_ms().empty());
   for (double t : {5.0, 1.0, 3.0, 2.0, 400.0}) w.store_answered(1000, t);
   EXPECT_EQ(w.last_answer_ms(), 1000);
-  EXPECT_DOUBLE_EQ(*w.take_round_trip_ms(), 3.0);  // the median
-  EXPECT_FALSE(w.take_round_trip_ms().has_value());  // taken
+  EXPECT_EQ(w.take_round_trips_ms(), (std::vector<double>{5.0, 1.0, 3.0, 2.0, 400.0}));  // as they came
+  EXPECT_TRUE(w.take_round_trips_ms().empty());  // taken
   w.silent(2, 1.25);
   w.silent(2, 2.5);
   w.silent(2, 1.5);  // the longest silence is kept

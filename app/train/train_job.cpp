@@ -101,9 +101,16 @@ void build_data(TrainJob& j) {
   RecordIndexOptions index = default_record_index_options();
   if (cfg.data.index_cache) index.cache_dir = *cfg.data.index_cache == "off" ? "" : *cfg.data.index_cache;
   j.dataset = open_dataset(cfg.data.rec, cfg.data.num_classes.value_or(0), 1000000, index);
-  if (const auto* rec = dynamic_cast<const RecordIODataset*>(j.dataset.get()); rec && d.rank() == 0) {
-    log_info("data: ", rec->size(), " images, index of ", rec->records().num_entries(), " records from ",
-             rec->records().index().source());
+  if (const auto* rec = dynamic_cast<const RecordIODataset*>(j.dataset.get())) {
+    const RecordIndex& idx = rec->records().index();
+    if (idx.cache_failed()) {
+      // Training does not need the cache: one warning, the index held in memory.
+      log_warn("data: index cache not used (", idx.source().substr(8, idx.source().size() - 9),
+               "); the index of ", rec->records().num_entries(), " records is held in memory");
+    } else if (d.rank() == 0) {
+      log_info("data: ", rec->size(), " images, index of ", rec->records().num_entries(), " records from ",
+               idx.source());
+    }
   }
   resolve_data_counts(j);
   LoaderOptions lo;

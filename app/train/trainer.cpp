@@ -232,8 +232,8 @@ int run_training(const TrainRequest& req) {
         for (const StragglerReport& s : stragglers->take_reports()) {
           if (s.phase == "link") {
             log_warn("slow link: host ", s.host, " (rank ", s.rank, ") <-> host ", d.store_host(),
-                     " (the store's): heartbeat round trip ", format_sig(s.median_s * 1000), " ms against ",
-                     format_sig(s.fastest_s * 1000), " ms (fastest rank) in steps ", s.first_step, "-", s.last_step);
+                     " (the store's): heartbeat round trips ", format_sig(s.median_s * 1000), " ms against ",
+                     format_sig(s.fastest_s * 1000), " ms (fastest rank; 90th percentiles) in steps ", s.first_step, "-", s.last_step);
             rec.head_state.emplace_back("slow_link/" + std::to_string(s.rank), s.median_s * 1000);
             continue;
           }
@@ -299,7 +299,7 @@ int run_training(const TrainRequest& req) {
         own.backward = std::max(0.0, r.times.backward - r.times.backward_wait);
         own.optimizer = std::max(0.0, r.times.optimizer - r.times.optimizer_wait);
       }
-      stragglers->add_step(p.step, step_s, r.data_wait_s, blocked_s, d.links().take_round_trip_ms(), own);
+      stragglers->add_step(p.step, step_s, r.data_wait_s, blocked_s, d.links().take_round_trips_ms(), own);
     }
     const LinkWatch::Stall silent = d.links().take_stall();
     if (is_stall(blocked_s, median_step, !silent.empty()) && ++stalls_unreported && seconds_since(t_stall_line) >= 10) {

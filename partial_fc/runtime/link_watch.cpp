@@ -41,13 +41,11 @@ LinkWatch::Stall LinkWatch::take_stall() {
   return out;
 }
 
-std::optional<double> LinkWatch::take_round_trip_ms() {
+std::vector<double> LinkWatch::take_round_trips_ms() {
   std::lock_guard<std::mutex> lock(m_);
-  if (round_trips_.empty()) return std::nullopt;
   std::vector<double> v;
   v.swap(round_trips_);
-  std::nth_element(v.begin(), v.begin() + v.size() / 2, v.end());
-  return v[v.size() / 2];
+  return v;
 }
 
 std::string describe_stall(const LinkWatch::Stall& stall, const std::function<std::string(int)>& host_of,

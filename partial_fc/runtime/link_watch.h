@@ -38,8 +38,9 @@ class LinkWatch {
   };
   // What was seen since the last call, and a fresh start.
   Stall take_stall();
-  // The median round trip since the last call (ms), if the store answered at all.
-  std::optional<double> take_round_trip_ms();
+  // The round trips since the last call (ms), in the order they came; empty if the store
+  // did not answer.
+  std::vector<double> take_round_trips_ms();
 
  private:
   mutable std::mutex m_;

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <sstream>
 
 #include "partial_fc/runtime/error.h"
@@ -64,6 +65,13 @@ std::vector<char> slow_links(const std::vector<double>& round_trip_ms, const std
   return out;
 }
 
+double round_trip_figure(std::vector<double> v) {
+  if (v.empty()) return -1.0;
+  const size_t k = static_cast<size_t>(std::ceil(0.9 * static_cast<double>(v.size()))) - 1;
+  std::nth_element(v.begin(), v.begin() + static_cast<std::ptrdiff_t>(k), v.end());
+  return v[k];
+}
+
 StragglerMonitor::StragglerMonitor(c10::intrusive_ptr<c10d::Store> store, int rank, int world_size,
                                    std::vector<std::string> hosts, int64_t window)
     : store_(std::move(store)), rank_(rank), world_(world_size), hosts_(std::move(hosts)), window_(std::max<int64_t>(2, window)) {
@@ -83,21 +91,23 @@ StragglerMonitor::~StragglerMonitor() {
 }
 
 void StragglerMonitor::add_step(int64_t step, double step_s, double data_s, double blocked_s,
-                                std::optional<double> round_trip_ms, const StepPhases& phases) {
+                                const std::vector<double>& round_trips_ms, const StepPhases& phases) {
   if (step <= kWarmupSteps) return;  // first allocations, caches and loaders warming: not a pace
   compute_.push_back(std::max(0.0, step_s - data_s - blocked_s));
   data_.push_back(std::max(0.0, data_s));
-  if (round_trip_ms) round_trip_.push_back(*round_trip_ms);
+  round_trip_.insert(round_trip_.end(), round_trips_ms.begin(), round_trips_ms.end());
   const double own[3] = {phases.forward, phases.backward, phases.optimizer};
   for (int k = 0; k < 3; ++k) phase_[k].push_back(own[k] < 0 ? -1.0 : own[k]);
   if (static_cast<int64_t>(compute_.size()) < window_) return;
-  // Published: compute, data, round trip, forward, backward, optimizer (-1: not measured in
-  // every step of the window), and the last step.
-  std::vector<double> v{median(compute_), median(data_), round_trip_.empty() ? -1.0 : median(round_trip_)};
+  // Published: compute, data, round trip (the figure judged), forward, backward, optimizer
+  // (-1: not measured in every step of the window), the median round trip (for the debug
+  // line), and the last step.
+  std::vector<double> v{median(compute_), median(data_), round_trip_figure(round_trip_)};
   for (auto& ph : phase_) {
     v.push_back(*std::min_element(ph.begin(), ph.end()) < 0 ? -1.0 : median(ph));
     ph.clear();
   }
+  v.push_back(round_trip_.empty() ? -1.0 : median(round_trip_));
   v.push_back(static_cast<double>(step));
   compute_.clear();
   data_.clear();
@@ -165,13 +175,14 @@ void StragglerMonitor::judge(int64_t window_index, int64_t last_step) {
     if (std::chrono::steady_clock::now() > deadline) return;
   }
   std::vector<std::vector<double>> medians;
-  std::vector<double> round_trips;
+  std::vector<double> round_trips, round_trip_medians;
   for (const auto& v : store_->multiGet(keys)) {
     std::istringstream is(std::string(v.begin(), v.end()));
-    double c = 0, d = 0, rt = -1, f = -1, b = -1, o = -1;
-    is >> c >> d >> rt >> f >> b >> o;
+    double c = 0, d = 0, rt = -1, f = -1, b = -1, o = -1, rt_median = -1;
+    is >> c >> d >> rt >> f >> b >> o >> rt_median;
     medians.push_back({c, d, f, b, o});
     round_trips.push_back(rt);
+    round_trip_medians.push_back(rt_median);
   }
   // A rank slow in its own work (a starved CPU also delays its heartbeat) is a straggler,
   // not a slow link.
@@ -182,12 +193,13 @@ void StragglerMonitor::judge(int64_t window_index, int64_t last_step) {
   const std::vector<char> slow = slow_links(round_trips, computing_slowly);
   {
     std::string rts, work;
+    auto ms = [](double t) { return t < 0 ? std::string("-") : format_sig(t); };
     for (int r = 0; r < world_; ++r) {
-      rts += (r ? " " : "") + (round_trips[r] < 0 ? std::string("-") : format_sig(round_trips[r]));
+      rts += (r ? " " : "") + ms(round_trips[r]) + "/" + ms(round_trip_medians[r]);
       work += (r ? " " : "") + format_sig(std::min({scores[r][0], scores[r][2], scores[r][3], scores[r][4]}));
     }
-    log_debug("straggler window ", window_index, " (to step ", last_step, "): heartbeat round trips (ms) by rank: ", rts,
-              "; lowest work score by rank: ", work);
+    log_debug("straggler window ", window_index, " (to step ", last_step,
+              "): heartbeat round trips (ms, 90th percentile/median) by rank: ", rts, "; lowest work score by rank: ", work);
   }
   double fastest_rt = -1;
   for (double t : round_trips)

@@ -5,11 +5,14 @@
 // from a thread of the monitor's own; rank 0 reads every rank's, scores each rank per phase
 // as the fastest rank's median over this rank's (1: as fast as the fastest), and a rank
 // below 0.75 in two consecutive windows is reported (the trainer logs it and writes
-// straggler/<rank> to metrics.jsonl). The same windows carry each rank's median heartbeat
-// round trip to the store: a rank whose round trip is at least 10 ms and 10 times the
-// fastest rank's (+1 ms) in two consecutive windows, while its own work is not slow (a
-// starved CPU delays its heartbeat too), has a slow link between its host and the store's
-// (reported with the phase "link", its figures in seconds).
+// straggler/<rank> to metrics.jsonl). The same windows carry each rank's heartbeat round
+// trips to the store, as their 90th percentile over the window: a link that is slow because
+// its queue fills while the step's collectives send (a rate-limited or congested link) delays
+// the heartbeats that meet the queue, and between bursts not at all, so a window's median
+// swings around any threshold while its upper tail stays high. A rank whose figure is at
+// least 10 ms and 10 times the fastest rank's (+1 ms) in two consecutive windows, while its
+// own work is not slow (a starved CPU delays its heartbeat too), has a slow link between its
+// host and the store's (reported with the phase "link", its figures in seconds).
 #pragma once
 #include <condition_variable>
 #include <cstdint>
@@ -45,6 +48,9 @@ std::vector<std::vector<double>> straggler_scores(const std::vector<std::vector<
 // Per rank: whether its store round trip (ms; < 0: none measured) is a slow link's; a rank
 // marked in `computing_slowly` (its compute phases score below the threshold) never is.
 std::vector<char> slow_links(const std::vector<double>& round_trip_ms, const std::vector<char>& computing_slowly = {});
+// The window's figure for a link: the 90th percentile (nearest rank) of its round trips, -1
+// when there are none.
+double round_trip_figure(std::vector<double> round_trips_ms);
 
 class StragglerMonitor {
  public:
@@ -62,9 +68,9 @@ class StragglerMonitor {
   StragglerMonitor& operator=(const StragglerMonitor&) = delete;
 
   // One step of this rank (1-based step number): its wall time, data wait and time blocked
-  // in collectives, in seconds; the median heartbeat round trip to the store during it (ms).
+  // in collectives, in seconds; the heartbeat round trips to the store during it (ms).
   void add_step(int64_t step, double step_s, double data_s, double blocked_s,
-                std::optional<double> round_trip_ms = std::nullopt, const StepPhases& phases = {});
+                const std::vector<double>& round_trips_ms = {}, const StepPhases& phases = {});
   // Rank 0: the ranks flagged since the last call (two consecutive windows below the
   // threshold; a rank stays reported while it stays slow, once per window).
   std::vector<StragglerReport> take_reports();

@@ -6,9 +6,10 @@
              EROFS or a short write, N walked over the calls a run makes (every one up to
              --ordinals per operation, evenly spread beyond): the checkpoint's files
              (fc_shard, backbone.pt, train_state.pt, the COMMITTED marker), metrics.jsonl,
-             the TensorBoard events, the export (model.pt, model.json). Each trial resumes a
-             run that has committed checkpoints at steps 2 and 4 and trains to step 8
-             (checkpoints at 6 and 8).
+             the TensorBoard events, the export (model.pt, model.json), the ONNX export
+             (faceshard-export, model.onnx), the compact record index cache. Each trial
+             resumes a run that has committed checkpoints at steps 2 and 4 and trains to
+             step 8 (checkpoints at 6 and 8); an ONNX trial exports that run.
   full_fs    the output on a small tmpfs that fills during the fourth checkpoint: every save
              from there fails, the run stops after train.max_failed_checkpoints (3) with
              exit status 3 and one line saying the disk is full.
@@ -61,8 +62,11 @@ KINDS = {
     "tensorboard": "tfevents",
     "export_model": "model.pt",
     "export_json": "model.json",
+    "export_onnx": "model.onnx",
+    "index_cache": ".fsidx.tmp",  # the cache file, written under a temporary name
 }
 CHECKPOINT_KINDS = {"fc_shard", "backbone", "train_state", "commit_marker"}
+EXPORT_KINDS = {"export_model", "export_json", "export_onnx"}
 
 
 def run(cmd, env=None, timeout=300):
@@ -74,6 +78,11 @@ class Setup:
     def __init__(self, args, work):
         self.args, self.work = args, work
         self.train = os.path.join(args.bin, "faceshard-train")
+        self.export = os.path.join(args.bin, "faceshard-export")
+        # The compact record index is cached here by the index_cache trials (every index,
+        # however small).
+        self.index_cache = os.path.join(work, "index-cache")
+        self.onnx_reference = None
         self.shim = os.path.join(os.path.dirname(os.path.abspath(args.bin)), "lib", "libfaceshard_fault_shim.so")
         if not os.path.exists(self.shim):
             sys.exit("no fault shim at %s (build the faceshard_fault_shim target)" % self.shim)
@@ -107,28 +116,57 @@ dist: {{device: cpu}}
         env.update(env_extra or {})
         return run([self.train, "--config", self.config, "--set", "output=" + output] + extra, env, timeout)
 
-    def faulted(self, output, spec, extra=None):
-        """Resumes a copy of the base run to step 8 under the shim with FACESHARD_FAULT=spec."""
+    def cache_env(self, kind):
+        """The index_cache trials' runs cache every record index in self.index_cache."""
+        if kind != "index_cache":
+            return {}
+        return {"FACESHARD_INDEX_CACHE": self.index_cache, "FACESHARD_INDEX_CACHE_MIN_BYTES": "0"}
+
+    def job(self, kind, output, env):
+        """The run a trial of this kind faults: the ONNX export of a copy of the base run
+        (faceshard-export), else a resume of it to step 8 (faceshard-train)."""
+        if kind == "export_onnx":
+            full = dict(os.environ, OMP_NUM_THREADS="1")
+            full.update(env)
+            return run([self.export, "--model", output, "--onnx", os.path.join(output, "model.onnx")], full)
+        if kind == "index_cache":
+            shutil.rmtree(self.index_cache, ignore_errors=True)  # built afresh by every trial
+        return self.train_run(output, ["--resume", "--set", "train.max_steps=8"], dict(self.cache_env(kind), **env))
+
+    def faulted(self, output, spec, kind):
+        """The kind's run on a copy of the base run under the shim with FACESHARD_FAULT=spec."""
         shutil.rmtree(output, ignore_errors=True)
         shutil.copytree(self.base, output)
         log = os.path.join(self.work, "fault.log")
         if os.path.exists(log):
             os.remove(log)
         env = {"LD_PRELOAD": self.shim, "FACESHARD_FAULT": spec, "FACESHARD_FAULT_LOG": log}
-        code, out = self.train_run(output, ["--resume", "--set", "train.max_steps=8"] + (extra or []), env)
+        code, out = self.job(kind, output, env)
         fired = open(log).read().strip() if os.path.exists(log) else ""
         return code, out, fired
 
-    def count_calls(self, text):
-        """Calls per operation a faultless resume to step 8 makes on paths containing text."""
+    def onnx_bytes(self):
+        """model.onnx as a faultless export of the base run writes it (the reference)."""
+        if self.onnx_reference is None:
+            output = os.path.join(self.work, "onnx-reference")
+            shutil.rmtree(output, ignore_errors=True)
+            shutil.copytree(self.base, output)
+            code, out = self.job("export_onnx", output, {})
+            if code != 0:
+                sys.exit("the reference export failed:\n" + out[-3000:])
+            self.onnx_reference = open(os.path.join(output, "model.onnx"), "rb").read()
+        return self.onnx_reference
+
+    def count_calls(self, kind):
+        """Calls per operation the kind's faultless run makes on paths containing its text."""
         output = os.path.join(self.work, "count")
         shutil.rmtree(output, ignore_errors=True)
         shutil.copytree(self.base, output)
         counts = os.path.join(self.work, "counts.txt")
         if os.path.exists(counts):
             os.remove(counts)
-        env = {"LD_PRELOAD": self.shim, "FACESHARD_FAULT": "none:0:EIO:" + text, "FACESHARD_FAULT_COUNT": counts}
-        code, out = self.train_run(output, ["--resume", "--set", "train.max_steps=8"], env)
+        env = {"LD_PRELOAD": self.shim, "FACESHARD_FAULT": "none:0:EIO:" + KINDS[kind], "FACESHARD_FAULT_COUNT": counts}
+        code, out = self.job(kind, output, env)
         if code != 0:
             sys.exit("the counting run failed:\n" + out[-3000:])
         got = {}
@@ -196,9 +234,10 @@ dist: {{device: cpu}}
                 problems.append("torch.load: " + out.strip().splitlines()[-1][:200])
         return problems
 
-    def resumes(self, output):
-        """The newest committed checkpoint loads and trains one step."""
-        code, out = self.train_run(output, ["--resume", "--set", "train.max_steps=9"])
+    def resumes(self, output, kind=None):
+        """The newest committed checkpoint loads and trains one step (an index_cache trial's
+        with whatever the trial left in the cache folder)."""
+        code, out = self.train_run(output, ["--resume", "--set", "train.max_steps=9"], self.cache_env(kind))
         if code != 0:
             return "resume: exit %d: %s" % (code, out.strip().splitlines()[-1][:200])
         return None
@@ -214,10 +253,10 @@ def judge(s, kind, op, err, n, code, out, fired, output, full_check):
         pass  # a short write is not an error: the writer writes the rest
     elif fired:
         named = [l for l in lines if any(w in l for w in ("No space left", "quota", "Input/output", "Read-only",
-                                                         "cannot", "not saved", "left out"))]
+                                                         "cannot", "not saved", "left out", "not used"))]
         if not named:
             problems.append("the fault fired (%s) but no line says so" % fired)
-        if code == 1 and kind not in ("export_model", "export_json"):
+        if code == 1 and kind not in EXPORT_KINDS:
             problems.append("exit 1 for a fault in %s" % kind)
         if code == 3 and kind not in CHECKPOINT_KINDS:
             problems.append("exit 3 for a fault in %s" % kind)
@@ -227,8 +266,20 @@ def judge(s, kind, op, err, n, code, out, fired, output, full_check):
     if len(errors) > 1:
         problems.append("%d error lines" % len(errors))
     problems += s.check_output(output, load=full_check)
+    if kind == "export_onnx":
+        onnx = os.path.join(output, "model.onnx")
+        if code != 0 and os.path.exists(onnx):
+            problems.append("exit %d but model.onnx is there" % code)
+        elif code == 0 and (not os.path.exists(onnx) or open(onnx, "rb").read() != s.onnx_bytes()):
+            problems.append("exit 0 but model.onnx is not the faultless export's")
+        if glob.glob(os.path.join(output, "*.tmp*")):
+            problems.append("temporary export files left: %s" % glob.glob(os.path.join(output, "*.tmp*")))
+    if kind == "index_cache":
+        left = glob.glob(os.path.join(s.index_cache, "*.tmp.*"))
+        if left:
+            problems.append("temporary index cache files left: %s" % [os.path.basename(p) for p in left])
     if full_check and not problems:
-        r = s.resumes(output)
+        r = s.resumes(output, kind)
         if r:
             problems.append(r)
     return problems, (errors or [l for l in lines if "warning:" in l] or [""])[0]
@@ -248,7 +299,7 @@ def matrix(args, s, rng):
     for kind, text in KINDS.items():
         if args.kinds and kind not in args.kinds.split(","):
             continue
-        counts = s.count_calls(text)
+        counts = s.count_calls(kind)
         for op in OPS:
             walked = ordinals(counts.get(op, 0), args.ordinals)
             for err in ERRORS:
@@ -258,7 +309,7 @@ def matrix(args, s, rng):
                 said = ""
                 for n in walked:
                     out_dir = os.path.join(s.work, "trial")
-                    code, out, fired = s.faulted(out_dir, "%s:%d:%s:%s" % (op, n, err, text))
+                    code, out, fired = s.faulted(out_dir, "%s:%d:%s:%s" % (op, n, err, text), kind)
                     problems, line = judge(s, kind, op, err, n, code, out, fired, out_dir, full_check=(n == walked[-1]))
                     outcomes[code] = outcomes.get(code, 0) + 1
                     if fired and line and not said:
@@ -277,7 +328,7 @@ def matrix(args, s, rng):
 
 def loop(args, s, rng, err):
     failures = []
-    counts = {kind: s.count_calls(text) for kind, text in KINDS.items()}
+    counts = {kind: s.count_calls(kind) for kind in KINDS}
     for trial in range(args.trials):
         kind = rng.choice(sorted(KINDS))
         ops = [op for op in OPS if counts[kind].get(op, 0) > 0]
@@ -286,7 +337,7 @@ def loop(args, s, rng, err):
         sticky = rng.random() < 0.25  # a disk that stays full
         spec = "%s:%d:%s%s:%s" % (op, n, err, "+" if sticky else "", KINDS[kind])
         out_dir = os.path.join(s.work, "trial")
-        code, out, fired = s.faulted(out_dir, spec)
+        code, out, fired = s.faulted(out_dir, spec, kind)
         problems, line = judge(s, kind, op, err, n, code, out, fired, out_dir, full_check=True)
         for p in problems:
             failures.append("trial %d (%s): %s" % (trial, spec, p))
