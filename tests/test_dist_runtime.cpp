@@ -498,6 +498,10 @@ TEST(Stragglers, SlowLinkIsNamedAfterTwoWindows) {
   EXPECT_EQ(slow_links({0.05, 60.0}, {0, 1}), (std::vector<char>{0, 0}));
   EXPECT_EQ(slow_links({10.0, 60.0}), (std::vector<char>{0, 0}));  // 60 < 10 x (10 + 1)
   EXPECT_EQ(slow_links({-1.0, -1.0}), (std::vector<char>{0, 0}));  // nothing measured
+  // The fastest rank is the one with the lowest baseline (its median), 0.1 ms here: 40 ms is
+  // slow against it, not against the 5 ms of its 90th percentile.
+  EXPECT_EQ(slow_links({5.0, 40.0}, {}, {0.1, 10.0}), (std::vector<char>{0, 1}));
+  EXPECT_EQ(slow_links({5.0, 40.0}), (std::vector<char>{0, 0}));
   auto store = c10::make_intrusive<c10d::HashStore>();
   const int64_t window = 4;
   std::vector<std::unique_ptr<StragglerMonitor>> m;
@@ -570,7 +574,9 @@ TEST(Stragglers, BurstyLinkIsNamedByTheUpperTailOfItsRoundTrips) {
         std::vector<double> rt(5, 0.2);
         for (int i = 0; i < 5; ++i)
           if (int(k) * 5 + i < late) rt[i] = 35.0;
-        m[0]->add_step(step, 1.0, 0.0, 0.5, {0.05, 0.06});
+        // The store's own host: one late heartbeat a step (its 90th percentile is 9 ms, its
+        // median 0.06 ms) does not raise the bar.
+        m[0]->add_step(step, 1.0, 0.0, 0.5, {0.05, 0.06, 9.0});
         m[1]->add_step(step, 1.0, 0.0, 0.5, rt);
       }
   };

@@ -232,8 +232,8 @@ int run_training(const TrainRequest& req) {
         for (const StragglerReport& s : stragglers->take_reports()) {
           if (s.phase == "link") {
             log_warn("slow link: host ", s.host, " (rank ", s.rank, ") <-> host ", d.store_host(),
-                     " (the store's): heartbeat round trips ", format_sig(s.median_s * 1000), " ms against ",
-                     format_sig(s.fastest_s * 1000), " ms (fastest rank; 90th percentiles) in steps ", s.first_step, "-", s.last_step);
+                     " (the store's): heartbeat round trips ", format_sig(s.median_s * 1000), " ms (90th percentile) against ",
+                     format_sig(s.fastest_s * 1000), " ms (the fastest rank's median) in steps ", s.first_step, "-", s.last_step);
             rec.head_state.emplace_back("slow_link/" + std::to_string(s.rank), s.median_s * 1000);
             continue;
           }

@@ -54,9 +54,10 @@ std::vector<std::vector<double>> straggler_scores(const std::vector<std::vector<
   return out;
 }
 
-std::vector<char> slow_links(const std::vector<double>& round_trip_ms, const std::vector<char>& computing_slowly) {
+std::vector<char> slow_links(const std::vector<double>& round_trip_ms, const std::vector<char>& computing_slowly,
+                             const std::vector<double>& baseline_ms) {
   double fastest = -1;
-  for (double t : round_trip_ms)
+  for (double t : baseline_ms.empty() ? round_trip_ms : baseline_ms)
     if (t >= 0 && (fastest < 0 || t < fastest)) fastest = t;
   std::vector<char> out(round_trip_ms.size(), 0);
   for (size_t r = 0; r < round_trip_ms.size(); ++r)
@@ -190,7 +191,9 @@ void StragglerMonitor::judge(int64_t window_index, int64_t last_step) {
   std::vector<char> computing_slowly(world_, 0);
   for (int r = 0; r < world_; ++r)
     for (int p : {0, 2, 3, 4}) computing_slowly[r] = computing_slowly[r] || scores[r][p] < kThreshold;
-  const std::vector<char> slow = slow_links(round_trips, computing_slowly);
+  // Against the fastest rank's median: one late heartbeat of the store's own host would
+  // otherwise raise the bar for everyone.
+  const std::vector<char> slow = slow_links(round_trips, computing_slowly, round_trip_medians);
   {
     std::string rts, work;
     auto ms = [](double t) { return t < 0 ? std::string("-") : format_sig(t); };
@@ -202,7 +205,7 @@ void StragglerMonitor::judge(int64_t window_index, int64_t last_step) {
               "): heartbeat round trips (ms, 90th percentile/median) by rank: ", rts, "; lowest work score by rank: ", work);
   }
   double fastest_rt = -1;
-  for (double t : round_trips)
+  for (double t : round_trip_medians)
     if (t >= 0 && (fastest_rt < 0 || t < fastest_rt)) fastest_rt = t;
   for (const std::string& k : keys) store_->deleteKey(k);  // the store keeps no window's figures
   std::lock_guard<std::mutex> lock(m_);

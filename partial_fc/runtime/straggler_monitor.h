@@ -10,7 +10,7 @@
 // its queue fills while the step's collectives send (a rate-limited or congested link) delays
 // the heartbeats that meet the queue, and between bursts not at all, so a window's median
 // swings around any threshold while its upper tail stays high. A rank whose figure is at
-// least 10 ms and 10 times the fastest rank's (+1 ms) in two consecutive windows, while its
+// least 10 ms and 10 times the fastest rank's median (+1 ms) in two consecutive windows, while its
 // own work is not slow (a starved CPU delays its heartbeat too), has a slow link between its
 // host and the store's (reported with the phase "link", its figures in seconds).
 #pragma once
@@ -47,7 +47,10 @@ struct StragglerReport {
 std::vector<std::vector<double>> straggler_scores(const std::vector<std::vector<double>>& medians);
 // Per rank: whether its store round trip (ms; < 0: none measured) is a slow link's; a rank
 // marked in `computing_slowly` (its compute phases score below the threshold) never is.
-std::vector<char> slow_links(const std::vector<double>& round_trip_ms, const std::vector<char>& computing_slowly = {});
+// round_trip_ms: each rank's window figure; the fastest rank is the one with the lowest
+// baseline_ms (each rank's median round trip; empty: round_trip_ms itself).
+std::vector<char> slow_links(const std::vector<double>& round_trip_ms, const std::vector<char>& computing_slowly = {},
+                             const std::vector<double>& baseline_ms = {});
 // The window's figure for a link: the 90th percentile (nearest rank) of its round trips, -1
 // when there are none.
 double round_trip_figure(std::vector<double> round_trips_ms);

@@ -20,8 +20,9 @@ rank each, root needed) with the default hang limit's scale (3 x the median step
              other host; no checkpoint may be lost or half-written, and --resume auto after
              the link is back must continue from the last committed step).
   straggler  each trial trains 10 warm-up steps and 6 windows of 3 steps with nothing wrong
-             (a flag there is a false flag), then slows one rank for up to 6 windows (a cgroup-v1 CPU quota of
-             20-40%, or SIGSTOP/SIGCONT bursts): it must be named, the other never.
+             (a straggler or a slow link named there is a false flag), then slows one rank
+             for up to 6 windows (a cgroup-v1 CPU quota of 20-40%, or SIGSTOP/SIGCONT
+             bursts): it must be named, the other never.
 
 The stranger case (strangers.py, two ranks on this host): each trial starts a job and one
 kind of stranger (idle connections, random bytes, a 2^63 length prefix, a slow drip, a
@@ -534,7 +535,9 @@ def straggler(args, work, rng):
                 failures.append("trial %d: no step %d within 120 s:\n%s" % (trial, clean, job.log(0)[-1500:]))
                 continue
             s0 = job.step()
-            flagged_clean = re.findall(r"straggler: rank (\d)", job.log(0))
+            # A straggler or a slow link named before any fault is a false flag.
+            flagged_clean = re.findall(r"straggler: rank (\d)|slow link: .*?\(rank (\d)\)", job.log(0))
+            flagged_clean = [a or b for a, b in flagged_clean]
             clean_windows += (s0 - 10) // 3  # windows judged before the fault (steps 1-10 are warm-up)
             false_flags += len(flagged_clean)
             t0 = time.monotonic()
