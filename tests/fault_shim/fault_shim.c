@@ -6,7 +6,8 @@
  *     OP    open | write | fsync | rename | close (opens and closes for writing only)
  *     N     the call (1-based) among this process's calls of OP on matching paths
  *     ERR   ENOSPC | EDQUOT | EIO | EROFS | short (write: half the bytes are written and
- *           that count returned; once); a trailing "+" keeps failing from the N-th call
+ *           that count returned, once; for fwrite, with errno ENOSPC, since stdio writes
+ *           the rest of a partial write itself); a trailing "+" keeps failing from the N-th call
  *           on (a disk that stays full)
  *     TEXT  a part of the path (write/fsync/close: the path the descriptor was opened
  *           with; rename: either name); empty or absent: every path
@@ -201,8 +202,12 @@ size_t fwrite(const void* buf, size_t size, size_t n, FILE* f) {
   init();
   if (tracked(fileno(f)) && hit(OP_WRITE)) {
     if (g_short && n > 1) {
+      /* stdio writes the rest of a partial write(2) itself: a short fwrite means the write
+       * after the partial one failed, as when the disk fills in the middle. */
       g_op = -1;
-      return real_fwrite(buf, size, n / 2, f);
+      size_t done = real_fwrite(buf, size, n / 2, f);
+      errno = ENOSPC;
+      return done;
     }
     errno = g_err;
     return 0;
