@@ -531,8 +531,6 @@ TEST(Stragglers, SlowLinkIsNamedAfterTwoWindows) {
   EXPECT_GT(got[0].median_s, 0.35);
   EXPECT_NEAR(got[0].fastest_s, 0.05e-3, 1e-9);
   EXPECT_EQ(got[0].first_step, step - 2 * window + 1);
-  // While the link is slow, waits stretch every rank's backward (DDP's all-reduce overlaps
-  // it) and compute: rank 0's slower backward is not called a straggler's, the link still is.
   auto phases = [](double forward, double backward) {
     StepPhases ph;
     ph.forward = forward;
@@ -540,19 +538,6 @@ TEST(Stragglers, SlowLinkIsNamedAfterTwoWindows) {
     ph.optimizer = 0.05;
     return ph;
   };
-  for (int w = 0; w < 2; ++w)
-    for (int64_t k = 0; k < window; ++k) {
-      ++step;
-      m[0]->add_step(step, 2.2, 0.0, 0.5, {0.05}, phases(0.2, 1.4));
-      m[1]->add_step(step, 1.0, 0.0, 0.5, {400.0}, phases(0.2, 0.2));
-    }
-  ASSERT_TRUE(judged(*m[0], 9));
-  const std::vector<StragglerReport> waits = reports_of(*m[0]);
-  ASSERT_FALSE(waits.empty());
-  for (const auto& r : waits) {
-    EXPECT_EQ(r.rank, 1);
-    EXPECT_EQ(r.phase, "link");
-  }
   // A rank whose work is slow (a starved CPU: its heartbeat is late too) is a straggler, named
   // for its forward pass: no link is blamed.
   for (int w = 0; w < 2; ++w)
@@ -561,7 +546,7 @@ TEST(Stragglers, SlowLinkIsNamedAfterTwoWindows) {
       m[0]->add_step(step, 1.0, 0.0, 0.5, {0.05}, phases(0.2, 0.2));
       m[1]->add_step(step, 3.0, 0.0, 0.5, {40.0}, phases(0.6, 0.6));
     }
-  ASSERT_TRUE(judged(*m[0], 11));
+  ASSERT_TRUE(judged(*m[0], 9));
   const std::vector<StragglerReport> busy = reports_of(*m[0]);
   ASSERT_FALSE(busy.empty());
   bool forward = false;
@@ -571,21 +556,6 @@ TEST(Stragglers, SlowLinkIsNamedAfterTwoWindows) {
     forward = forward || r.phase == "forward";
   }
   EXPECT_TRUE(forward);
-  // Once the link has been over the limit for neither of the last two windows, a slow
-  // backward is a straggler's again.
-  for (int w = 0; w < 3; ++w)
-    for (int64_t k = 0; k < window; ++k) {
-      ++step;
-      m[0]->add_step(step, 2.2, 0.0, 0.5, {0.05}, phases(0.2, 1.4));
-      m[1]->add_step(step, 1.0, 0.0, 0.5, {0.1}, phases(0.2, 0.2));
-    }
-  ASSERT_TRUE(judged(*m[0], 14));
-  const std::vector<StragglerReport> after = reports_of(*m[0]);
-  ASSERT_FALSE(after.empty());
-  for (const auto& r : after) {
-    EXPECT_EQ(r.rank, 0);
-    EXPECT_EQ(r.phase, "backward");
-  }
 }
 
 // A rate-limited link delays the heartbeats that meet its queue while a collective sends

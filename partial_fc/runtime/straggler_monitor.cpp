@@ -194,12 +194,6 @@ void StragglerMonitor::judge(int64_t window_index, int64_t last_step) {
   // Against the fastest rank's median: one late heartbeat of the store's own host would
   // otherwise raise the bar for everyone.
   const std::vector<char> slow = slow_links(round_trips, computing_slowly, round_trip_medians);
-  // A slow link (whoever's, and a starved CPU's late heartbeats alike) stretches every rank's
-  // waits: the phases that hold them are not judged in such a window or the one after.
-  const std::vector<char> over = slow_links(round_trips, {}, round_trip_medians);
-  const bool link_over = std::find(over.begin(), over.end(), 1) != over.end();
-  const bool waits_unreliable = link_over || link_over_last_;
-  link_over_last_ = link_over;
   {
     std::string rts, work;
     auto ms = [](double t) { return t < 0 ? std::string("-") : format_sig(t); };
@@ -224,8 +218,7 @@ void StragglerMonitor::judge(int64_t window_index, int64_t last_step) {
     for (int p = 2; p < kPhases; ++p) phase_named = phase_named || (scores[r][p] < kThreshold && below_[r][p]);
     for (int p = 0; p < kPhases; ++p) {
       const bool below = scores[r][p] < kThreshold;
-      const bool holds_waits = p == 0 || p == 3;  // compute, backward
-      if (below && below_[r][p] && !(p == 0 && phase_named) && !(holds_waits && waits_unreliable)) {
+      if (below && below_[r][p] && !(p == 0 && phase_named)) {
         StragglerReport rep;
         rep.rank = r;
         rep.host = hosts_[r].empty() ? "?" : hosts_[r];

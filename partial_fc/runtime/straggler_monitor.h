@@ -12,11 +12,7 @@
 // swings around any threshold while its upper tail stays high. A rank whose figure is at
 // least 10 ms and 10 times the fastest rank's median (+1 ms) in two consecutive windows, while its
 // own work is not slow (a starved CPU delays its heartbeat too), has a slow link between its
-// host and the store's (reported with the phase "link", its figures in seconds). While some
-// rank's round trips are over that limit (in a window or the one before), the phases that
-// include waiting on the network (compute, and backward, where DDP's all-reduce overlaps)
-// say more about the link than about the rank: a rank is then named only for its data wait,
-// forward pass or optimiser.
+// host and the store's (reported with the phase "link", its figures in seconds).
 #pragma once
 #include <condition_variable>
 #include <cstdint>
@@ -104,7 +100,6 @@ class StragglerMonitor {
   int64_t windows_ = 0;
   std::vector<std::vector<char>> below_;  // [rank][phase]: below the threshold in the last window
   std::vector<char> slow_link_;            // [rank]: a slow link in the last window
-  bool link_over_last_ = false;            // some rank's round trips over the link limit in the last window
   std::vector<StragglerReport> reports_;
   std::vector<std::vector<double>> last_scores_;
   int64_t judged_ = 0;
