@@ -101,8 +101,8 @@ void StragglerMonitor::add_step(int64_t step, double step_s, double data_s, doub
   for (int k = 0; k < 3; ++k) phase_[k].push_back(own[k] < 0 ? -1.0 : own[k]);
   if (static_cast<int64_t>(compute_.size()) < window_) return;
   // Published: compute, data, round trip (the figure judged), forward, backward, optimizer
-  // (-1: not measured in every step of the window), the median round trip (for the debug
-  // line), and the last step.
+  // (-1: not measured in every step of the window), the median round trip (the fastest
+  // rank's is the slow-link baseline), and the last step.
   std::vector<double> v{median(compute_), median(data_), round_trip_figure(round_trip_)};
   for (auto& ph : phase_) {
     v.push_back(*std::min_element(ph.begin(), ph.end()) < 0 ? -1.0 : median(ph));
