@@ -11,8 +11,9 @@
 #               and resumed, then fp16 with loss scaling; the export to ONNX and
 #               faceshard-verify on the exported model; loss and verification accuracy
 #   step        faceshard-bench --mode step for r50 (batch 256) and mbf (batch 512) at sample
-#               rate 0.1 over 1M classes (bf16 and fp16, channels-last and NCHW), and beside them
-#               arcface_torch's own step on the same card (tools/arcface_torch_step.py)
+#               rate 0.1 over 1M classes (bf16 and fp16, channels-last and NCHW, eager and with
+#               the backbone's CUDA graphs), and beside them arcface_torch's own step on the
+#               same card (tools/arcface_torch_step.py)
 #   classifier  faceshard-bench --mode classifier at 1M and 10M classes: bytes per class from
 #               the CUDA allocator's peak, beside faceshard-plan's figure
 #   loader      the data loader on a synthetic JPEG .rec with 8 and 16 workers
@@ -35,7 +36,7 @@
 set -uo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 home="$(dirname "$here")"
-usage() { sed -n '2,31p' "$0"; }
+usage() { sed -n '2,/^# the check began/p' "$0"; }
 
 out=""; device=cuda; tiny=0; sections="env,tests,train,step,classifier,loader,capacity"; budget=420
 while [ $# -gt 0 ]; do
@@ -101,7 +102,8 @@ report() {
 # Sizes: the real check, or the plumbing at tiny sizes.
 if [ "$tiny" = 1 ]; then
   train_first=3; train_set=(--set train.max_steps=6 --set train.log_every=1 --set train.verify_every=3 --set train.checkpoint_every=3)
-  cells=("mbf_small 8 fp32 cl" "mbf_small 8 fp32 cl unfused" "mbf_small 8 fp32 cl jpeg" "mbf_small 8 fp32 nchw")
+  cells=("mbf_small 8 fp32 cl" "mbf_small 8 fp32 cl graph" "mbf_small 8 fp32 cl unfused" "mbf_small 8 fp32 cl jpeg"
+         "mbf_small 8 fp32 nchw")
   step_classes=2000; jpeg_ids=20; jpeg_images=10
   declare -A at_for=([mbf_small]="mbf 8 fp32")
   step_args=(--classes "$step_classes" --sample-rate 0.1 --steps 2 --windows 2 --warmup 1)
@@ -117,9 +119,11 @@ else
   # A fifth word names a variant: "unfused" is the same cell with optim.fused=false (the
   # per-parameter optimiser and DDP's bucket copies), the fused optimiser's contribution.
   # "atenprelu" the same with model.prelu_kernel=false (ATen's PReLU backward); "jpeg" reads a
-  # synthetic JPEG .rec through the loader (decoding, augmentation) instead of fixed pixels.
-  cells=("r50 256 bf16 cl" "r50 256 bf16 cl unfused" "r50 256 bf16 cl atenprelu" "r50 256 bf16 cl jpeg"
-         "r50 256 fp16 cl" "r50 256 bf16 nchw" "mbf 512 bf16 cl" "mbf 512 bf16 cl unfused" "mbf 512 bf16 cl atenprelu"
+  # synthetic JPEG .rec through the loader (decoding, augmentation) instead of fixed pixels;
+  # "graph" replays the backbone's CUDA graphs (train.cuda_graph=true).
+  cells=("r50 256 bf16 cl" "r50 256 bf16 cl graph" "mbf 512 bf16 cl" "mbf 512 bf16 cl graph"
+         "r50 256 bf16 cl unfused" "r50 256 bf16 cl atenprelu" "r50 256 bf16 cl jpeg"
+         "r50 256 fp16 cl" "r50 256 bf16 nchw" "mbf 512 bf16 cl unfused" "mbf 512 bf16 cl atenprelu"
          "mbf 512 bf16 cl jpeg" "mbf 512 fp16 cl")
   step_classes=1000000; jpeg_ids=1000; jpeg_images=20
   # arcface_torch trains in fp16 (its configs' fp16: True): its cell beside both precisions.
@@ -214,6 +218,7 @@ if want step; then
     cl=true; [ "$layout" = nchw ] && cl=false
     extra=(); [ "${variant:-}" = unfused ] && extra=(--set optim.fused=false)
     [ "${variant:-}" = atenprelu ] && extra=(--set model.prelu_kernel=false)
+    [ "${variant:-}" = graph ] && extra=(--set train.cuda_graph=true)
     if [ "${variant:-}" = jpeg ]; then
       if [ ! -s "$work/jpeg/train.rec" ]; then
         run jpeg_data 300 "$bin/faceshard-synth" --output "$work/jpeg" --identities "$jpeg_ids" \

@@ -164,7 +164,7 @@ def main():
             records.append({"who": "faceshard", "network": r["network"], "batch": r["batch_per_rank"],
                             "precision": r["precision"], "sample_rate": r.get("sample_rate"),
                             "variant": {"unfused": "optim.fused=false", "atenprelu": "model.prelu_kernel=false",
-                                        "jpeg": "JPEG .rec"}.get(variant, variant),
+                                        "jpeg": "JPEG .rec", "graph": "train.cuda_graph=true"}.get(variant, variant),
                             "channels_last": layout == "cl", "classes": r["classes"],
                             "images_per_s": r["images_per_s"], "peak_memory_mb": r.get("peak_memory_mb"),
                             "step_ms": r.get("step_ms"), "phases_ms": r.get("split_ms"), "card": card, "date": date})

@@ -707,6 +707,7 @@ void Config::visit(FieldVisitor& v) {
   v.field("train.loss_scale_growth_interval", train.loss_scale_growth_interval, at_least(1));
   v.field("train.tensorboard", train.tensorboard, none);
   v.field("train.cudnn_benchmark", train.cudnn_benchmark, none);
+  v.field("train.cuda_graph", train.cuda_graph, none);
   v.field("train.tf32", train.tf32, none);
   v.field("train.cpu_cache_gb", train.cpu_cache_gb, at_least(0));
 

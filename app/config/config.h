@@ -185,6 +185,10 @@ struct TrainConfig {
   int64_t loss_scale_growth_interval = 100;
   bool tensorboard = true;
   bool cudnn_benchmark = true;
+  // CUDA graphs: the backbone's forward and backward captured once and replayed every step
+  // (app/train/graphed_backbone.h); where capture is impossible the steps run eagerly, with
+  // one log line saying why.
+  bool cuda_graph = false;
   // Host memory the CPU block cache may keep for reuse (partial_fc/runtime/cpu_block_cache.h),
   // GB per rank; unset: a quarter of the machine's memory shared by its local ranks; 0: off.
   std::optional<double> cpu_cache_gb;

@@ -66,7 +66,8 @@ class PhaseClock {
 TrainStep::TrainStep(TrainJob& job, bool timing)
     : job_(job),
       timing_(timing),
-      first_bad_(torch::full({}, -1, torch::TensorOptions().device(job.device).dtype(torch::kLong))) {}
+      first_bad_(torch::full({}, -1, torch::TensorOptions().device(job.device).dtype(torch::kLong))),
+      backbone_run_(make_backbone_run(job)) {}
 
 StepResult TrainStep::run(const BatchSource& next, int64_t step) {
   TrainJob& j = job_;
@@ -85,7 +86,7 @@ StepResult TrainStep::run(const BatchSource& next, int64_t step) {
     Batch batch = next();
     r.data_wait_s += std::chrono::duration<double>(Clock::now() - t_data).count();
     clock.lap(r.times.data);
-    auto out = j.fc->forward(j.backbone->forward(batch.images), batch.labels);
+    auto out = j.fc->forward(backbone_run_(batch.images), batch.labels);
     at::Tensor loss = j.micro > 1 ? out.loss / static_cast<double>(j.micro) : out.loss;
     at::Tensor scaled = j.scaler->scale(loss).reshape(loss.sizes());
     j.ddp->prepare_for_backward({scaled});

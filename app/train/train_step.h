@@ -7,9 +7,11 @@
 #pragma once
 #include <functional>
 #include <optional>
+#include <utility>
 
 #include <torch/torch.h>
 
+#include "app/train/graphed_backbone.h"
 #include "app/train/train_job.h"
 #include "data/loader.h"
 
@@ -54,6 +56,10 @@ class TrainStep {
   // a reader that does not wait for the device.
   const at::Tensor& first_nonfinite_marker() const { return first_bad_; }
 
+  // How the step runs the backbone: make_backbone_run's choice (eagerly, or CUDA graphs with
+  // train.cuda_graph) unless replaced here (tests: a GraphedBackbone on the CPU).
+  void set_backbone_run(BackboneRun run) { backbone_run_ = std::move(run); }
+
   // Called on every rank after the step's backward, before unscaling and the optimisers,
   // with the 1-based step number (fault injection).
   void set_gradient_hook(std::function<void(int64_t step)> hook) { gradient_hook_ = std::move(hook); }
@@ -63,6 +69,7 @@ class TrainStep {
   bool timing_;
   at::Tensor first_bad_;  // int64 0-dim on the device, -1 while every loss was finite
   std::function<void(int64_t)> gradient_hook_;
+  BackboneRun backbone_run_;
 };
 
 }  // namespace faceshard
