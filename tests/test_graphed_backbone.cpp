@@ -103,7 +103,16 @@ Outcome train(const Config& cfg, std::shared_ptr<Distributed> dist, const std::v
     return b;
   };
   Outcome o;
-  for (int k = 0; k < steps; ++k) o.losses.push_back(step.run(next, k).loss.item<double>());
+  for (int k = 0; k < steps; ++k) {
+    o.losses.push_back(step.run(next, k).loss.item<double>());
+    // No parameter's gradient is the captured backward's static gradient (the next replay
+    // would rewrite it).
+    if (graphed && graphed->captured())
+      for (size_t i = 0; i < job.backbone_params.size(); ++i)
+        if (job.backbone_params[i].grad().defined() && graphed->static_gradients().at(i).defined())
+          EXPECT_FALSE(job.backbone_params[i].grad().is_alias_of(graphed->static_gradients()[i]))
+              << "parameter " << i << "'s .grad is the static gradient after step " << k;
+  }
   for (const auto& p : job.backbone->parameters()) o.params.push_back(p.detach().clone());
   for (const auto& b : job.backbone->buffers()) o.buffers.push_back(b.detach().clone());
   o.centres = job.fc->weight().detach().clone();
@@ -146,6 +155,7 @@ const Variant kVariants[] = {
     {"sampling, gradient accumulation", "loss: {sample_rate: 0.5}\noptim: {grad_accumulation: 2}\n", "", 2},
     {"loss scaling", "", "loss_scaling: 'on', ", 1},
     {"unfused optimiser", "optim: {fused: false}\n", "", 1},
+    {"unfused optimiser, gradient accumulation", "optim: {fused: false, grad_accumulation: 2}\n", "", 2},
 };
 
 TEST(GraphedBackbone, StepsEqualTheEagerStep) {

@@ -84,26 +84,41 @@ void GraphedBackbone::capture(const at::Tensor& images) {
     AutocastCacheOff cache_off;
     torch::NoGradGuard ng;
     static_in_ = images.detach().clone(at::MemoryFormat::Preserve);
-    auto run_forward = [this] {
-      torch::AutoGradMode grad_on(true);
-      static_out_ = backbone_->forward(static_in_);
+    // A piece's results are the static tensors: the run that is captured makes them; a
+    // replay writes into them again (a graph's replay rewrites the same memory). Where a
+    // recorder replays by running the piece again (the CPU's EagerReplay), the piece copies
+    // its new results into them, so that the static memory behaves as a GPU's replays leave it.
+    auto keep = [](at::Tensor& into, const at::Tensor& value) {
+      if (into.defined() && value.defined()) into.copy_(value);
+      else into = value;
     };
-    auto run_backward = [this] {
+    auto run_forward = [this, keep] {
+      torch::AutoGradMode grad_on(true);
+      graph_out_ = backbone_->forward(static_in_);
+      torch::NoGradGuard ng;
+      keep(static_out_, graph_out_);
+    };
+    auto run_backward = [this, keep] {
       // The gradient with respect to the parameters only: nothing is accumulated into .grad
       // (and no hook of DataParallel fires) here; the node's backward hands them over.
-      static_grads_ = torch::autograd::grad({static_out_}, params_, {static_grad_out_}, /*retain_graph=*/true,
-                                            /*create_graph=*/false, /*allow_unused=*/true);
+      std::vector<at::Tensor> g = torch::autograd::grad({graph_out_}, params_, {static_grad_out_},
+                                                        /*retain_graph=*/true, /*create_graph=*/false,
+                                                        /*allow_unused=*/true);
+      static_grads_.resize(g.size());
+      for (size_t i = 0; i < g.size(); ++i) keep(static_grads_[i], g[i]);
     };
     recorder_->warm_up(
         [&] {
-          run_forward();
-          if (!static_grad_out_.defined()) static_grad_out_ = torch::ones_like(static_out_);
-          run_backward();
+          torch::AutoGradMode grad_on(true);
+          const at::Tensor out = backbone_->forward(static_in_);
+          if (!static_grad_out_.defined()) static_grad_out_ = torch::ones_like(out);
+          torch::autograd::grad({out}, params_, {static_grad_out_}, /*retain_graph=*/false, /*create_graph=*/false,
+                                /*allow_unused=*/true);
         },
         warm_ups_);
     if (!static_grad_out_.defined()) {  // no warm-up: the output's shape from one forward
-      run_forward();
-      static_grad_out_ = torch::ones_like(static_out_);
+      torch::AutoGradMode grad_on(true);
+      static_grad_out_ = torch::ones_like(backbone_->forward(static_in_));
     }
     recorder_->capture(0, run_forward);
     recorder_->capture(1, run_backward);
@@ -128,7 +143,7 @@ void GraphedBackbone::capture(const at::Tensor& images) {
   if (ok) log_info("train.cuda_graph: ", eager_reason_, "; the steps run eagerly");
   else log_warn("train.cuda_graph: ", eager_reason_, "; the steps run eagerly");
   recorder_.reset();
-  static_in_ = static_out_ = static_grad_out_ = at::Tensor();
+  static_in_ = static_out_ = graph_out_ = static_grad_out_ = at::Tensor();
   static_grads_.clear();
 }
 
@@ -155,7 +170,14 @@ std::vector<at::Tensor> GraphedBackbone::replay_backward(const at::Tensor& grad_
   if (!grad_output.defined()) return std::vector<at::Tensor>(params_.size());
   static_grad_out_.copy_(grad_output);
   recorder_->replay(1);
-  return static_grads_;
+  // A static gradient is never handed out as a parameter's .grad: autograd adds it into a
+  // .grad that exists (the flat buffers), but may adopt the tensor itself as the .grad of a
+  // parameter that has none (the per-parameter optimiser drops its gradients each step), and
+  // the next replay would then rewrite that .grad under the accumulation. Those get a copy.
+  std::vector<at::Tensor> out(static_grads_.size());
+  for (size_t i = 0; i < out.size(); ++i)
+    if (static_grads_[i].defined()) out[i] = params_[i].grad().defined() ? static_grads_[i] : static_grads_[i].clone();
+  return out;
 }
 
 std::function<bool(bool)> capture_agreement(Distributed& dist) {

@@ -60,6 +60,8 @@ class GraphedBackbone {
   const std::string& eager_reason() const { return eager_reason_; }
   // Calls that ran eagerly because their batch differs from the captured one.
   int64_t eager_calls() const { return eager_calls_; }
+  // The captured backward's gradients, one per trainable parameter (for inspection).
+  const std::vector<at::Tensor>& static_gradients() const { return static_grads_; }
 
   // Used by the autograd node (graphed_backbone.cpp).
   at::Tensor replay_forward(const at::Tensor& images);
@@ -77,7 +79,9 @@ class GraphedBackbone {
   bool tried_ = false, captured_ = false;
   std::string eager_reason_;
   int64_t eager_calls_ = 0;
-  at::Tensor static_in_, static_out_, static_grad_out_;
+  // graph_out_: the captured forward's output, which the captured backward differentiates;
+  // static_out_: its values (the same tensor once captured on a GPU).
+  at::Tensor static_in_, static_out_, graph_out_, static_grad_out_;
   std::vector<at::Tensor> static_grads_;
 };
 
