@@ -204,6 +204,20 @@ TEST(Plan, PartsFollowTheirFormulas) {
     }
   }
   EXPECT_EQ(adamw_parts, 1);
+  // train.cuda_graph: one more part, the captured gradients, the static input batch and the
+  // static output with its gradient; nothing else changes.
+  EXPECT_EQ(part.count("backbone/CUDA graphs' static tensors"), 0u);
+  JobPlanInputs g = r50_job();
+  g.cuda_graph = true;
+  const JobMemoryPlan pg = plan_job_memory(g, t);
+  double graphs = -1;
+  for (const auto& x : pg.parts)
+    if (x.group + "/" + x.name == "backbone/CUDA graphs' static tensors") graphs = x.bytes;
+  EXPECT_DOUBLE_EQ(graphs, 4 * P + 128.0 * 3 * 112 * 112 * 4 + 2 * 128.0 * 512 * 4);
+  EXPECT_DOUBLE_EQ(pg.total_bytes(), p.total_bytes() + graphs);
+  // The config's key reaches the plan.
+  EXPECT_TRUE(job_plan_inputs(load_config_text("train: {cuda_graph: true}\ndata: {num_classes: 1000}\n", "g.yaml"), 1)
+                  .cuda_graph);
 }
 
 TEST(Plan, LargestClassCountFitsAndOneMoreDoesNot) {

@@ -28,13 +28,13 @@ const char* kUsage =
     "                      [--precision fp32|bf16|fp16] [--checkpointing on|off] [--classes C] [--ranks W]\n"
     "                      [--sample-rate R] [--optimizer sgd|adamw] [--fc-optimizer sgd|adamw]\n"
     "                      [--fc-update sampled|all] [--fc-state-dtype fp32|bf16] [--fc-weight-dtype fp32|bf16]\n"
-    "                      [--logits auto|buffer|streamed] [--grad-accumulation K]\n"
+    "                      [--logits auto|buffer|streamed] [--grad-accumulation K] [--cuda-graph on|off]\n"
     "                      [--device-memory SIZE] [--reserve SIZE] [--activations FILE] [--json FILE]\n"
     "  --config FILE        a training config gives the settings (model.backbone, data.batch_size or\n"
     "                       data.global_batch_size, train.precision, model.checkpointing, data.num_classes,\n"
     "                       loss.sample_rate, optim.*); the flags override it. Defaults: r50, batch 128,\n"
     "                       fp32, the network's checkpointing, 1 rank, sample rate 1.0, sgd\n"
-    "  --batch B            images per rank (per micro-batch)\n"
+    "  --batch B            images per rank (per micro-batch)\n"    "  --cuda-graph on|off  the backbone's CUDA graphs (train.cuda_graph) and the static tensors they keep\n"
     "  --classes C          identities, e.g. 2059906, 125k, 1.4M, 29M\n"
     "  --ranks W            ranks (GPUs) the classifier is sharded over (default 1)\n"
     "  --device-memory SIZE one device's memory, e.g. 80GB (10^9 B), 80GiB (2^30 B), 32510MiB: says whether\n"
@@ -131,7 +131,7 @@ int main(int argc, char** argv) {
       const std::string& s = args.rest[i];
       static const char* known[] = {"--network", "--batch", "--precision", "--checkpointing", "--classes",
                                     "--ranks", "--sample-rate", "--optimizer", "--fc-optimizer", "--fc-update",
-                                    "--fc-state-dtype", "--fc-weight-dtype", "--logits", "--grad-accumulation",
+                                    "--fc-state-dtype", "--fc-weight-dtype", "--logits", "--grad-accumulation", "--cuda-graph",
                                     "--device-memory", "--reserve",
                                     "--activations", "--json"};
       if (std::find(std::begin(known), std::end(known), s) == std::end(known))
@@ -163,6 +163,7 @@ int main(int argc, char** argv) {
       in.fc_weight_dtype = choice("--fc-weight-dtype", flag["--fc-weight-dtype"], {"fp32", "bf16"});
     if (has("--logits")) in.logits = choice("--logits", flag["--logits"], {"auto", "buffer", "streamed"});
     if (has("--grad-accumulation")) in.grad_accumulation = parse_count("--grad-accumulation", flag["--grad-accumulation"]);
+    if (has("--cuda-graph")) in.cuda_graph = choice("--cuda-graph", flag["--cuda-graph"], {"on", "off"}) == "on";
     const std::optional<double> device = has("--device-memory") ? std::optional<double>(parse_size("--device-memory", flag["--device-memory"])) : std::nullopt;
     const double reserve = has("--reserve") ? parse_size("--reserve", flag["--reserve"]) : 1073741824.0;
     const ActivationTable table =

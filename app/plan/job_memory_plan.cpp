@@ -46,6 +46,7 @@ JobPlanInputs job_plan_inputs(const Config& cfg, int world_size) {
   in.fc_weight_dtype = cfg.optim.fc_weight_dtype;
   in.logits = cfg.loss.logits;
   in.grad_accumulation = cfg.optim.grad_accumulation;
+  in.cuda_graph = cfg.train.cuda_graph;
   in.embedding_size = cfg.model.embedding_size;
   return in;
 }
@@ -122,6 +123,13 @@ JobMemoryPlan plan_job_memory(const JobPlanInputs& in, const ActivationTable& ta
   const double image = 3.0 * static_cast<double>(in.image_size * in.image_size) * 4;
   add("backbone", "input batch", B * image, num(B) + " x 3 x " + std::to_string(in.image_size) + " x " +
                                                 std::to_string(in.image_size) + " x 4 B");
+  // train.cuda_graph (graphed_backbone.h): the graphs' pool holds a second copy of the
+  // gradients (the captured backward's, added into .grad after each replay), the static input
+  // and the static output with its gradient, besides the activations counted above.
+  if (in.cuda_graph)
+    add("backbone", "CUDA graphs' static tensors", 4 * P + B * image + 2 * B * d * 4,
+        params + " x 4 B (the captured gradients) + the static input batch + " + num(B) + " x " + num(d) +
+            " x 4 B x 2 (output and its gradient)");
 
   PartialFCOptions po;
   po.num_classes = in.num_classes;

@@ -34,6 +34,7 @@ struct JobPlanInputs {
   std::string fc_weight_dtype = "fp32"; // optim.fc_weight_dtype: fp32 | bf16
   std::string logits = "auto";          // loss.logits: auto | buffer | streamed
   int64_t grad_accumulation = 1;       // micro-batches per step (batch_per_rank is one micro-batch)
+  bool cuda_graph = false;             // train.cuda_graph: the backbone's graphs keep static tensors
   int64_t embedding_size = 512;
   int64_t image_size = 112;
 };
