@@ -458,6 +458,7 @@ RecordIndex::RecordIndex(const std::string& idx_path, uint64_t rec_size, const R
     }
   }
   image_->adopt(std::move(words));
+  cache_problem_ = why_not;
   source_ = "memory (" + why_not + ")";
 }
 

@@ -66,7 +66,9 @@ class RecordIndex {
   // "memory", or "memory (<why the cache was not used>)" when a cache folder was given but
   // could not be written or locked (cache_failed()).
   const std::string& source() const { return source_; }
-  bool cache_failed() const { return source_.rfind("memory (", 0) == 0; }
+  bool cache_failed() const { return !cache_problem_.empty(); }
+  // Why the cache was not used ("" when it was, or when none was asked for).
+  const std::string& cache_problem() const { return cache_problem_; }
   // Bytes of the compact form (mapped or held).
   uint64_t bytes() const;
 
@@ -75,6 +77,7 @@ class RecordIndex {
   struct Image;
   std::unique_ptr<Image> image_;
   std::string source_;
+  std::string cache_problem_;
 };
 
 }  // namespace faceshard

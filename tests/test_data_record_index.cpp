@@ -187,12 +187,17 @@ TEST(RecordIndex, CacheFileThatCannotBeWrittenLeavesNoFileAndFallsBackToMemory) 
     EXPECT_NE(r.index().source().find("cannot write " + cache + "/" + cache_file), std::string::npos)
         << r.index().source();
     EXPECT_NE(r.index().source().find(std::strerror(EISDIR)), std::string::npos) << r.index().source();
+    // The reason alone, as the trainer's warning quotes it.
+    EXPECT_EQ(r.index().source(), "memory (" + r.index().cache_problem() + ")");
+    EXPECT_EQ(r.index().cache_problem().rfind("cannot write " + cache + "/" + cache_file, 0), 0u)
+        << r.index().cache_problem();
     EXPECT_FALSE(fs::exists(cache + "/" + cache_file));
     expect_index_equals(r, keys, where);
   }
   fs::remove(blocker);
   const IndexedRecordIO r(d / "a.rec", d / "a.idx", cache_in(cache));
   EXPECT_FALSE(r.index().cache_failed()) << r.index().source();
+  EXPECT_EQ(r.index().cache_problem(), "");
   EXPECT_NE(r.index().source().find("(built)"), std::string::npos) << r.index().source();
   expect_index_equals(r, keys, where);
 }

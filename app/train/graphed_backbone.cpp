@@ -142,9 +142,10 @@ void GraphedBackbone::capture(const at::Tensor& images) {
   eager_reason_ = ok ? "the capture failed on another rank" : "the capture failed: " + problem;
   if (ok) log_info("train.cuda_graph: ", eager_reason_, "; the steps run eagerly");
   else log_warn("train.cuda_graph: ", eager_reason_, "; the steps run eagerly");
-  recorder_.reset();
+  // The tensors (in the graphs' pool) before the graphs and their pool.
   static_in_ = static_out_ = graph_out_ = static_grad_out_ = at::Tensor();
   static_grads_.clear();
+  recorder_.reset();
 }
 
 at::Tensor GraphedBackbone::forward(const at::Tensor& images) {

@@ -105,7 +105,7 @@ void build_data(TrainJob& j) {
     const RecordIndex& idx = rec->records().index();
     if (idx.cache_failed()) {
       // Training does not need the cache: one warning, the index held in memory.
-      log_warn("data: index cache not used (", idx.source().substr(8, idx.source().size() - 9),
+      log_warn("data: index cache not used (", idx.cache_problem(),
                "); the index of ", rec->records().num_entries(), " records is held in memory");
     } else if (d.rank() == 0) {
       log_info("data: ", rec->size(), " images, index of ", rec->records().num_entries(), " records from ",
