@@ -6,8 +6,11 @@ results.json and the summary table (stdout).
 results.json holds "card", "date", "env", "sections" (each command's exit status and
 seconds), "tests", "train", "records" (one per step cell: who, network, batch, precision,
 sample_rate, channels_last, images_per_s, peak_memory_mb, card, ...: the format of
-docs/benchmarks/), "ratios" (faceshard over arcface_torch per cell), "classifier" (bytes per
-class measured and planned) and "loader". Exit status 1 when a section failed or a check
+docs/benchmarks/), "ratios" (faceshard over arcface_torch per cell), "contributions" (each
+variant cell against its base cell: what the fused optimiser, the PReLU kernel, the CUDA graphs
+and the real input pipeline each change), "targets" (the step's targets on a GPU, held or
+not: reported, not a failed check), "classifier" (bytes per class measured and planned) and
+"loader". Exit status 1 when a section failed or a check
 did not hold (a test failed, the loss did not fall, a cell has no result).
 """
 
@@ -54,6 +57,61 @@ def mfu(network, images_per_s, card, precision):
     if peak is None or network not in GMAC or precision not in ("bf16", "fp16") or not images_per_s:
         return None
     return images_per_s * GMAC[network] * 1e9 * 6 / (peak * 1e12)
+
+
+# A variant cell against the base cell (same network, batch, precision and layout): what the
+# change is, and whether the variant is the change on (its speed-up is variant / base) or off
+# (base / variant).
+VARIANTS = {"unfused": ("optim.fused=false", "the fused optimiser", False),
+            "atenprelu": ("model.prelu_kernel=false", "the PReLU backward kernel", False),
+            "graph": ("train.cuda_graph=true", "CUDA graphs of the backbone", True),
+            "jpeg": ("JPEG .rec", "the real input pipeline (JPEG .rec through the loader)", True)}
+
+# The step's targets on one GPU (bf16, channels-last): images/s, times arcface_torch's step,
+# and the real input pipeline's largest slowdown against fixed pixels.
+TARGETS = {("r50", 256): (3500.0, 2.0, 0.05), ("mbf", 512): (10000.0, 4.0, 0.10)}
+
+
+def contributions_of(records, raw_variant):
+    out = []
+    for r in records:
+        key = raw_variant.get(id(r), "")
+        if r["who"] != "faceshard" or key not in VARIANTS:
+            continue
+        base = [x for x in records if x["who"] == "faceshard" and not raw_variant.get(id(x)) and
+                all(x[k] == r[k] for k in ("network", "batch", "precision", "channels_last"))]
+        if not base or not base[0]["images_per_s"] or not r["images_per_s"]:
+            continue
+        _, change, on = VARIANTS[key]
+        b, v = base[0]["images_per_s"], r["images_per_s"]
+        out.append({"network": r["network"], "batch": r["batch"], "precision": r["precision"],
+                    "channels_last": r["channels_last"], "change": change, "variant": key,
+                    "base_images_per_s": b, "variant_images_per_s": v, "speedup": v / b if on else b / v})
+    return out
+
+
+def targets_of(records, raw_variant, ratios_ref, card):
+    out = []
+    for (net, batch), (ips, times, slowdown) in TARGETS.items():
+        cells = [r for r in records if r["who"] == "faceshard" and r["network"] == net and r["batch"] == batch and
+                 r["precision"] == "bf16" and r["channels_last"] and raw_variant.get(id(r), "") in ("", "graph")]
+        if not cells:
+            continue
+        best = max(cells, key=lambda r: r["images_per_s"])
+        ref = ratios_ref(net, batch)
+        t = {"network": net, "batch": batch, "card": card, "images_per_s": best["images_per_s"],
+             "variant": raw_variant.get(id(best), ""), "target_images_per_s": ips,
+             "times_arcface_torch": best["images_per_s"] / ref if ref else None, "target_times_arcface_torch": times}
+        jpeg = [r for r in records if r["who"] == "faceshard" and r["network"] == net and r["batch"] == batch and
+                r["precision"] == "bf16" and r["channels_last"] and raw_variant.get(id(r)) == "jpeg"]
+        base = [r for r in cells if not raw_variant.get(id(r))]
+        if jpeg and base and base[0]["images_per_s"]:
+            t["input_pipeline_slowdown"] = 1 - jpeg[0]["images_per_s"] / base[0]["images_per_s"]
+            t["target_input_pipeline_slowdown"] = slowdown
+        t["held"] = (t["images_per_s"] >= ips and t["times_arcface_torch"] is not None and
+                     t["times_arcface_torch"] >= times and t.get("input_pipeline_slowdown", 0) <= slowdown)
+        out.append(t)
+    return out
 
 
 def pct(x):
@@ -146,6 +204,7 @@ def main():
 
     # step cells
     records = []
+    raw_variant = {}  # id(record) -> its cell's variant word ("" for a base cell)
     for path in sorted(glob.glob(os.path.join(d, "step_*.json"))):
         r = load(path)
         if not r:
@@ -163,11 +222,11 @@ def main():
             layout = words[-2] if variant else words[-1]
             records.append({"who": "faceshard", "network": r["network"], "batch": r["batch_per_rank"],
                             "precision": r["precision"], "sample_rate": r.get("sample_rate"),
-                            "variant": {"unfused": "optim.fused=false", "atenprelu": "model.prelu_kernel=false",
-                                        "jpeg": "JPEG .rec", "graph": "train.cuda_graph=true"}.get(variant, variant),
+                            "variant": VARIANTS[variant][0] if variant in VARIANTS else variant,
                             "channels_last": layout == "cl", "classes": r["classes"],
                             "images_per_s": r["images_per_s"], "peak_memory_mb": r.get("peak_memory_mb"),
                             "step_ms": r.get("step_ms"), "phases_ms": r.get("split_ms"), "card": card, "date": date})
+            raw_variant[id(records[-1])] = variant
     for r in records:
         r["mfu"] = mfu(r["network"], r["images_per_s"], card, r["precision"])
     for s in sections:
@@ -185,6 +244,13 @@ def main():
                            "channels_last": r["channels_last"], "faceshard": r["images_per_s"],
                            "arcface_torch": ref[0]["images_per_s"], "arcface_torch_precision": ref[0]["precision"],
                            "ratio": r["images_per_s"] / ref[0]["images_per_s"] if ref[0]["images_per_s"] else None})
+
+    contributions = contributions_of(records, raw_variant)
+
+    def arcface_torch_images_per_s(net, batch):
+        ref = [x for x in records if x["who"] == "arcface_torch" and x["network"] == net and x["batch"] == batch]
+        return ref[0]["images_per_s"] if ref else None
+    targets = targets_of(records, raw_variant, arcface_torch_images_per_s, card) if a.device == "cuda" else []
 
     # classifier: bytes per class measured (the allocator's peak slope) and planned
     classifier = []
@@ -219,7 +285,8 @@ def main():
     loader = load(os.path.join(d, "loader.json"), {})
 
     results = {"card": card, "date": date, "device": a.device, "env": env, "sections": sections, "tests": tests,
-               "train": train, "records": records, "ratios": ratios, "classifier": classifier, "loader": loader,
+               "train": train, "records": records, "ratios": ratios, "contributions": contributions,
+               "targets": targets, "classifier": classifier, "loader": loader,
                "problems": problems}
     tmp = a.results + ".tmp"
     with open(tmp, "w") as f:
@@ -255,6 +322,17 @@ def main():
             print(f"   faceshard/arcface_torch {q['network']} {q['batch']} {q['precision']} "
                   f"{'NHWC' if q['channels_last'] else 'NCHW'}{' ' + q['variant'] if q.get('variant') else ''}: {q['ratio']:.2f}x "
                   f"(arcface_torch {q['arcface_torch_precision']})")
+    for q in contributions:
+        print(f"   {q['change']}: {q['speedup']:.2f}x ({q['network']} {q['batch']} {q['precision']} "
+              f"{'NHWC' if q['channels_last'] else 'NCHW'}: {q['base_images_per_s']:.1f} images/s, with "
+              f"{VARIANTS[q['variant']][0]} {q['variant_images_per_s']:.1f})")
+    for t in targets:
+        slow = t.get("input_pipeline_slowdown")
+        print(f"-- target {t['network']} {t['batch']} bf16 on {t['card']}: {t['images_per_s']:.0f} images/s "
+              f"({t['variant'] or 'eager'}; target {t['target_images_per_s']:.0f}), "
+              f"{fmt(t['times_arcface_torch'], 2)}x arcface_torch (target {t['target_times_arcface_torch']:.0f}x)"
+              + (f", JPEG .rec {100 * slow:.1f}% slower (target {100 * t['target_input_pipeline_slowdown']:.0f}%)"
+                 if slow is not None else "") + (": held" if t["held"] else ": not held"))
     for c in classifier:
         if "bytes_per_class" in c:
             planned = c.get("planned_bytes_per_class")

@@ -87,6 +87,12 @@ for x in r["records"]:
         assert k in x, f"a record lacks {k}: {x}"
     assert x["images_per_s"] > 0, x
 assert r["ratios"] and all(q["ratio"] > 0 for q in r["ratios"]), r["ratios"]
+# Each variant cell of the tiny run against its base cell: CUDA graphs (eager on the CPU), the
+# fused optimiser, the JPEG input pipeline.
+got = sorted(q["variant"] for q in r["contributions"])
+assert got == ["graph", "jpeg", "unfused"], r["contributions"]
+assert all(q["speedup"] > 0 and q["base_images_per_s"] > 0 for q in r["contributions"]), r["contributions"]
+assert r["targets"] == [], r["targets"]  # GPU targets: not judged on the CPU
 assert any("bytes_per_class" in c and c.get("planned_bytes_per_class") for c in r["classifier"]), r["classifier"]
 assert len(r["loader"]["results"]) == 2, r["loader"]
 assert r["tests"]["passed"] > 0 and r["tests"]["failed"] == 0, r["tests"]
