@@ -1,6 +1,5 @@
 #include "app/train/step_recorder.h"
 
-#include <optional>
 #include <utility>
 
 #ifdef FACESHARD_WITH_CUDA
