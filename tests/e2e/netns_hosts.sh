@@ -28,8 +28,11 @@ if ! { ip netns add "$h0" && ip netns add "$h1" && ip link add "$if0" type veth 
 fi
 on() { local ns="$1"; shift; ip netns exec "$ns" "$@"; }
 # launch NS NODE_RANK NPROC LOG PROGRAM... : tools/launch.sh on host NS, in the background.
+# LOG is emptied before launch returns, so that a caller waiting for a line in a reused LOG
+# never reads the previous run's lines (the background job's own redirection comes later).
 launch() {
   local ns="$1" node="$2" nproc="$3" log="$4"; shift 4
+  : > "$log"
   on "$ns" "$root/tools/launch.sh" --nproc "$nproc" --nnodes 2 --node-rank "$node" --master-addr "$a0" \
     --master-port 29500 --grace-s 30 -- "$@" > "$log" 2>&1 &
 }
