@@ -2,13 +2,17 @@
 
 #include <algorithm>
 #include <cctype>
+#include <chrono>
 #include <filesystem>
 #include <fstream>
 #include <random>
 
+#include "data/image_check.h"
 #include "data/image_record.h"
 #include "data/index_check.h"
+#include "data/pack_source.h"
 #include "partial_fc/runtime/error.h"
+#include "partial_fc/runtime/log.h"
 
 namespace faceshard {
 
@@ -60,36 +64,73 @@ std::string RecordIODataset::describe(uint64_t index) const {
 // ImageFolderDataset
 
 namespace {
-bool is_image(const fs::path& p) {
-  std::string ext = p.extension().string();
-  std::transform(ext.begin(), ext.end(), ext.begin(), [](unsigned char c) { return char(std::tolower(c)); });
-  return ext == ".jpg" || ext == ".jpeg" || ext == ".png" || ext == ".bmp";
+
+std::string absolute_text(const std::string& p) {
+  std::error_code ec;
+  const fs::path a = fs::absolute(p, ec);
+  return ec ? p : a.lexically_normal().string();
 }
+
+// The problems of a folder, bounded: the first kMaxListedProblems one line each, then how
+// many more. `prefix` starts each line.
+void log_problems(const std::vector<PackProblem>& problems, LogLevel level, const std::string& prefix) {
+  for (size_t k = 0; k < problems.size() && k < kMaxListedProblems; ++k)
+    log_message(level, prefix + problems[k].path + ": " + problems[k].what);
+  if (problems.size() > kMaxListedProblems)
+    log_message(level, detail::concat(prefix, "... and ", problems.size() - kMaxListedProblems, " more (",
+                                      problems.size(), " problems in all)"));
+}
+
 }  // namespace
 
-ImageFolderDataset::ImageFolderDataset(const std::string& root) {
+ImageFolderDataset::ImageFolderDataset(const std::string& root, const ImageFolderOptions& o) {
   std::error_code ec;
   if (!fs::is_directory(root, ec)) throw usage_error(root, ": not a directory (expected one sub-folder per identity)");
-  std::vector<fs::path> dirs;
-  for (const auto& e : fs::directory_iterator(root)) {
-    if (e.is_directory()) dirs.push_back(e.path());
+  const std::string abs = absolute_text(root);
+  // Listed as faceshard-pack lists it: the same classes, the same problems.
+  PackSource src = list_pack_source(abs);
+  std::vector<PackProblem> problems = src.problems;
+  std::vector<uint64_t> bad;
+  if (o.check_images) {
+    const auto t0 = std::chrono::steady_clock::now();
+    bad = check_source_images(src, o.image_size, o.threads, problems);
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    if (o.report)
+      log_info("data: checked ", src.items.size(), " images of '", abs, "' in ", format_sig(s), " s (every file's ",
+               o.image_size, "x", o.image_size, " header and end, ", o.threads, o.threads == 1 ? " thread)" : " threads)");
   }
-  std::sort(dirs.begin(), dirs.end());
-  for (const auto& d : dirs) {
-    std::vector<fs::path> imgs;
-    for (const auto& e : fs::directory_iterator(d)) {
-      if (e.is_regular_file() && is_image(e.path())) imgs.push_back(e.path());
-    }
-    std::sort(imgs.begin(), imgs.end());
-    if (imgs.empty()) continue;  // like torchvision's ImageFolder, empty folders are no class
-    const int64_t label = int64_t(class_names_.size());
-    class_names_.push_back(d.filename().string());
-    for (const auto& f : imgs) {
-      files_.push_back(f.string());
-      labels_.push_back(label);
-    }
+  std::stable_sort(problems.begin(), problems.end(),
+                   [](const PackProblem& a, const PackProblem& b) { return a.path < b.path; });
+  if (!problems.empty() && !o.skip_bad) {
+    const std::string fix = "; fix them, or set data.skip_bad: true to leave those files and folders out";
+    if (problems.size() == 1)
+      throw usage_error("data.rec '", abs, "': ", problems[0].path, ": ", problems[0].what,
+                        "; fix it, or set data.skip_bad: true to leave it out");
+    if (o.report) log_problems(problems, LogLevel::Error, "data: ");
+    throw usage_error("data.rec '", abs, "': ", problems.size(), " problems in the image folder (",
+                      problems.size() > kMaxListedProblems ? detail::concat("the first ", kMaxListedProblems)
+                                                           : std::string("each"),
+                      " listed above)", fix);
   }
-  if (files_.empty()) throw usage_error(root, ": no images found in its sub-folders");
+  const size_t folders = problems.size() - bad.size();
+  const std::vector<std::string> emptied = drop_items(src, bad);
+  if (!problems.empty() && o.report) {
+    log_problems(problems, LogLevel::Warn, "data.skip_bad: left out ");
+    log_warn("data.skip_bad: left out ", bad.size(), bad.size() == 1 ? " bad image" : " bad images", " and ", folders,
+             folders == 1 ? " folder" : " folders", " (empty, or inside an identity folder) of '", abs, "'",
+             emptied.empty() ? std::string()
+                             : detail::concat("; ", emptied.size(), emptied.size() == 1 ? " identity" : " identities",
+                                              " lost every image and ", emptied.size() == 1 ? "is" : "are", " no class"),
+             "; training on ", src.items.size(), " images of ", src.identities.size(), " identities");
+  }
+  if (src.items.empty())
+    throw usage_error("data.rec '", abs, "': no image to train on (expected one sub-folder per identity holding "
+                      ".jpg, .jpeg, .png or .bmp files)");
+  class_names_ = std::move(src.identities);
+  for (PackItem& it : src.items) {
+    files_.push_back(std::move(it.path));
+    labels_.push_back(it.label);
+  }
 }
 
 void ImageFolderDataset::read(uint64_t index, RawSample& out) const {
@@ -126,7 +167,7 @@ void SyntheticDataset::read(uint64_t index, RawSample& out) const {
 std::string SyntheticDataset::describe(uint64_t index) const { return detail::concat("synthetic sample ", index); }
 
 std::shared_ptr<Dataset> open_dataset(const std::string& path, int64_t synthetic_classes, uint64_t synthetic_size,
-                                      const RecordIndexOptions& index_options) {
+                                      const RecordIndexOptions& index_options, const ImageFolderOptions& folder_options) {
   if (path == "synthetic") return std::make_shared<SyntheticDataset>(synthetic_size, synthetic_classes);
   const fs::path root(path);
   const fs::path rec = root / "train.rec", idx = root / "train.idx";
@@ -155,7 +196,7 @@ std::shared_ptr<Dataset> open_dataset(const std::string& path, int64_t synthetic
                         " but no train.rec; faceshard reads DIR/train.rec and DIR/train.idx (rename them, or pack with "
                         "faceshard-pack pack IMAGES DIR/train)");
   }
-  return std::make_shared<ImageFolderDataset>(path);
+  return std::make_shared<ImageFolderDataset>(path, folder_options);
 }
 
 }  // namespace faceshard

@@ -65,11 +65,29 @@ class RecordIODataset : public Dataset {
   InsightFaceLayout layout_;
 };
 
+// How an image folder is opened: what faceshard-pack checks before it packs, checked
+// before training.
+struct ImageFolderOptions {
+  // Every file read and its header and end checked (check_source_images) at start.
+  bool check_images = false;
+  int image_size = 112;
+  int threads = 1;
+  // false: any problem (a bad file, an empty identity folder, one that holds folders)
+  // refuses to open the folder, every problem listed (the first kMaxListedProblems);
+  // true: bad files and folders are left out, and a line says how many.
+  bool skip_bad = false;
+  // Log the problems (one process of a job does; the others only throw).
+  bool report = true;
+};
+constexpr size_t kMaxListedProblems = 20;
+
 // root/<identity>/<image>: identities in sorted name order are classes 0..C-1; files
-// with an image extension (.jpg .jpeg .png .bmp), sorted by name.
+// with an image extension (.jpg .jpeg .png .bmp), sorted by name. The folder is listed as
+// faceshard-pack lists it (list_pack_source), so both number the classes alike and name
+// the same problems.
 class ImageFolderDataset : public Dataset {
  public:
-  explicit ImageFolderDataset(const std::string& root);
+  explicit ImageFolderDataset(const std::string& root, const ImageFolderOptions& options = {});
   uint64_t size() const override { return files_.size(); }
   int64_t num_classes() const override { return int64_t(class_names_.size()); }
   void read(uint64_t index, RawSample& out) const override;
@@ -109,6 +127,7 @@ class SyntheticDataset : public Dataset {
 // any other folder -> ImageFolderDataset.
 std::shared_ptr<Dataset> open_dataset(const std::string& path, int64_t synthetic_classes = 1000,
                                       uint64_t synthetic_size = 1000000,
-                                      const RecordIndexOptions& index_options = default_record_index_options());
+                                      const RecordIndexOptions& index_options = default_record_index_options(),
+                                      const ImageFolderOptions& folder_options = {});
 
 }  // namespace faceshard

@@ -1,6 +1,7 @@
 #include "data/loader.h"
 
 #include <cmath>
+#include <filesystem>
 
 #include "data/seed_mix.h"
 #include "partial_fc/runtime/error.h"
@@ -19,6 +20,22 @@ namespace {
 // A replacement draw never repeats the failed position; a few tries cover scattered bad
 // records, while a run of failures means the data set itself is broken.
 constexpr int kReplaceTries = 16;
+
+// What the user runs to list every bad sample of this kind of source at once.
+std::string list_bad_samples_hint(const Dataset& d) {
+  if (const auto* rec = dynamic_cast<const RecordIODataset*>(&d))
+    return "List every bad record with faceshard-pack verify " + rec->records().file().path() +
+           " --decode (or repack with pack --skip-bad), or raise data.max_bad_fraction";
+  if (const auto* folder = dynamic_cast<const ImageFolderDataset*>(&d)) {
+    // root/<identity>/<image>: the image folder is two levels up from any of its files.
+    const std::string root = folder->size() ? std::filesystem::path(folder->path(0)).parent_path().parent_path().string()
+                                            : std::string("FOLDER");
+    return "List every bad image with faceshard-pack pack " + root +
+           " OUT --decode (it lists them all and writes nothing while any is bad), then fix or remove them, or "
+           "raise data.max_bad_fraction";
+  }
+  return "Raise data.max_bad_fraction to tolerate them";
+}
 }  // namespace
 
 DataLoader::DataLoader(std::shared_ptr<const Dataset> dataset, DistributedSampler sampler, LoaderOptions options)
@@ -260,9 +277,7 @@ void DataLoader::note_bad(uint64_t epoch, uint64_t index, const std::string& err
     // The error names this sample: no warning line before it.
     throw runtime_error("loader: ", epoch_bad_.size(), " of this rank's ", sampler_.size(), " samples in epoch ",
                         epoch, " failed to load, more than data.max_bad_fraction = ", opt_.max_bad_fraction,
-                        " allows; last: ", error,
-                        ". List every bad record with faceshard-pack verify REC --decode (or pack --skip-bad), or "
-                        "raise data.max_bad_fraction");
+                        " allows; last: ", error, ". ", list_bad_samples_hint(*dataset_));
   }
   if (bad_.insert(index).second) {  // logged once per record
     log_warn("loader: skipping a bad sample (", error, "); replaced by another sample");

@@ -52,6 +52,28 @@ bool parse_label(const std::string& s, int64_t& out) {
   return true;
 }
 
+// An identity folder that holds folders: identities are the source's own sub-folders, so
+// images one level further down are never read. Names the folders and counts their images.
+std::string nested_folders_problem(std::vector<fs::path> subdirs, bool no_image) {
+  std::sort(subdirs.begin(), subdirs.end());
+  uint64_t images = 0;
+  std::error_code ec;
+  for (const fs::path& d : subdirs)
+    for (const auto& e : fs::directory_iterator(d, ec))
+      if (e.is_regular_file(ec) && has_image_extension(e.path())) images++;
+  std::string names;
+  for (size_t k = 0; k < subdirs.size() && k < 3; ++k) names += (k ? ", '" : "'") + subdirs[k].filename().string() + "'";
+  if (subdirs.size() > 3) names += detail::concat(" and ", subdirs.size() - 3, " more");
+  const std::string what = detail::concat(subdirs.size() == 1 ? "sub-folder " : "sub-folders ", names, " (", images,
+                                          images == 1 ? " image" : " images", " in them)");
+  if (no_image)
+    return "identity folder holds no image, only the " + what +
+           ": identities are the folders directly under the source (is the source one level too high?)";
+  return "identity folder holds the " + what +
+         ": identities are the folders directly under the source, so these are not read; move the images up into "
+         "this folder or make each sub-folder an identity of its own";
+}
+
 PackSource list_folder(const fs::path& root) {
   PackSource s;
   std::vector<fs::path> dirs;
@@ -63,13 +85,15 @@ PackSource list_folder(const fs::path& root) {
   if (ec) throw usage_error("'", absolute_text(root), "': cannot list: ", ec.message());
   std::sort(dirs.begin(), dirs.end());
   for (const fs::path& d : dirs) {
-    std::vector<fs::path> imgs;
+    std::vector<fs::path> imgs, subdirs;
     for (const auto& e : fs::directory_iterator(d, ec)) {
-      if (e.is_regular_file(ec) && has_image_extension(e.path())) imgs.push_back(e.path());
+      if (e.is_directory(ec)) subdirs.push_back(e.path());
+      else if (e.is_regular_file(ec) && has_image_extension(e.path())) imgs.push_back(e.path());
       else s.ignored_files++;
     }
+    if (!subdirs.empty()) s.problems.push_back({d.string(), nested_folders_problem(subdirs, imgs.empty())});
     if (imgs.empty()) {
-      s.problems.push_back({d.string(), "empty identity folder (no .jpg, .jpeg, .png or .bmp file)"});
+      if (subdirs.empty()) s.problems.push_back({d.string(), "empty identity folder (no .jpg, .jpeg, .png or .bmp file)"});
       continue;
     }
     std::sort(imgs.begin(), imgs.end());
@@ -149,7 +173,8 @@ std::string check_image_bytes(const std::vector<uint8_t>& bytes, int size) {
   }
   if (h.decoded_width() != size || h.decoded_height() != size)
     return detail::concat("image is ", h.decoded_width(), "x", h.decoded_height(), ", expected ", size, "x", size,
-                          " (faceshard-pack --size sets it)");
+                          " (faceshard-pack --resize 112 resizes crops,"
+                          " --landmarks FILE aligns photos)");
   if (h.format == ImageFormat::jpeg && !ends_jpeg(bytes)) return "cut short (no JPEG end marker)";
   if (h.format == ImageFormat::png && !ends_png(bytes)) return "cut short (no PNG IEND chunk)";
   if (h.format == ImageFormat::bmp) {

@@ -23,11 +23,11 @@ struct PackSource {
   std::vector<PackItem> items;            // in label order, then file name order
   std::vector<std::string> identities;    // label -> the identity's folder name
   std::vector<PackProblem> problems;      // found while listing (empty folders, bad list lines)
-  uint64_t ignored_files = 0;             // files without an image extension (.jpg .jpeg .png .bmp)
+  uint64_t ignored_files = 0;             // files without an image extension (.jpg .jpeg .png .bmp; folders aside)
 };
 
 // A folder: identities are its sub-folders in name order (an empty one is a problem and no
-// class). A .lst file: lines "index<TAB>label<TAB>path" (MXNet's im2rec) or
+// class; one that holds folders is a problem naming them, their images are not read). A .lst file: lines "index<TAB>label<TAB>path" (MXNet's im2rec) or
 // "aligned<TAB>path<TAB>label[<TAB>...]" (insightface's face2rec2); paths relative to the
 // list's folder; labels are whole numbers >= 0, renumbered 0..C-1 in increasing order, the
 // identity's name the folder of its first image. Usage error when the source is missing.

@@ -8,6 +8,7 @@
 #include <ATen/autocast_mode.h>
 
 #include <map>
+#include <set>
 #include <sstream>
 
 #include "models/state_dict_reader.h"
@@ -95,11 +96,12 @@ StateDict Backbone::state_dict() const {
   return out;
 }
 
-void Backbone::load_state_dict(const StateDict& weights, const std::string& source) {
-  load_state_dict(TensorListSource(weights), source);
+StateDictLoad Backbone::load_state_dict(const StateDict& weights, const std::string& source) {
+  return load_state_dict(TensorListSource(weights), source);
 }
 
-void Backbone::load_state_dict(const TensorSource& weights, const std::string& source) {
+StateDictLoad Backbone::load_state_dict(const TensorSource& weights, const std::string& source) {
+  StateDictLoad report;
   const StateDict mine = state_dict();
   // DDP-wrapped models save every key under "module.".
   std::string strip;
@@ -119,6 +121,7 @@ void Backbone::load_state_dict(const TensorSource& weights, const std::string& s
     auto it = given.find(name);
     if (it == given.end()) {
       if (!ends_with(name, "num_batches_tracked")) missing.push_back(name);
+      else report.absent_counters.push_back(name);
       continue;
     }
     const std::vector<int64_t> sizes = weights.sizes(it->second);
@@ -128,6 +131,7 @@ void Backbone::load_state_dict(const TensorSource& weights, const std::string& s
     const at::ScalarType type = weights.dtype(it->second);
     if (!at::isFloatingType(type) && dst.is_floating_point() && type != torch::kBool)
       log_debug(source, ": key '", name, "' is ", type, ", converted to ", dst.scalar_type());
+    if (type != dst.scalar_type()) report.converted++;
     copies.emplace_back(dst, it->second);
     given.erase(it);
   }
@@ -147,6 +151,15 @@ void Backbone::load_state_dict(const TensorSource& weights, const std::string& s
   // keeping its memory format). From a file, only a read error or a failed CRC can stop
   // this part, and the caller then discards the model.
   for (const auto& [dst, i] : copies) weights.read_into(i, dst);
+  std::set<const void*> params;
+  for (const auto& p : parameters()) params.insert(p.unsafeGetTensorImpl());
+  for (const auto& [dst, i] : copies) {
+    report.tensors++;
+    report.numbers += dst.numel();
+    if (params.count(dst.unsafeGetTensorImpl())) report.parameters++;
+  }
+  report.stripped_prefix = strip;
+  return report;
 }
 
 void Backbone::to_channels_last() {
@@ -179,9 +192,21 @@ void save_backbone_weights(const Backbone& model, const std::string& path) {
   write_state_dict(model.state_dict(), path);
 }
 
-void load_backbone_weights(Backbone& model, const std::string& path) {
+StateDictLoad load_backbone_weights(Backbone& model, const std::string& path) {
   // Streamed from the file into the parameters: bounded extra memory, whatever the model.
-  model.load_state_dict(StateDictReader(path), path);
+  return model.load_state_dict(StateDictReader(path), path);
+}
+
+std::string describe_load(const Backbone& model, const std::string& path, const StateDictLoad& load) {
+  std::ostringstream os;
+  os << path << ": " << load.tensors << " tensors (" << load.parameters << " parameters, "
+     << format_sig(static_cast<double>(load.numbers) / 1e6) << "M numbers) into " << model.options().name
+     << ", embedding size " << model.options().embedding_size << "; none missing or unexpected";
+  if (!load.absent_counters.empty())
+    os << " (" << load.absent_counters.size() << " BatchNorm num_batches_tracked counters absent from the file, left at 0)";
+  if (!load.stripped_prefix.empty()) os << "; keys' '" << load.stripped_prefix << "' prefix (DDP) stripped";
+  if (load.converted) os << "; " << load.converted << " tensors converted to the network's dtype";
+  return os.str();
 }
 
 }  // namespace faceshard

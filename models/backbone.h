@@ -42,6 +42,18 @@ struct BackboneOptions {
   std::optional<bool> checkpointing;
 };
 
+// What a weight load read (the log line of model.init). The load is strict: a key
+// missing from the file or unknown to the network is an error, except the BatchNorm
+// counters old PyTorch files lack.
+struct StateDictLoad {
+  size_t tensors = 0;     // values read into the network (parameters and buffers)
+  size_t parameters = 0;  // of which parameters
+  int64_t numbers = 0;    // elements read
+  size_t converted = 0;   // tensors stored in another dtype than the network's (converted)
+  std::string stripped_prefix;  // "module." when every key of the file had it (DDP)
+  std::vector<std::string> absent_counters;  // num_batches_tracked keys the file lacks (left as they were)
+};
+
 class Backbone : public torch::nn::Module {
  public:
   Backbone(std::string type_name, BackboneOptions options);
@@ -60,10 +72,10 @@ class Backbone : public torch::nn::Module {
   // missing num_batches_tracked is tolerated (old PyTorch checkpoints lack it), a common
   // "module." prefix (DDP) is stripped. Values are converted to the parameter's dtype.
   // `source` names the origin (a file) in error messages.
-  void load_state_dict(const StateDict& weights, const std::string& source);
+  StateDictLoad load_state_dict(const StateDict& weights, const std::string& source);
   // The same from any source of named tensors (a StateDictReader streams a file's values
   // straight into the parameters).
-  void load_state_dict(const TensorSource& weights, const std::string& source);
+  StateDictLoad load_state_dict(const TensorSource& weights, const std::string& source);
 
   // Converts the 4-D weights to channels-last (done by make_backbone when asked).
   void to_channels_last();
@@ -103,7 +115,10 @@ class AutocastScope {
 // state_dict and insightface's model.load_state_dict accepts.
 void save_backbone_weights(const Backbone& model, const std::string& path);
 // Loads a torch.save'd state_dict (e.g. a released insightface backbone.pth).
-void load_backbone_weights(Backbone& model, const std::string& path);
+StateDictLoad load_backbone_weights(Backbone& model, const std::string& path);
+// One line on what a load read: "<path>: 120 tensors (70 parameters, 25.6M numbers) into r50
+// (insightface names); none missing or unexpected[; ...]".
+std::string describe_load(const Backbone& model, const std::string& path, const StateDictLoad& load);
 
 template <typename Body, typename Head>
 torch::Tensor Backbone::run_with_precision(torch::Tensor x, Body&& body, Head&& head) {

@@ -105,6 +105,24 @@ void check_backbone_options(const BackboneOptions& options) {
                        "': MobileFaceNet does not support activation checkpointing");
 }
 
+std::vector<std::vector<std::string>> backbone_stage_prefixes(const std::string& name) {
+  find_entry(name);
+  if (name.rfind("mbf", 0) == 0)  // layers: stem, then per resolution a block that enters it and a residual
+    return {{"layers.0"}, {"layers.1"}, {"layers.2", "layers.3"}, {"layers.4", "layers.5"}, {"layers.6", "layers.7"}};
+  if (const std::optional<VitVariant> v = vit_variant(name)) {
+    std::vector<std::vector<std::string>> out{{"pos_embed", "mask_token", "patch_embed"}};
+    for (int64_t b = 0; b < v->depth; ++b) out.push_back({"blocks." + std::to_string(b)});
+    return out;
+  }
+  return {{"conv1", "bn1", "prelu"}, {"layer1"}, {"layer2"}, {"layer3"}, {"layer4"}};
+}
+
+bool under_prefix(const std::string& name, const std::vector<std::string>& prefixes) {
+  for (const std::string& p : prefixes)
+    if (name == p || (name.size() > p.size() && name.compare(0, p.size(), p) == 0 && name[p.size()] == '.')) return true;
+  return false;
+}
+
 std::shared_ptr<Backbone> make_backbone(const BackboneOptions& options) {
   check_backbone_options(options);
   const Entry* entry = &find_entry(options.name);

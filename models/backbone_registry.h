@@ -30,4 +30,14 @@ bool backbone_default_checkpointing(const std::string& name);
 // option_error("backbone") when unknown.
 bool backbone_default_channels_last(const std::string& name);
 
+// The parts of a network that fine-tuning can freeze (optim.freeze_stages), in forward
+// order: [0] the stem, [s] stage s (iresnet: layer1..layer4; MobileFaceNet: its four
+// resolutions, each with the block that enters it; ViT: block s - 1). The embedding head
+// after the last stage is none of them. Each part as state_dict name prefixes: a parameter
+// or module belongs to a part when its name is a prefix or starts with a prefix and a dot.
+// option_error("backbone") when unknown.
+std::vector<std::vector<std::string>> backbone_stage_prefixes(const std::string& name);
+// Whether `name` (a parameter's or a module's) lies under one of `prefixes` (as above).
+bool under_prefix(const std::string& name, const std::vector<std::string>& prefixes);
+
 }  // namespace faceshard

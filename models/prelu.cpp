@@ -14,6 +14,7 @@
 #include <c10/cuda/CUDAStream.h>
 
 #include "models/prelu_cuda.h"
+#include "partial_fc/runtime/cuda_kernel_check.h"
 #endif
 
 namespace faceshard {
@@ -177,26 +178,37 @@ std::tuple<torch::Tensor, torch::Tensor> cuda_backward(const torch::Tensor& dy, 
   torch::Tensor dw = at::empty({weight.numel()}, x.options().dtype(at::kFloat));
   const PReLUCudaType type = *cuda_type(x.scalar_type());
   void* stream = c10::cuda::getCurrentCUDAStream(x.device().index()).stream();
+  // The partial sums (prelu_cuda.h), from the caching allocator on the current stream.
+  auto workspace = [&](int64_t n) { return at::empty({std::max<int64_t>(n, 1)}, dw.options()); };
   if (weight.numel() == 1) {
     // One slope: the layout does not matter; the tensor in pieces of at most 64k elements.
     const int64_t total = x.numel(), len = std::min<int64_t>(total > 0 ? total : 1, 65536);
     const int64_t whole = total / len, rest = total - whole * len;
-    prelu_backward_planes_cuda(type, x.data_ptr(), dy.data_ptr(), dx.data_ptr(), a.data_ptr<float>(),
-                               dw.data_ptr<float>(), whole, len, 1, stream);
+    torch::Tensor ws = workspace(prelu_backward_planes_workspace(whole));
+    check_cuda_kernel(prelu_backward_planes_cuda(type, x.data_ptr(), dy.data_ptr(), dx.data_ptr(), a.data_ptr<float>(),
+                                                 dw.data_ptr<float>(), ws.data_ptr<float>(), whole, len, 1, stream),
+                      "prelu_backward_planes (models/prelu_cuda.cu)");
     if (rest > 0) {
       torch::Tensor tail = at::empty({1}, dw.options());
       const int64_t off = whole * len * x.element_size();
-      prelu_backward_planes_cuda(type, static_cast<const char*>(x.data_ptr()) + off,
-                                 static_cast<const char*>(dy.data_ptr()) + off, static_cast<char*>(dx.data_ptr()) + off,
-                                 a.data_ptr<float>(), tail.data_ptr<float>(), 1, rest, 1, stream);
+      // ws again: the queue orders this piece's sums after the first piece's are read.
+      check_cuda_kernel(prelu_backward_planes_cuda(type, static_cast<const char*>(x.data_ptr()) + off,
+                                                   static_cast<const char*>(dy.data_ptr()) + off,
+                                                   static_cast<char*>(dx.data_ptr()) + off, a.data_ptr<float>(),
+                                                   tail.data_ptr<float>(), ws.data_ptr<float>(), 1, rest, 1, stream),
+                        "prelu_backward_planes (models/prelu_cuda.cu)");
       dw.add_(tail);
     }
   } else if (nchw) {
-    prelu_backward_planes_cuda(type, x.data_ptr(), dy.data_ptr(), dx.data_ptr(), a.data_ptr<float>(),
-                               dw.data_ptr<float>(), N * C, HW, C, stream);
+    torch::Tensor ws = workspace(prelu_backward_planes_workspace(N * C));
+    check_cuda_kernel(prelu_backward_planes_cuda(type, x.data_ptr(), dy.data_ptr(), dx.data_ptr(), a.data_ptr<float>(),
+                                                 dw.data_ptr<float>(), ws.data_ptr<float>(), N * C, HW, C, stream),
+                      "prelu_backward_planes (models/prelu_cuda.cu)");
   } else {
-    prelu_backward_rows_cuda(type, x.data_ptr(), dy.data_ptr(), dx.data_ptr(), a.data_ptr<float>(), dw.data_ptr<float>(),
-                             N * HW, C, stream);
+    torch::Tensor ws = workspace(prelu_backward_rows_workspace(N * HW, C));
+    check_cuda_kernel(prelu_backward_rows_cuda(type, x.data_ptr(), dy.data_ptr(), dx.data_ptr(), a.data_ptr<float>(),
+                                               dw.data_ptr<float>(), ws.data_ptr<float>(), N * HW, C, stream),
+                      "prelu_backward_rows (models/prelu_cuda.cu)");
   }
   return {dx, dw.to(weight.scalar_type()).view(weight.sizes())};
 }

@@ -1,5 +1,7 @@
 // AllGather with gradient against a single process that holds the concatenated tensor,
-// for W = 1, 2, 3 with equal and unequal row counts, and the seed documents' numbers.
+// for W = 1, 2, 3 with equal and unequal row counts, and the seed documents' numbers; the
+// GlooCuda cases gather CUDA tensors at world 2 with both ranks on cuda:0 over Gloo (its
+// backward's reduce-scatter staged through the host).
 #include <gtest/gtest.h>
 
 #include "partial_fc/parallel/all_gather.h"
@@ -14,13 +16,16 @@ struct Case {
   int world;
   bool uneven;
   GatherGrad mode;
+  bool cuda = false;  // the rank's rows on cuda:0 (every rank on the same GPU, over Gloo)
 };
 
 class AllGatherGrad : public ::testing::TestWithParam<Case> {};
 
 TEST_P(AllGatherGrad, MatchesSingleProcess) {
   const Case c = GetParam();
+  if (c.cuda && !torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
   testing::run_ranks(c.world, [c](Distributed& d) {
+    const torch::Device dev = c.cuda ? torch::Device(torch::kCUDA, 0) : torch::Device(torch::kCPU);
     const int W = d.world_size(), r = d.rank();
     int64_t total = 0;
     std::vector<at::Tensor> xs, ws;
@@ -42,14 +47,23 @@ TEST_P(AllGatherGrad, MatchesSingleProcess) {
     ref_loss.backward();
     at::Tensor ref_grad = leaves[r].grad().defined() ? leaves[r].grad() : torch::zeros_like(xs[r]);
 
-    at::Tensor x = xs[r].clone().requires_grad_();
+    // float64 on either device: the same few sums, the same tolerance.
+    at::Tensor x = xs[r].clone().to(dev).requires_grad_();
     at::Tensor G = all_gather_with_grad(d, x, c.mode);
     ASSERT_EQ(G.size(0), total);
-    EXPECT_TRUE(torch::allclose(G, X.detach()));
-    (ws[r] * G * G).sum().backward();
+    EXPECT_EQ(G.device(), dev);
+    EXPECT_TRUE(torch::allclose(G.cpu(), X.detach()));
+    (ws[r].to(dev) * G * G).sum().backward();
     ASSERT_TRUE(x.grad().defined());
-    EXPECT_TRUE(torch::allclose(x.grad(), ref_grad, 1e-10, 1e-12)) << x.grad() << "\nvs\n" << ref_grad;
+    EXPECT_EQ(x.grad().device(), dev);
+    EXPECT_TRUE(torch::allclose(x.grad().cpu(), ref_grad, 1e-10, 1e-12)) << x.grad() << "\nvs\n" << ref_grad;
   });
+}
+
+std::string case_name(const ::testing::TestParamInfo<Case>& info) {
+  const Case& c = info.param;
+  return "W" + std::to_string(c.world) + (c.uneven ? "_uneven" : "_even") +
+         (c.mode == GatherGrad::ReduceScatterSum ? "_reduce_scatter" : "_own_slice");
 }
 
 INSTANTIATE_TEST_SUITE_P(Modes, AllGatherGrad,
@@ -57,11 +71,13 @@ INSTANTIATE_TEST_SUITE_P(Modes, AllGatherGrad,
                                            Case{3, false, GatherGrad::ReduceScatterSum}, Case{2, true, GatherGrad::ReduceScatterSum},
                                            Case{3, true, GatherGrad::ReduceScatterSum}, Case{1, false, GatherGrad::OwnSlice},
                                            Case{2, false, GatherGrad::OwnSlice}, Case{3, true, GatherGrad::OwnSlice}),
-                         [](const auto& info) {
-                           const Case& c = info.param;
-                           return "W" + std::to_string(c.world) + (c.uneven ? "_uneven" : "_even") +
-                                  (c.mode == GatherGrad::ReduceScatterSum ? "_reduce_scatter" : "_own_slice");
-                         });
+                         case_name);
+// Rank 1 of the uneven case has no rows: an empty CUDA block on one side.
+INSTANTIATE_TEST_SUITE_P(GlooCuda, AllGatherGrad,
+                         ::testing::Values(Case{2, false, GatherGrad::ReduceScatterSum, true},
+                                           Case{2, true, GatherGrad::ReduceScatterSum, true},
+                                           Case{2, false, GatherGrad::OwnSlice, true}),
+                         case_name);
 
 // The seed example: x = ones (rank 0) / zeros (rank 1), y = x + 2, z = y*y, r = z_0 * z_1,
 // out = mean(r). Own slice: y.grad = 6 / 9; summed losses (reduce-scatter): 12 / 18.

@@ -962,7 +962,12 @@ TEST(DataLoader, ImageFolderDataset) {
   }
   fs::create_directories(d / "empty");
   spit(d / "alice/notes.txt", {1, 2, 3});
-  const ImageFolderDataset ds(d.path);
+  // An empty identity folder is a problem (as faceshard-pack says); skip_bad leaves it out.
+  EXPECT_NE(testing::error_of([&] { ImageFolderDataset refused(d.path); }).find("empty identity folder"), std::string::npos);
+  ImageFolderOptions skip;
+  skip.skip_bad = true;
+  skip.report = false;
+  const ImageFolderDataset ds(d.path, skip);
   EXPECT_EQ(ds.size(), 6u);
   EXPECT_EQ(ds.class_names(), (std::vector<std::string>{"alice", "bob"}));
   EXPECT_EQ(ds.label(0), 0);
@@ -972,7 +977,8 @@ TEST(DataLoader, ImageFolderDataset) {
   EXPECT_EQ(s.bytes, slurp(d / "bob/1.jpg"));
   LoaderOptions o;
   o.batch_size = 3;
-  DataLoader loader(open_dataset(d.path), DistributedSampler(6, 1, 0, 0), o);
+  DataLoader loader(open_dataset(d.path, 1000, 1000000, default_record_index_options(), skip),
+                    DistributedSampler(6, 1, 0, 0), o);
   EXPECT_EQ(run_epoch(loader, 0).size(), 2u);
 }
 

@@ -1,5 +1,7 @@
 // DataParallel and SyncBatchNorm against one process that sees the whole batch:
-// W ranks x B samples must train exactly like 1 process x W*B samples.
+// W ranks x B samples must train exactly like 1 process x W*B samples. The GlooCuda cases run
+// the same bodies at world 2 with both ranks on cuda:0 over Gloo (SyncBatchNorm's CUDA path,
+// DDP's buckets and flat buffers on the GPU) against the same CPU references.
 #include <gtest/gtest.h>
 
 #include "app/train/backbone_optimizer.h"
@@ -41,6 +43,23 @@ std::pair<at::Tensor, at::Tensor> batch(int k, int r, int64_t rows) {
   return {torch::randn({rows, 3, 8, 8}), torch::randint(0, 5, {rows}, torch::kLong)};
 }
 
+// The device of a case: cuda:0 for every rank of a GlooCuda case (one GPU shared), else the CPU.
+torch::Device device_of(bool cuda) { return cuda ? torch::Device(torch::kCUDA, 0) : torch::Device(torch::kCPU); }
+
+// fp32 on a GPU means fp32: TF32 would round the convolutions' and GEMMs' inputs to 10 bits.
+void fp32_on_gpu(bool cuda) {
+  if (!cuda) return;
+  at::globalContext().setAllowTF32CuBLAS(false);
+  at::globalContext().setAllowTF32CuDNN(false);
+}
+
+// Tolerance of a GPU case against the CPU references: fp32 against the CPU's float64
+// SyncBatchNorm and other summation orders (cuDNN, cuBLAS, ATen's Welford statistics), which
+// BatchNorm's backward amplifies (docs/distributed.md: fp32 SyncBatchNorm alone puts 1e-5
+// between ranks counts) and five SGD steps with momentum carry on. A wrong reduction, a
+// missing synchronisation or gradient averaging by the wrong W is off by 1e-2 or more.
+constexpr double kCudaTolerance = 1e-4;
+
 torch::optim::SGD make_sgd(nn::Module& m) {
   return torch::optim::SGD(m.parameters(), torch::optim::SGDOptions(0.1).momentum(0.9).weight_decay(5e-4));
 }
@@ -67,13 +86,23 @@ void train_whole_batch(M& ref, int W, int K, int parts, int64_t B) {
   }
 }
 
-class DdpEquivalence : public ::testing::TestWithParam<int> {};
+struct DdpCase {
+  int world;
+  bool cuda = false;
+};
+
+class DdpEquivalence : public ::testing::TestWithParam<DdpCase> {};
 
 TEST_P(DdpEquivalence, FiveSgdStepsWithSyncBatchNormMatchOneProcess) {
-  const int W = GetParam();
+  const int W = GetParam().world;
+  const bool cuda = GetParam().cuda;
+  if (cuda && !torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
   const int64_t B = 4;
   const int K = 5;
+  const double tol = cuda ? kCudaTolerance : 1e-5;
   testing::run_ranks(W, [&](Distributed& d) {
+    const torch::Device dev = device_of(cuda);
+    fp32_on_gpu(cuda);
     // Reference: one process, the concatenated batches, plain batch norm.
     torch::manual_seed(7);
     Net ref;
@@ -82,34 +111,39 @@ TEST_P(DdpEquivalence, FiveSgdStepsWithSyncBatchNormMatchOneProcess) {
     torch::manual_seed(d.rank() == 0 ? 7 : 99 + d.rank());
     Net net;
     EXPECT_EQ(convert_sync_batchnorm(*net, d), 3);
+    net->to(dev);
     DataParallel ddp(net.ptr(), d, DdpOptions{0.001});
     EXPECT_GT(ddp.num_buckets(), 1);
     auto opt = make_sgd(*net);
     for (int k = 0; k < K; ++k) {
       auto [x, y] = batch(k, d.rank(), B);
       opt.zero_grad();
-      at::Tensor out = net(x);
-      at::Tensor loss = torch::nn::functional::cross_entropy(out, y);  // per-rank mean
+      at::Tensor out = net(x.to(dev));
+      at::Tensor loss = torch::nn::functional::cross_entropy(out, y.to(dev));  // per-rank mean
       ddp.prepare_for_backward({loss});
       loss.backward();
       opt.step();
     }
     auto rp = ref->named_parameters();
-    for (auto& p : net->named_parameters())
-      EXPECT_LE(testing::relative_error(p.value(), rp[p.key()]), 1e-5) << p.key();
+    for (auto& p : net->named_parameters()) {
+      EXPECT_EQ(p.value().device(), dev) << p.key();
+      EXPECT_LE(testing::relative_error(p.value().cpu(), rp[p.key()]), tol) << p.key();
+    }
     auto rb = ref->named_buffers();
     for (auto& b : net->named_buffers()) {
       if (b.value().scalar_type() == torch::kLong) {
-        EXPECT_TRUE(torch::equal(b.value(), rb[b.key()])) << b.key();
+        EXPECT_TRUE(torch::equal(b.value().cpu(), rb[b.key()])) << b.key();
       } else {
-        EXPECT_LE(testing::relative_error(b.value(), rb[b.key()]), 1e-5) << b.key();
+        EXPECT_LE(testing::relative_error(b.value().cpu(), rb[b.key()]), tol) << b.key();
       }
     }
   });
 }
 
-INSTANTIATE_TEST_SUITE_P(World, DdpEquivalence, ::testing::Values(1, 2, 3),
-                         [](const auto& info) { return "W" + std::to_string(info.param); });
+INSTANTIATE_TEST_SUITE_P(World, DdpEquivalence, ::testing::Values(DdpCase{1}, DdpCase{2}, DdpCase{3}),
+                         [](const auto& info) { return "W" + std::to_string(info.param.world); });
+INSTANTIATE_TEST_SUITE_P(GlooCuda, DdpEquivalence, ::testing::Values(DdpCase{2, true}),
+                         [](const auto& info) { return "W" + std::to_string(info.param.world); });
 
 // Without batch norm: a linear model, to test accumulation in isolation.
 struct MlpImpl : nn::Module {
@@ -184,65 +218,79 @@ TORCH_MODULE(ConvFc);
 // Over flat buffers: the buckets are DataParallel's own, ranges of the gradient buffer that
 // are all-reduced in place; with the fused optimiser and two micro-batches a step trains as
 // one process on the whole batch does with torch's SGD.
-TEST(DdpFlat, BucketsAreRangesOfTheGradientBufferAndTrainAsOneProcess) {
-  for (int W : {2, 3}) {
-    testing::run_ranks(W, [](Distributed& d) {
-      const int W = d.world_size();
-      const int64_t B = 4;
-      const int K = 3;
-      torch::manual_seed(7);
-      ConvFc ref;
-      train_whole_batch(*ref, W, K, /*parts=*/2, B);
-      // Every rank starts from a different init (rank 0's is broadcast); the conv weight is
-      // channels-last, as a backbone's are on a GPU.
-      torch::manual_seed(d.rank() == 0 ? 7 : 99 + d.rank());
-      ConvFc net;
-      net->c1->weight.set_data(net->c1->weight.detach().contiguous(at::MemoryFormat::ChannelsLast));
-      std::vector<at::Tensor> params;
-      for (auto& p : net->parameters()) params.push_back(p);
-      FlatParameters flat(params, 0.0005);
-      DdpOptions o{0.0005};
-      o.flat = &flat;
-      DataParallel ddp(net.ptr(), d, o);
-      {
-        ConvFc other;
-        DataParallel plain(other.ptr(), d, DdpOptions{0.0005});
-        EXPECT_EQ(ddp.bucket_assignment(), plain.bucket_assignment());
-      }
-      EXPECT_GT(ddp.num_buckets(), 1);
-      BackboneOptimizerOptions bo;
-      bo.momentum = 0.9;
-      bo.weight_decay = 5e-4;
-      BackboneOptimizer opt(flat, bo);
-      const void* grads = flat.groups().at(0).grads.data_ptr();
-      for (int k = 0; k < K; ++k) {
-        for (int part = 0; part < 2; ++part) {
-          auto [x, y] = batch(batch_index(k, part, 2), d.rank(), B);
-          at::Tensor loss = torch::nn::functional::cross_entropy(net(x), y) / 2;
-          ddp.prepare_for_backward({loss});
-          if (part == 0) {
-            auto local_only = ddp.no_sync();
-            loss.backward();
-          } else {
-            loss.backward();
-          }
+void flat_buckets_train_as_one_process(int world, bool cuda) {
+  testing::run_ranks(world, [cuda](Distributed& d) {
+    const torch::Device dev = device_of(cuda);
+    fp32_on_gpu(cuda);
+    const double tol = cuda ? kCudaTolerance : 1e-5;
+    const int W = d.world_size();
+    const int64_t B = 4;
+    const int K = 3;
+    torch::manual_seed(7);
+    ConvFc ref;
+    train_whole_batch(*ref, W, K, /*parts=*/2, B);
+    // Every rank starts from a different init (rank 0's is broadcast); the conv weight is
+    // channels-last, as a backbone's are on a GPU.
+    torch::manual_seed(d.rank() == 0 ? 7 : 99 + d.rank());
+    ConvFc net;
+    net->to(dev);
+    net->c1->weight.set_data(net->c1->weight.detach().contiguous(at::MemoryFormat::ChannelsLast));
+    std::vector<at::Tensor> params;
+    for (auto& p : net->parameters()) params.push_back(p);
+    FlatParameters flat(params, 0.0005);
+    DdpOptions o{0.0005};
+    o.flat = &flat;
+    DataParallel ddp(net.ptr(), d, o);
+    {
+      ConvFc other;
+      other->to(dev);
+      DataParallel plain(other.ptr(), d, DdpOptions{0.0005});
+      EXPECT_EQ(ddp.bucket_assignment(), plain.bucket_assignment());
+    }
+    EXPECT_GT(ddp.num_buckets(), 1);
+    BackboneOptimizerOptions bo;
+    bo.momentum = 0.9;
+    bo.weight_decay = 5e-4;
+    BackboneOptimizer opt(flat, bo);
+    const void* grads = flat.groups().at(0).grads.data_ptr();
+    for (int k = 0; k < K; ++k) {
+      for (int part = 0; part < 2; ++part) {
+        auto [x, y] = batch(batch_index(k, part, 2), d.rank(), B);
+        at::Tensor loss = torch::nn::functional::cross_entropy(net(x.to(dev)), y.to(dev)) / 2;
+        ddp.prepare_for_backward({loss});
+        if (part == 0) {
+          auto local_only = ddp.no_sync();
+          loss.backward();
+        } else {
+          loss.backward();
         }
-        // The averaged gradients are where the buckets were all-reduced.
-        for (auto& p : net->parameters()) EXPECT_EQ(p.grad().storage().data_ptr().get(), grads);
-        opt.step(0.1);
-        opt.zero_grad();
       }
-      EXPECT_TRUE(net->c1->weight.is_contiguous(at::MemoryFormat::ChannelsLast));
-      auto rp = ref->named_parameters();
-      for (auto& p : net->named_parameters())
-        EXPECT_LE(testing::relative_error(p.value(), rp[p.key()]), 1e-5) << p.key();
-      // ...and they moved from where they started.
-      torch::manual_seed(7);
-      ConvFc start;
-      for (auto& p : start->named_parameters())
-        EXPECT_GT(testing::relative_error(p.value(), rp[p.key()]), 1e-3) << p.key();
-    });
-  }
+      // The averaged gradients are where the buckets were all-reduced.
+      for (auto& p : net->parameters()) EXPECT_EQ(p.grad().storage().data_ptr().get(), grads);
+      opt.step(0.1);
+      opt.zero_grad();
+    }
+    EXPECT_TRUE(net->c1->weight.is_contiguous(at::MemoryFormat::ChannelsLast));
+    auto rp = ref->named_parameters();
+    for (auto& p : net->named_parameters()) {
+      EXPECT_EQ(p.value().device(), dev) << p.key();
+      EXPECT_LE(testing::relative_error(p.value().cpu(), rp[p.key()]), tol) << p.key();
+    }
+    // ...and they moved from where they started.
+    torch::manual_seed(7);
+    ConvFc start;
+    for (auto& p : start->named_parameters())
+      EXPECT_GT(testing::relative_error(p.value(), rp[p.key()]), 1e-3) << p.key();
+  });
+}
+
+TEST(DdpFlat, BucketsAreRangesOfTheGradientBufferAndTrainAsOneProcess) {
+  for (int W : {2, 3}) flat_buckets_train_as_one_process(W, false);
+}
+
+TEST(DdpFlatGlooCuda, BucketsAreRangesOfTheGradientBufferAndTrainAsOneProcess) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
+  flat_buckets_train_as_one_process(2, true);
 }
 
 // Moving a module out of its flat buffers after they are made is caught at the next step,
@@ -327,6 +375,7 @@ struct BnCase {
   int world;
   int mode;  // 0 equal, 1 uneven, 2 rank 1 empty
   bool two_d;
+  bool cuda = false;  // ATen's CUDA kernels, every rank on cuda:0
 };
 
 class SyncBatchNormCase : public ::testing::TestWithParam<BnCase> {};
@@ -339,7 +388,12 @@ int64_t bn_rows(const BnCase& c, int q) {
 
 TEST_P(SyncBatchNormCase, MatchesBatchNormOnConcatenatedBatch) {
   const BnCase c = GetParam();
+  if (c.cuda && !torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
   testing::run_ranks(c.world, [c](Distributed& d) {
+    const torch::Device dev = device_of(c.cuda);
+    // fp32 kernels on the GPU against the fp32 reference on the CPU: both round, in other
+    // orders; the CPU path computes in float64.
+    const double rtol = c.cuda ? kCudaTolerance : 1e-5, atol = c.cuda ? kCudaTolerance : 1e-5;
     const int W = d.world_size();
     const int64_t C = 3;
     auto shape = [&](int64_t n) { return c.two_d ? std::vector<int64_t>{n, C, 5, 4} : std::vector<int64_t>{n, C}; };
@@ -364,29 +418,31 @@ TEST_P(SyncBatchNormCase, MatchesBatchNormOnConcatenatedBatch) {
       sbn->weight.copy_(w0);
       sbn->bias.copy_(b0);
     }
-    at::Tensor x = xs[d.rank()].clone().requires_grad_();
+    sbn->to(dev);
+    at::Tensor x = xs[d.rank()].clone().to(dev).requires_grad_();
     at::Tensor y = sbn(x);
-    (y * gs[d.rank()]).sum().backward();
+    EXPECT_EQ(y.device(), dev);
+    (y * gs[d.rank()].to(dev)).sum().backward();
     int64_t off = 0;
     for (int q = 0; q < d.rank(); ++q) off += bn_rows(c, q);
     const int64_t n = bn_rows(c, d.rank());
-    EXPECT_TRUE(torch::allclose(y, Y.narrow(0, off, n), 1e-5, 1e-5));
-    EXPECT_TRUE(torch::allclose(x.grad(), X.grad().narrow(0, off, n), 1e-5, 1e-5));
+    EXPECT_TRUE(torch::allclose(y.cpu(), Y.narrow(0, off, n), rtol, atol));
+    EXPECT_TRUE(torch::allclose(x.grad().cpu(), X.grad().narrow(0, off, n), rtol, atol));
     at::Tensor gw = sbn->weight.grad().clone(), gb = sbn->bias.grad().clone();
     d.all_reduce(gw);  // what DDP sums (and then divides by W)
     d.all_reduce(gb);
-    EXPECT_TRUE(torch::allclose(gw, rw.grad(), 1e-4, 1e-5)) << gw << rw.grad();
-    EXPECT_TRUE(torch::allclose(gb, rb.grad(), 1e-4, 1e-5));
-    EXPECT_TRUE(torch::allclose(sbn->running_mean, rm, 1e-5, 1e-6));
-    EXPECT_TRUE(torch::allclose(sbn->running_var, rv, 1e-5, 1e-6));
+    EXPECT_TRUE(torch::allclose(gw.cpu(), rw.grad(), c.cuda ? kCudaTolerance : 1e-4, atol)) << gw << rw.grad();
+    EXPECT_TRUE(torch::allclose(gb.cpu(), rb.grad(), c.cuda ? kCudaTolerance : 1e-4, atol));
+    EXPECT_TRUE(torch::allclose(sbn->running_mean.cpu(), rm, rtol, c.cuda ? kCudaTolerance : 1e-6));
+    EXPECT_TRUE(torch::allclose(sbn->running_var.cpu(), rv, rtol, c.cuda ? kCudaTolerance : 1e-6));
     EXPECT_EQ(sbn->num_batches_tracked.item<int64_t>(), 1);
     // Eval: running statistics, local only (a collective here would hang the rank with zero rows? no:
     // each rank evaluates independently, so ranks may even call it a different number of times).
     sbn->eval();
     if (d.rank() == 0) {
-      at::Tensor e = sbn(xs[0]);
+      at::Tensor e = sbn(xs[0].to(dev));
       at::Tensor ref_e = torch::batch_norm(xs[0], w0, b0, rm, rv, false, 0.1, 1e-5, false);
-      EXPECT_TRUE(torch::allclose(e, ref_e, 1e-5, 1e-5));
+      EXPECT_TRUE(torch::allclose(e.cpu(), ref_e, rtol, atol));
     }
   });
 }
@@ -399,6 +455,10 @@ std::string bn_case_name(const BnCase& c) {
 INSTANTIATE_TEST_SUITE_P(Cases, SyncBatchNormCase,
                          ::testing::Values(BnCase{1, 0, true}, BnCase{2, 0, true}, BnCase{3, 0, true}, BnCase{2, 1, true},
                                            BnCase{3, 1, false}, BnCase{3, 2, true}, BnCase{2, 2, false}),
+                         [](const auto& info) { return bn_case_name(info.param); });
+INSTANTIATE_TEST_SUITE_P(GlooCuda, SyncBatchNormCase,
+                         ::testing::Values(BnCase{2, 0, true, true}, BnCase{2, 1, true, true},
+                                           BnCase{2, 2, false, true}, BnCase{2, 2, true, true}),
                          [](const auto& info) { return bn_case_name(info.param); });
 
 }  // namespace

@@ -18,6 +18,7 @@
 #include "app/train/step_recorder.h"
 #include "app/train/train_job.h"
 #include "app/train/train_step.h"
+#include "app/train/training_stream.h"
 #include "tests/harness.h"
 
 namespace faceshard {
@@ -278,6 +279,73 @@ TEST(GraphedBackbone, CpuRunsEagerlyWithOneLine) {
   job.backbone->eval();
   const at::Tensor x = torch::randn({2, 3, 112, 112});
   EXPECT_TRUE(torch::equal(run(x), job.backbone->forward(x)));
+}
+
+// A recorder that captures on another stream than the one the job's gradient accumulators
+// were made on (on a GPU: DataParallel's accumulators made while the default stream was
+// current, the capture on a side stream, which breaks the captured backward). On the CPU,
+// which has one stream, the other stream is a made-up one.
+class OtherStreamReplay : public CountingReplay {
+ public:
+  using CountingReplay::CountingReplay;
+  c10::Stream stream() const override { return c10::Stream(c10::Stream::UNSAFE, c10::Device(c10::kCPU), 7); }
+};
+
+// The capture is refused, before any warm-up, when a parameter's gradient accumulator runs on
+// another stream than the capture's; the steps then run eagerly and equal the eager steps.
+TEST(GraphedBackbone, AccumulatorsOnAnotherStreamAreNotCaptured) {
+  std::shared_ptr<Distributed> dist = Distributed::init(DistEnv{});
+  const Config cfg = job_config(testing::temp_dir("graphed_streams") + "/out", "");
+  const std::vector<Batch> batches = first_batches(cfg, dist, 2);
+  {
+    // The job made its accumulators (DataParallel keeps them) on its own training stream.
+    TrainJob job = build_train_job(cfg, dist);
+    ASSERT_TRUE(job.stream);
+    EXPECT_EQ(job.stream->stream(), current_stream(job.device));
+    int with_accumulator = 0;
+    for (const at::Tensor& p : job.backbone_params)
+      with_accumulator += torch::autograd::impl::try_get_grad_accumulator(p) != nullptr;
+    EXPECT_EQ(with_accumulator, static_cast<int>(job.backbone_params.size()));
+    EXPECT_EQ(accumulator_stream_mismatch(job.backbone_params, job.stream->stream()), "");
+    const std::string other =
+        accumulator_stream_mismatch(job.backbone_params, c10::Stream(c10::Stream::UNSAFE, c10::Device(c10::kCPU), 7));
+    EXPECT_EQ(other.rfind("parameter 0 (shape ", 0), 0u) << other;
+    EXPECT_NE(other.find("its gradient accumulator runs on stream"), std::string::npos) << other;
+  }
+  const Outcome eager = train(cfg, dist, batches, 2, nullptr);
+  auto replays = std::make_shared<int>(0);
+  const Outcome graphed = train(cfg, dist, batches, 2, std::make_unique<OtherStreamReplay>(replays), replays);
+  EXPECT_FALSE(graphed.captured);
+  EXPECT_EQ(graphed.replays, 0);
+  EXPECT_EQ(graphed.eager_reason.rfind("the capture failed: parameter 0 (shape ", 0), 0u) << graphed.eager_reason;
+  expect_same(graphed, eager);
+}
+
+// Where a backbone cannot be captured on any device, the reason comes before any warm-up:
+// activation checkpointing (model.checkpointing; on by default from vit_b and r2060 up),
+// SyncBatchNorm, dist.find_unused_parameters; none for a plain network.
+TEST(GraphedBackbone, ObstaclesAreNamedBeforeTheWarmUp) {
+  std::shared_ptr<Distributed> dist = Distributed::init(DistEnv{});
+  const std::string dir = testing::temp_dir("graphed_obstacles");
+  auto obstacle = [&](const std::string& model, const std::string& extra) {
+    const Config cfg = load_config_text("output: " + dir + "/out\nseed: 5\n" +
+                                            "data: {rec: synthetic, num_classes: 12, batch_size: 6, num_workers: 1}\n" +
+                                            "model: {" + model + "}\ndist: {device: cpu" + extra +
+                                            "}\ntrain: {verify_every: 0, tensorboard: false}\n",
+                                        "obstacles.yaml");
+    TrainJob job = build_train_job(cfg, dist);
+    return cuda_graph_obstacle(job);
+  };
+  EXPECT_EQ(obstacle("backbone: mbf_small, embedding_size: 16", ""), "");
+  const std::string ckpt = obstacle("backbone: r18, embedding_size: 16, checkpointing: true", "");
+  EXPECT_NE(ckpt.find("activation checkpointing (model.checkpointing"), std::string::npos) << ckpt;
+  EXPECT_NE(ckpt.find("CUDA generator"), std::string::npos) << ckpt;
+  EXPECT_EQ(obstacle("backbone: r18, embedding_size: 16, checkpointing: false", ""), "");
+  EXPECT_NE(obstacle("backbone: mbf_small, embedding_size: 16, sync_bn: true", "").find("SyncBatchNorm"),
+            std::string::npos);
+  EXPECT_NE(obstacle("backbone: mbf_small, embedding_size: 16", ", find_unused_parameters: true")
+                .find("dist.find_unused_parameters"),
+            std::string::npos);
 }
 
 TEST(GraphedBackbone, ConfigKeyIsABoolean) {

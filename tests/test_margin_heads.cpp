@@ -1,179 +1,50 @@
 // The margin heads under everything Partial FC adds: W = 1..4 ranks with uneven shards and
 // batches, sampling, gradient accumulation, resume. The reference is one process holding the
-// whole batch and the whole weight matrix, written here from each head's definition (the
-// authors' code) with plain ops in float64 and autograd; tests/e2e/heads_reference.py checks
-// the single-process heads against the authors' code itself.
+// whole batch and the whole weight matrix, written from each head's definition (the authors'
+// code) with plain ops in float64 and autograd (tests/head_references.h);
+// tests/e2e/heads_reference.py checks the single-process heads against the authors' code itself.
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cmath>
 #include <functional>
 #include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <ATen/record_function.h>
+#ifdef FACESHARD_WITH_CUDA
+#include <c10/cuda/CUDAFunctions.h>
+#endif
 
 #include "partial_fc/classifier/head_catalogue.h"
 #include "partial_fc/classifier/heads/elasticface.h"
+#include "partial_fc/classifier/margin_softmax.h"
 #include "partial_fc/classifier/partial_fc.h"
+#include "partial_fc/classifier/streamed_softmax.h"
 #include "partial_fc/runtime/error.h"
 #include "tests/classifier_batches.h"
 #include "tests/harness.h"
+#include "tests/head_references.h"
 
 namespace faceshard {
 namespace {
 
-namespace F = torch::nn::functional;
-
-// One process, float64: each head's logits written here from its definition (the authors'
-// code) with plain ops, over the whole batch and the columns it uses; autograd gives the
-// reference gradients. Every head of the catalogue must have one
-// (EveryRegisteredHeadHasAFloat64Reference): a reference is a function and the line that
-// registers it, below, with the head's parameters as the catalogue resolves them.
-struct RefInput {
-  at::Tensor cos;     // [N, n] cosines of the normalised embeddings and the columns used
-  at::Tensor norms;   // [N, 1] the raw embeddings' norms (differentiable)
-  at::Tensor onehot;  // [N, n] the target column of each row
-  at::Tensor y;       // [N, 1] the target column's index
-  std::map<std::string, double> p;  // the head's parameters (defaults and the test's settings)
-  uint64_t seed = 0;
-  int64_t forward = 0;
-};
-struct RefOutput {
-  at::Tensor logits, extra;  // logits [N, n] (scaled); an extra loss term or undefined
-};
-struct RefState {  // what a head carries from one forward to the next
-  double batch_mean = 20, batch_std = 100;  // AdaFace's initial norm statistics
-  double t = 0;                             // CurricularFace's
-};
-using RefFn = std::function<RefOutput(const RefInput&, RefState&)>;
-
-std::map<std::string, RefFn>& head_references() {
-  static std::map<std::string, RefFn> r;
-  return r;
-}
-struct Reference {
-  Reference(const std::string& head, RefFn fn) { head_references()[head] = std::move(fn); }
-};
-
-// The combined margin in exact mode (margin.h): s (cos(m1 theta + m2) - m3), continued with
-// slope 1 in c beyond theta_max = (pi - m2) / m1.
-RefOutput combined_margin(const RefInput& in, double m1, double m2, double m3, double s) {
-  const double eps = 1e-7, tmax = (M_PI - m2) / m1;
-  const at::Tensor c = in.cos.clamp(-1 + eps, 1 - eps), theta = c.acos();
-  at::Tensor t = (theta * m1 + m2).cos() - m3;
-  if (tmax < M_PI) t = torch::where(theta <= tmax, t, c - std::cos(tmax) - 1 - m3);
-  return {torch::where(in.onehot > 0, t, in.cos) * s, {}};
-}
-
-const Reference kCombined("combined", [](const RefInput& in, RefState&) -> RefOutput {
-  const CombinedMargin m;  // PartialFCOptions' default margin
-  return combined_margin(in, m.m1, m.m2, m.m3, m.scale);
-});
-const Reference kArcFace("arcface", [](const RefInput& in, RefState&) -> RefOutput {
-  return combined_margin(in, 1, in.p.at("m"), 0, in.p.at("s"));
-});
-const Reference kCosFace("cosface", [](const RefInput& in, RefState&) -> RefOutput {
-  return combined_margin(in, 1, 0, in.p.at("m"), in.p.at("s"));
-});
-
-const Reference kAdaFace("adaface", [](const RefInput& in, RefState& st) -> RefOutput {
-  const double m = in.p.at("m"), h = in.p.at("h"), ta = in.p.at("t_alpha"), eps = 1e-3;
-  const at::Tensor cos = in.cos.clamp(-1 + eps, 1 - eps);
-  const at::Tensor safe = in.norms.clamp(0.001, 100).detach();
-  st.batch_mean = safe.mean().item<double>() * ta + (1 - ta) * st.batch_mean;
-  st.batch_std = safe.std().item<double>() * ta + (1 - ta) * st.batch_std;
-  const at::Tensor z = ((safe - st.batch_mean) / (st.batch_std + eps) * h).clamp(-1, 1);
-  const at::Tensor theta_m = (cos.acos() + in.onehot * (z * -m)).clamp(eps, M_PI - eps);
-  return {(theta_m.cos() - in.onehot * (z * m + m)) * in.p.at("s"), {}};
-});
-
-const Reference kCurricularFace("curricularface", [](const RefInput& in, RefState& st) -> RefOutput {
-  const double m = in.p.at("m");
-  const at::Tensor cos = in.cos.clamp(-1, 1);
-  const at::Tensor tl = cos.gather(1, in.y);
-  const at::Tensor ctm = tl * std::cos(m) - (1 - tl * tl).sqrt() * std::sin(m);
-  const at::Tensor final_t = torch::where(tl > std::cos(M_PI - m), ctm, tl - std::sin(M_PI - m) * m);
-  st.t = tl.mean().item<double>() * 0.01 + 0.99 * st.t;
-  const at::Tensor mod = torch::where(cos > ctm, cos * (cos + st.t), cos);
-  return {mod.scatter(1, in.y, final_t) * in.p.at("s"), {}};
-});
-
-const Reference kMagFace("magface", [](const RefInput& in, RefState&) -> RefOutput {
-  const double la = in.p.at("l_a"), ua = in.p.at("u_a"), lm = in.p.at("l_m"), um = in.p.at("u_m");
-  const at::Tensor a = in.norms.clamp(la, ua);
-  const at::Tensor mg = (um - lm) / (ua - la) * (a - la) + lm;
-  const at::Tensor cos = in.cos.clamp(-1, 1);
-  const at::Tensor ctm = cos * mg.cos() - (1 - cos * cos).sqrt() * mg.sin();
-  const at::Tensor target = in.p.at("easy_margin") != 0 ? torch::where(cos > 0, ctm, cos) : ctm;
-  return {(in.onehot * target + (1 - in.onehot) * cos) * in.p.at("s"),
-          (a / (ua * ua) + 1 / a).mean() * in.p.at("lambda_g")};
-});
-
-// ElasticFace's margins are this forward's draws (elasticface_draws, the one thing taken from
-// faceshard: a seeded stream), handed out as the authors' plus variant does when it is on.
-at::Tensor elastic_margins(const RefInput& in, double m, double sigma) {
-  at::Tensor mg = elasticface_draws(in.cos.size(0), m, sigma, in.seed, in.forward).to(torch::kDouble);
-  if (in.p.at("plus") != 0) {
-    const at::Tensor order = std::get<1>(in.cos.gather(1, in.y).squeeze(1).detach().sort(0, true));
-    mg = std::get<0>(mg.sort()).index_select(0, order);
-  }
-  return mg.unsqueeze(1);
-}
-const Reference kElasticArc("elasticface_arc", [](const RefInput& in, RefState&) -> RefOutput {
-  const at::Tensor cos = in.cos.clamp(-1, 1), mg = elastic_margins(in, in.p.at("m"), in.p.at("sigma"));
-  return {(cos.acos() + in.onehot * mg).cos() * in.p.at("s"), {}};
-});
-const Reference kElasticCos("elasticface_cos", [](const RefInput& in, RefState&) -> RefOutput {
-  const at::Tensor mg = elastic_margins(in, in.p.at("m"), in.p.at("sigma"));
-  return {(in.cos - in.onehot * mg) * in.p.at("s"), {}};
-});
-
-const Reference kSphereFace("sphereface", [](const RefInput& in, RefState&) -> RefOutput {
-  const double m = in.p.at("m");
-  const at::Tensor theta = in.cos.clamp(-1, 1).acos();
-  const at::Tensor k = (theta.detach() * m / M_PI).floor().clamp_max(std::ceil(m) - 1);
-  const at::Tensor psi = (1 - 2 * k.remainder(2)) * (theta * m).cos() - 2 * k;
-  return {torch::where(in.onehot > 0, psi, in.cos) * in.p.at("s"), {}};
-});
-
-struct HeadReference {
-  std::string head;
-  std::map<std::string, double> params;  // resolved against the catalogue
-  RefState state;
-  uint64_t seed = 0;
-  int64_t forward = 0;
-
-  at::Tensor loss(const at::Tensor& raw, const at::Tensor& weight, const at::Tensor& labels, const at::Tensor& cols) {
-    const at::Tensor Wsel = cols.defined() ? weight.index_select(0, cols) : weight;
-    const at::Tensor y = cols.defined() ? torch::searchsorted(cols, labels) : labels;
-    RefInput in;
-    in.norms = raw.norm(2, {1}, true);
-    in.cos = torch::mm(raw / in.norms, F::normalize(Wsel, F::NormalizeFuncOptions().dim(1)).t());
-    in.onehot = F::one_hot(y, in.cos.size(1)).to(torch::kDouble);
-    in.y = y.unsqueeze(1);
-    in.p = params;
-    in.seed = seed;
-    in.forward = forward++;
-    const auto it = head_references().find(head);
-    if (it == head_references().end()) {
-      ADD_FAILURE() << "no float64 reference for the " << head << " head";
-      return torch::zeros({}, torch::kDouble);
-    }
-    const RefOutput out = it->second(in, state);
-    const at::Tensor l = F::cross_entropy(out.logits, y);
-    return out.extra.defined() ? l + out.extra : l;
-  }
-  // The state entry `name` of the head, as the reference holds it.
-  double state_value(const std::string& name) const {
-    return name == "t" ? state.t : name == "batch_mean" ? state.batch_mean : state.batch_std;
-  }
-};
+using testing::head_references;
+using testing::HeadReference;
+using testing::reference_elastic_draws;
 
 // The catalogue keeps its tests: every registered head has a float64 reference here, and
 // head_cases() runs each in the distributed equivalence below.
 TEST(MarginHeads, EveryRegisteredHeadHasAFloat64Reference) {
   ASSERT_GE(head_catalogue().size(), 9u);
   for (const HeadInfo& h : head_catalogue())
-    EXPECT_EQ(head_references().count(h.name), 1u) << "the " << h.name << " head has no float64 reference in "
-                                                    << __FILE__ << " (a function and its Reference line)";
+    EXPECT_EQ(head_references().count(h.name), 1u) << "the " << h.name
+                                                    << " head has no float64 reference in tests/head_references.h (a "
+                                                       "function and its Reference line)";
   for (const auto& [name, fn] : head_references()) EXPECT_NE(find_head_info(name), nullptr) << name << " is no head";
 }
 
@@ -215,7 +86,9 @@ TEST_P(MarginHeadsDistributed, EqualOneProcessWithTheWholeBatchAndWeight) {
     if (hc.streamed) o.update_chunk_rows = 72;  // several chunks, the last one short
     const at::Tensor full = PartialFC::initial_rows(0, C, D, o.seed);
     PartialFC fc(d, o);
-    HeadReference ref{hc.head, resolve_head_params(*info, o.head.params)};
+    HeadReference ref;
+    ref.head = hc.head;
+    ref.params = resolve_head_params(*info, o.head.params);
     ref.seed = o.seed;
     const int64_t s0 = fc.shard().start, n0 = fc.shard().count;
     at::Tensor acc_grad = torch::zeros({C, D}, torch::kDouble);
@@ -291,11 +164,57 @@ INSTANTIATE_TEST_SUITE_P(Heads, MarginHeadsDistributed, ::testing::ValuesIn(head
 
 // ElasticFace's draws: a function of the run's seed and the forward count only, so every
 // rank, and a resumed run, draws the same; sigma = 0 is the fixed margin.
+// They are the definition's numbers (the float64 scalar reference of tests/head_references.h,
+// to one fp32 ulp: its log and cos are the C library's), fp32 on the device asked for.
 TEST(ElasticFaceDraws, SeededByRunAndForward) {
   const at::Tensor a = elasticface_draws(64, 0.5, 0.05, 7, 3), b = elasticface_draws(64, 0.5, 0.05, 7, 3);
+  EXPECT_EQ(a.scalar_type(), at::kFloat);
+  EXPECT_TRUE(a.device().is_cpu());
+  EXPECT_EQ(a.sizes(), at::IntArrayRef({64}));
   EXPECT_TRUE(torch::equal(a, b));
   EXPECT_FALSE(torch::equal(a, elasticface_draws(64, 0.5, 0.05, 7, 4)));
+  EXPECT_FALSE(torch::equal(a, elasticface_draws(64, 0.5, 0.05, 8, 3)));
+  EXPECT_FALSE(torch::equal(a, elasticface_draws(64, 0.5, 0.05, 7 + (uint64_t(1) << 32), 3))) << "the seed's high half";
+  EXPECT_FALSE(torch::equal(a, elasticface_draws(64, 0.5, 0.05, 7, 3 + (int64_t(1) << 32)))) << "the count's high half";
+  // The first rows do not depend on how many are drawn (counters, not a stream's length).
+  EXPECT_TRUE(torch::equal(a.narrow(0, 0, 16), elasticface_draws(16, 0.5, 0.05, 7, 3)));
   EXPECT_TRUE(torch::equal(elasticface_draws(5, 0.35, 0.0, 7, 0), torch::full({5}, 0.35f)));
+  EXPECT_EQ(elasticface_draws(0, 0.5, 0.05, 7, 0).numel(), 0);
+  for (const auto& [n, fwd] : std::vector<std::pair<int64_t, int64_t>>{{64, 3}, {1000, 0}, {333, 123456789}}) {
+    const at::Tensor got = elasticface_draws(n, 0.5, 0.05, 2048, fwd).to(at::kDouble);
+    const at::Tensor want = reference_elastic_draws(n, 0.5, 0.05, 2048, fwd);
+    EXPECT_LE((got - want).abs().max().item<double>(), std::ldexp(1.0, -24)) << "forward " << fwd;
+  }
+}
+
+// On a GPU the draws are made there, without a host synchronisation (LibTorch's sync debug
+// mode as an error), and they are the CPU's numbers: fp32 from the same integers through
+// float64 Box-Muller, so equal but where the two float64 libraries' last bits round an fp32
+// the other way (at most one fp32 ulp, in about one value in 10^8).
+TEST(ElasticFaceDrawsCuda, SameAsTheCpuWithoutHostSync) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
+#ifdef FACESHARD_WITH_CUDA
+  const torch::Device cuda(torch::kCUDA, 0);
+  for (const int64_t forward : {int64_t(0), int64_t(5), int64_t(1) << 33}) {
+    const at::Tensor cpu = elasticface_draws(100000, 0.5, 0.05, 11, forward);
+    (void)elasticface_draws(8, 0.5, 0.05, 11, forward, cuda);  // the kernels' first load
+    c10::cuda::device_synchronize();
+    c10::cuda::warning_state().set_sync_debug_mode(c10::cuda::SyncDebugMode::L_ERROR);
+    at::Tensor gpu;
+    try {
+      gpu = elasticface_draws(100000, 0.5, 0.05, 11, forward, cuda);
+    } catch (const std::exception& e) {
+      ADD_FAILURE() << "the draws synchronised with the device: " << e.what();
+    }
+    c10::cuda::warning_state().set_sync_debug_mode(c10::cuda::SyncDebugMode::L_DISABLED);
+    ASSERT_TRUE(gpu.defined());
+    EXPECT_TRUE(gpu.is_cuda());
+    EXPECT_EQ(gpu.scalar_type(), at::kFloat);
+    const at::Tensor g = gpu.cpu();
+    EXPECT_LE((g.to(at::kDouble) - cpu.to(at::kDouble)).abs().max().item<double>(), std::ldexp(1.0, -24));
+    EXPECT_GE((g == cpu).to(at::kDouble).mean().item<double>(), 0.9999) << "forward " << forward;
+  }
+#endif
 }
 
 // The margins are N(m, sigma^2): on 1e5 draws the mean within 5 standard errors, the spread
@@ -331,6 +250,175 @@ TEST(ElasticFaceDraws, NormalWithTheGivenMeanAndSpread) {
 
 // The trainer's start-up line names a head by its own parameters, resolved (defaults and
 // the config's settings); the combined head by its margin.
+// --- what would make a GPU step wait for, or copy from, the host ---------------------------
+
+// On the CPU nothing waits, but the operators that would are seen: every operator call passes
+// LibTorch's RecordFunction hooks, which name it and its arguments. Flagged: a tensor read on
+// the host (item()) and a conversion that names a device (.to(device), .cpu(),
+// torch::tensor(values, options): a tensor made on one side and moved to the other, on a GPU a
+// pageable copy that waits) where the code under test calls them, not inside another operator
+// (the CPU's std() reads its mean on the host, CUDA's does not); and, at any depth, operators
+// whose output size depends on the values (nonzero, masked_select, unique: on a GPU the host
+// waits for the size).
+class HostTransferWatch {
+ public:
+  HostTransferWatch() {
+    clear();
+    handle_ = at::addGlobalCallback(
+        at::RecordFunctionCallback(&on_start, &on_end).needsInputs(true).scopes({at::RecordScope::FUNCTION}));
+  }
+  ~HostTransferWatch() { at::removeCallback(handle_); }
+  HostTransferWatch(const HostTransferWatch&) = delete;
+  HostTransferWatch& operator=(const HostTransferWatch&) = delete;
+  // What was flagged since the last call, one line each.
+  std::vector<std::string> take() {
+    std::lock_guard<std::mutex> lock(mutex());
+    return std::exchange(flagged(), {});
+  }
+
+ private:
+  static std::mutex& mutex() {
+    static std::mutex m;
+    return m;
+  }
+  static std::vector<std::string>& flagged() {
+    static std::vector<std::string> f;
+    return f;
+  }
+  static int& depth() {  // operators open on this thread
+    thread_local int d = 0;
+    return d;
+  }
+  static void clear() {
+    std::lock_guard<std::mutex> lock(mutex());
+    flagged().clear();
+  }
+  // Tensor::backward is itself an operator: what the backward functions call counts as called
+  // by the code under test.
+  static bool transparent(const at::RecordFunction& fn) { return std::string(fn.name()) == "aten::_backward"; }
+  static std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction& fn) {
+    if (transparent(fn)) return nullptr;
+    const bool called_by_us = depth()++ == 0;
+    const std::string name = fn.name();
+    std::string why;
+    if (name == "aten::nonzero" || name == "aten::masked_select" || name == "aten::_unique" || name == "aten::_unique2" ||
+        name == "aten::unique_dim" || name == "aten::unique_consecutive" || name == "aten::is_nonzero" ||
+        name == "aten::equal")
+      why = "an output that depends on the values";
+    if (called_by_us && (name == "aten::item" || name == "aten::_local_scalar_dense"))
+      why = "a host read of a tensor (item)";
+    if (called_by_us && (name == "aten::to" || name == "aten::_to_copy"))
+      for (const c10::IValue& v : fn.inputs())
+        if (v.isDevice()) why = "a conversion to " + v.toDevice().str();
+    if (!why.empty()) {
+      std::lock_guard<std::mutex> lock(mutex());
+      flagged().push_back(name + ": " + why);
+    }
+    return nullptr;
+  }
+  static void on_end(const at::RecordFunction& fn, at::ObserverContext*) {
+    if (!transparent(fn)) --depth();
+  }
+  at::CallbackHandle handle_ = 0;
+};
+
+// The watch sees what it is for (or the test below would pass by seeing nothing).
+TEST(HostWatch, SeesHostReadsDeviceConversionsAndValueSizedOutputs) {
+  const at::Tensor x = torch::arange(6, torch::kFloat);
+  HostTransferWatch watch;
+  (void)(x * 2);
+  (void)x.to(at::kDouble);  // a dtype alone: no device named
+  (void)x.std();            // reads its mean on the host inside, on the CPU only
+  EXPECT_TRUE(watch.take().empty());
+  (void)torch::tensor({0, 2, 4, 6}, x.options());
+  EXPECT_EQ(watch.take().size(), 1u) << "torch::tensor(values, options)";
+  (void)x.to(x.device());
+  EXPECT_EQ(watch.take().size(), 1u) << ".to(device)";
+  (void)x.sum().item<float>();
+  EXPECT_EQ(watch.take().size(), 1u) << "item()";
+  (void)(x > 2).nonzero();
+  EXPECT_EQ(watch.take().size(), 1u) << "nonzero()";
+  // Inside a backward function, called from Tensor::backward (an operator itself).
+  struct HostMadeInBackward : public torch::autograd::Function<HostMadeInBackward> {
+    static at::Tensor forward(torch::autograd::AutogradContext*, const at::Tensor& v) { return v * 2; }
+    static torch::autograd::variable_list backward(torch::autograd::AutogradContext*, torch::autograd::variable_list g) {
+      return {g[0] * torch::tensor({2.0f}, g[0].options())};
+    }
+  };
+  const at::Tensor leaf = torch::ones({3}).requires_grad_();
+  HostMadeInBackward::apply(leaf).sum().backward();
+  EXPECT_EQ(watch.take().size(), 1u) << "torch::tensor(values, options) in a backward";
+}
+
+// Every head of the catalogue (with its default parameters, and with each yes/no parameter
+// turned over: ElasticFace+, MagFace's margin everywhere), through both logits modes, every
+// column or sampled ones, with and without a deferred weight gradient, over two forwards (the
+// heads' state starts and moves on), forward, backward and the deferred gradient's rows: no
+// host read, no value-sized output and no conversion to a device. On a GPU each of those
+// would be a host synchronisation or a copy of a host-made tensor in every step; the same
+// calls run there under LibTorch's sync debug mode (TrainStepCuda, PartialFCCuda).
+TEST(MarginHeads, NoHostReadOrHostMadeTensorInAnyHeadOrLogitsMode) {
+  auto dist = Distributed::init(DistEnv{});
+  const int64_t N = 10, S = 21, D = 8;  // 27 or 21 columns: chunks of 8, the last one short
+  for (const HeadInfo& info : head_catalogue()) {
+    std::vector<std::map<std::string, double>> settings{{}};
+    std::map<std::string, double> flipped;
+    for (const HeadParam& p : info.params)
+      if (p.flag) flipped[p.name] = p.default_value != 0 ? 0.0 : 1.0;
+    if (!flipped.empty()) settings.push_back(flipped);
+    for (const auto& params : settings)
+      for (const bool streamed : {false, true})
+        for (const bool sampled : {false, true})
+          for (const bool deferred : {false, true}) {
+            if (sampled && !deferred) continue;  // sampled columns need a deferred gradient
+            SCOPED_TRACE(info.name + (params.empty() ? "" : " (flags turned over)") +
+                         (streamed ? ", streamed" : ", buffered") + (sampled ? ", sampled" : "") +
+                         (deferred ? ", deferred" : ""));
+            const std::unique_ptr<MarginHead> head = make_margin_head(HeadSpec{info.name, params}, CombinedMargin{});
+            torch::manual_seed(5);
+            const at::Tensor weight = torch::randn({S + 6, D});
+            HostTransferWatch watch;
+            for (int64_t forward = 0; forward < 2; ++forward) {
+              // Rows lean towards their class (margins active) with norms from 2 to 60; rows 0
+              // and 5 belong to another rank's classes.
+              at::Tensor raw = torch::randn({N, D}, torch::kFloat);
+              const at::Tensor target = torch::randint(0, S, {N}, torch::kLong).index_fill_(0, torch::arange(0, N, 5), -1);
+              MarginSoftmaxOptions o;
+              o.head = head.get();
+              o.seed = 2048;
+              o.forward = forward;
+              o.chunk_classes = 8;
+              if (sampled) o.rows = torch::arange(3, 3 + S, torch::kLong);  // sorted rows of the 27
+              if (deferred) o.deferred = std::make_shared<DeferredWeightGrad>();
+              raw = raw + 3 * weight.index_select(0, sampled ? o.rows.index_select(0, target.clamp_min(0)) : target.clamp_min(0));
+              raw = (raw / raw.norm(2, {1}, true) * (torch::rand({N, 1}) * 58 + 2)).requires_grad_();
+              const at::Tensor emb = raw / raw.norm(2, {1}, true);
+              const at::Tensor norms = head->needs_norms() ? raw.norm(2, {1}) : at::Tensor();
+              const at::Tensor w = weight.clone().requires_grad_(!deferred);
+              at::Tensor acc;
+              at::Tensor loss = streamed ? streamed_margin_softmax_loss(emb, w, target, norms, o, *dist, &acc)
+                                         : margin_softmax_loss(emb, w, target, norms, o, *dist, &acc);
+              if (at::Tensor extra = head->extra_loss(norms); extra.defined()) loss = loss + extra;
+              loss.backward();
+              if (deferred) {
+                const int64_t n = sampled ? o.rows.size(0) : w.size(0);
+                const at::Tensor cols = sampled ? weight.index_select(0, o.rows) : weight;
+                ASSERT_TRUE(o.deferred->ready());
+                const at::Tensor gw = o.deferred->rows(0, n, cols);
+                EXPECT_EQ(gw.sizes(), cols.sizes());
+              } else {
+                EXPECT_TRUE(w.grad().defined());
+              }
+              EXPECT_TRUE(raw.grad().defined());
+              for (const std::string& f : watch.take()) ADD_FAILURE() << "forward " << forward << ": " << f;
+              // The numbers themselves (read outside the watch) are the equivalence tests' business.
+              EXPECT_TRUE(std::isfinite(loss.item<double>()));
+              (void)watch.take();
+            }
+          }
+  }
+}
+
 TEST(MarginHeads, DescribedByTheirOwnParameters) {
   EXPECT_EQ(describe_margin_head(HeadSpec{"adaface", {{"m", 0.5}}}, CombinedMargin{}),
             "adaface (m 0.5, h 0.333, s 64, t_alpha 0.01)");

@@ -1,5 +1,6 @@
 // The sharded classifier against one process holding the concatenated batch and the whole
-// weight matrix, written here with plain tensor ops (independent of partial_fc's code).
+// weight matrix, written here with plain tensor ops (independent of partial_fc's code). The
+// GlooCuda cases run the same bodies at world 2 with both ranks' shards on cuda:0, over Gloo.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -196,13 +197,33 @@ struct FcCase {
   int world;
   const char* margin;  // arcface | cosface | filter
   bool streamed = false;  // loss.logits: streamed (several chunks per shard)
+  bool cuda = false;      // the shards and the embeddings on cuda:0 (every rank on the one GPU)
 };
+
+torch::Device device_of(bool cuda) { return cuda ? torch::Device(torch::kCUDA, 0) : torch::Device(torch::kCPU); }
+
+// fp32 on a GPU means fp32: TF32 would round the GEMMs' inputs to 10 bits.
+void fp32_on_gpu(bool cuda) {
+  if (!cuda) return;
+  at::globalContext().setAllowTF32CuBLAS(false);
+  at::globalContext().setAllowTF32CuDNN(false);
+}
+
+// Tolerance of a GPU case against the float64 reference: the fp32 CPU path holds 1e-5; cuBLAS
+// and the CUDA softmax sum the dot products and the rows in other orders, and the scale (64)
+// multiplies a cosine's rounding into the logits, so a few 1e-6 more. A wrong shard, margin,
+// reduction or gradient convention is off by 1e-2 or more.
+constexpr double kCudaTolerance = 1e-4;
 
 class PartialFCEquivalence : public ::testing::TestWithParam<FcCase> {};
 
 TEST_P(PartialFCEquivalence, LossAndGradientsMatchFullSoftmax) {
   const FcCase fc_case = GetParam();
+  if (fc_case.cuda && !torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
   testing::run_ranks(fc_case.world, [fc_case](Distributed& d) {
+    const torch::Device dev = device_of(fc_case.cuda);
+    fp32_on_gpu(fc_case.cuda);
+    const double tol = fc_case.cuda ? kCudaTolerance : 1e-5;
     const int64_t C = 1003, D = 16;
     const std::string mname = fc_case.margin;
     PartialFCOptions o;
@@ -217,17 +238,24 @@ TEST_P(PartialFCEquivalence, LossAndGradientsMatchFullSoftmax) {
     at::Tensor full_weight = PartialFC::initial_rows(0, C, D, o.seed);
     Reference ref = reference(data.emb, full_weight, data.labels, o.margin);
 
-    PartialFC fc(d, o);
-    ASSERT_TRUE(torch::equal(fc.weight(), full_weight.narrow(0, fc.shard().start, fc.shard().count)));
-    at::Tensor emb = data.emb.narrow(0, data.offset, data.rows).clone().requires_grad_();
+    PartialFC fc(d, o, dev);
+    ASSERT_EQ(fc.weight().device(), dev);
+    ASSERT_TRUE(torch::equal(fc.weight().cpu(), full_weight.narrow(0, fc.shard().start, fc.shard().count)));
+    // The labels stay on the host (PartialFC::forward).
+    at::Tensor emb = data.emb.narrow(0, data.offset, data.rows).clone().to(dev).requires_grad_();
     auto out = fc.forward(emb, data.labels.narrow(0, data.offset, data.rows));
     out.loss.backward();
-    EXPECT_LE(testing::relative_error(out.loss, ref.loss), 1e-5) << out.loss.item<double>() << " vs " << ref.loss.item<double>();
+    EXPECT_LE(testing::relative_error(out.loss.cpu(), ref.loss), tol) << out.loss.item<double>() << " vs " << ref.loss.item<double>();
     EXPECT_NEAR(out.accuracy.item<double>(), ref.accuracy.item<double>(), 1e-6);
     // Embedding gradient: W x dL/demb by the gradient convention (partial_fc.h).
-    EXPECT_LE(testing::relative_error(emb.grad(), ref.emb_grad.narrow(0, data.offset, data.rows) * d.world_size()), 1e-5);
-    EXPECT_LE(testing::relative_error(fc.gradient(), ref.weight_grad.narrow(0, fc.shard().start, fc.shard().count)), 1e-5);
+    ASSERT_EQ(emb.grad().device(), dev);
+    EXPECT_LE(testing::relative_error(emb.grad().cpu(), ref.emb_grad.narrow(0, data.offset, data.rows) * d.world_size()), tol);
+    EXPECT_LE(testing::relative_error(fc.gradient().cpu(), ref.weight_grad.narrow(0, fc.shard().start, fc.shard().count)), tol);
   });
+}
+
+std::string fc_case_name(const ::testing::TestParamInfo<FcCase>& info) {
+  return "W" + std::to_string(info.param.world) + "_C1003_" + info.param.margin + (info.param.streamed ? "_streamed" : "");
 }
 
 INSTANTIATE_TEST_SUITE_P(Worlds, PartialFCEquivalence,
@@ -237,10 +265,11 @@ INSTANTIATE_TEST_SUITE_P(Worlds, PartialFCEquivalence,
                                            FcCase{1, "arcface", true}, FcCase{2, "arcface", true},
                                            FcCase{3, "arcface", true}, FcCase{4, "arcface", true},
                                            FcCase{2, "cosface", true}, FcCase{3, "filter", true}),
-                         [](const auto& info) {
-                           return "W" + std::to_string(info.param.world) + "_C1003_" + info.param.margin +
-                                  (info.param.streamed ? "_streamed" : "");
-                         });
+                         fc_case_name);
+INSTANTIATE_TEST_SUITE_P(GlooCuda, PartialFCEquivalence,
+                         ::testing::Values(FcCase{2, "arcface", false, true}, FcCase{2, "cosface", false, true},
+                                           FcCase{2, "filter", false, true}, FcCase{2, "arcface", true, true}),
+                         fc_case_name);
 
 class PartialFCSampling : public ::testing::TestWithParam<std::string> {};
 
@@ -590,43 +619,55 @@ TEST(PartialFCLabels, OutOfRangeNamesLabelAndRank) {
 // The gradient convention (docs/architecture.md) end to end: a replicated backbone under DataParallel (averaging)
 // feeding the sharded classifier gets exactly the gradient of one process that holds the
 // whole batch and the whole weight matrix.
+void backbone_gradient_through_ddp(int world, bool cuda) {
+  testing::run_ranks(world, [cuda](Distributed& d) {
+    const torch::Device dev = device_of(cuda);
+    fp32_on_gpu(cuda);
+    const double tol = cuda ? kCudaTolerance : 1e-5;
+    const int64_t C = 37, D = 8;
+    PartialFCOptions o;
+    o.num_classes = C;
+    o.embedding_size = D;
+    std::vector<at::Tensor> xs, ys;
+    for (int q = 0; q < d.world_size(); ++q) {
+      torch::manual_seed(900 + q);
+      xs.push_back(torch::randn({rows_of(q) - (q % 2), 6}));  // equal per-rank batches
+      ys.push_back(torch::randint(0, C, {xs.back().size(0)}, torch::kLong));
+    }
+    torch::manual_seed(5);
+    torch::nn::Linear ref_backbone(6, D);
+    torch::manual_seed(5);
+    torch::nn::Linear backbone(6, D);
+    // Reference: one process.
+    Reference ref;
+    {
+      at::Tensor E = ref_backbone(torch::cat(xs));
+      at::Tensor Wf = PartialFC::initial_rows(0, C, D, o.seed);
+      at::Tensor cos = torch::mm(F::normalize(E, F::NormalizeFuncOptions().dim(1)),
+                                 F::normalize(Wf, F::NormalizeFuncOptions().dim(1)).t());
+      at::Tensor onehot = F::one_hot(torch::cat(ys), C).to(torch::kBool);
+      at::Tensor t = (cos.clamp(-1 + 1e-7, 1 - 1e-7).acos() + 0.5).cos();
+      F::cross_entropy(torch::where(onehot, t, cos) * 64.0, torch::cat(ys)).backward();
+    }
+    backbone->to(dev);
+    DataParallel ddp(backbone.ptr(), d);
+    PartialFC fc(d, o, dev);
+    auto out = fc.forward(backbone(xs[d.rank()].to(dev)), ys[d.rank()]);
+    ddp.prepare_for_backward({out.loss});
+    out.loss.backward();
+    ASSERT_EQ(backbone->weight.grad().device(), dev);
+    EXPECT_LE(testing::relative_error(backbone->weight.grad().cpu(), ref_backbone->weight.grad()), tol);
+    EXPECT_LE(testing::relative_error(backbone->bias.grad().cpu(), ref_backbone->bias.grad()), tol);
+  });
+}
+
 TEST(PartialFCConvention, BackboneGradientThroughDdpEqualsOneProcess) {
-  for (int W : {2, 3}) {
-    testing::run_ranks(W, [](Distributed& d) {
-      const int64_t C = 37, D = 8;
-      PartialFCOptions o;
-      o.num_classes = C;
-      o.embedding_size = D;
-      std::vector<at::Tensor> xs, ys;
-      for (int q = 0; q < d.world_size(); ++q) {
-        torch::manual_seed(900 + q);
-        xs.push_back(torch::randn({rows_of(q) - (q % 2), 6}));  // equal per-rank batches
-        ys.push_back(torch::randint(0, C, {xs.back().size(0)}, torch::kLong));
-      }
-      torch::manual_seed(5);
-      torch::nn::Linear ref_backbone(6, D);
-      torch::manual_seed(5);
-      torch::nn::Linear backbone(6, D);
-      // Reference: one process.
-      Reference ref;
-      {
-        at::Tensor E = ref_backbone(torch::cat(xs));
-        at::Tensor Wf = PartialFC::initial_rows(0, C, D, o.seed);
-        at::Tensor cos = torch::mm(F::normalize(E, F::NormalizeFuncOptions().dim(1)),
-                                   F::normalize(Wf, F::NormalizeFuncOptions().dim(1)).t());
-        at::Tensor onehot = F::one_hot(torch::cat(ys), C).to(torch::kBool);
-        at::Tensor t = (cos.clamp(-1 + 1e-7, 1 - 1e-7).acos() + 0.5).cos();
-        F::cross_entropy(torch::where(onehot, t, cos) * 64.0, torch::cat(ys)).backward();
-      }
-      DataParallel ddp(backbone.ptr(), d);
-      PartialFC fc(d, o);
-      auto out = fc.forward(backbone(xs[d.rank()]), ys[d.rank()]);
-      ddp.prepare_for_backward({out.loss});
-      out.loss.backward();
-      EXPECT_LE(testing::relative_error(backbone->weight.grad(), ref_backbone->weight.grad()), 1e-5);
-      EXPECT_LE(testing::relative_error(backbone->bias.grad(), ref_backbone->bias.grad()), 1e-5);
-    });
-  }
+  for (int W : {2, 3}) backbone_gradient_through_ddp(W, false);
+}
+
+TEST(PartialFCConventionGlooCuda, BackboneGradientThroughDdpEqualsOneProcess) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
+  backbone_gradient_through_ddp(2, true);
 }
 
 }  // namespace

@@ -5,7 +5,13 @@
 #include <torch/torch.h>
 
 #include "models/prelu.h"
+#include "partial_fc/runtime/error.h"
 #include "tests/harness.h"
+
+#ifdef FACESHARD_WITH_CUDA
+#include "models/prelu_cuda.h"
+#include "partial_fc/runtime/cuda_kernel_check.h"
+#endif
 
 namespace faceshard {
 namespace {
@@ -112,6 +118,56 @@ TEST(PReLUCuda, BackwardMatchesATenAndFloat64) {
             EXPECT_LE(testing::relative_error(xa.grad().to(at::kDouble), dx64), tol);
             EXPECT_LE(testing::relative_error(wa.grad().to(at::kDouble), dw64), type == at::kFloat || fp32_slopes ? 1e-5 : 1e-2);
           }
+  // Bit-deterministic: the slope sums are added in a fixed order (no atomics), so repeated
+  // runs give the same bits. A batch of 256 makes many partial sums per channel (256 planes
+  // each in NCHW, about a thousand blocks channels-last, 49 pieces for one slope), whose
+  // order atomics would vary from run to run.
+  for (const at::ScalarType type : {at::kFloat, at::kBFloat16})
+    for (const bool channels_last : {false, true})
+      for (const bool one_slope : {false, true}) {
+        SCOPED_TRACE(std::string("repeat ") + c10::toString(type) + (channels_last ? " channels_last" : " nchw") +
+                     (one_slope ? " one slope" : ""));
+        const auto opt = at::TensorOptions(dev).dtype(type);
+        const std::vector<int64_t> shape{256, 64, 14, 14};
+        at::Tensor x = torch::randn(shape, opt), dy = torch::randn(shape, opt);
+        if (channels_last) {
+          x = x.contiguous(at::MemoryFormat::ChannelsLast);
+          dy = dy.contiguous(at::MemoryFormat::ChannelsLast);
+        }
+        const at::Tensor w = torch::rand({one_slope ? 1 : shape[1]}, opt.dtype(at::kFloat)) * 0.5;
+        auto [dx, dw] = prelu_backward(dy, x, w);
+        const at::Tensor terms = at::where(x > 0, at::zeros_like(x, at::kDouble), dy.to(at::kDouble) * x.to(at::kDouble));
+        const at::Tensor dw64 = one_slope ? terms.sum().reshape({1}) : terms.sum({0, 2, 3});
+        EXPECT_LE(testing::relative_error(dw.to(at::kDouble), dw64), 1e-3);
+        for (int run = 1; run <= 3; ++run) {
+          auto [dx_again, dw_again] = prelu_backward(dy, x, w);
+          EXPECT_TRUE(torch::equal(dw_again, dw)) << "run " << run << ": the slope gradient changed bits";
+          EXPECT_TRUE(torch::equal(dx_again, dx)) << "run " << run;
+        }
+      }
+}
+
+// A launch that fails is raised where it happens, naming the kernel, instead of leaving dx and
+// dw unwritten for a later operation to stumble on. The launch asks for more shared memory
+// than any GPU has (a row of 2^20 channels): refused on a GPU (invalid argument), and with no
+// GPU the CUDA runtime refuses every call; either way the launcher returns the error.
+TEST(PReLU, FailedCudaLaunchNamesTheKernel) {
+#ifdef FACESHARD_WITH_CUDA
+  const int64_t channels = int64_t(1) << 20;
+  try {
+    check_cuda_kernel(prelu_backward_rows_cuda(PReLUCudaType::Float, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr,
+                                               1, channels, nullptr),
+                      "prelu_backward_rows (models/prelu_cuda.cu)");
+    ADD_FAILURE() << "the launch did not fail";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.kind(), ErrorKind::Runtime);
+    EXPECT_NE(std::string(e.what()).find("CUDA kernel prelu_backward_rows (models/prelu_cuda.cu) failed: "),
+              std::string::npos)
+        << e.what();
+  }
+#else
+  GTEST_SKIP() << "built without CUDA";
+#endif
 }
 
 }  // namespace

@@ -114,6 +114,7 @@ done
 cp -r "$root/configs" "$dest/configs"
 cp "$root/tools/launch.sh" "$root/tools/gpu_check.sh" "$root/tools/gpu_check_report.py" "$root/tools/arcface_torch_step.py" \
    "$dest/tools/"
+cp "$root/tools/gpu_two_ranks.sh" "$dest/tools/"
 cp -r "$root/tests/fuzz/regressions" "$dest/tests/fuzz/regressions"
 # The test binary's paths (tests/test_paths.h), relative to bin/.
 printf 'source=..\nbin=.\npython=python3\nfuzz_seeds=../tests/fuzz/seeds\n' > "$dest/bin/faceshard_tests.paths"

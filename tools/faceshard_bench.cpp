@@ -41,10 +41,12 @@
 #endif
 
 #include "app/config/config.h"
+#include "app/io/metrics_log.h"
 #include "app/plan/activation_probe.h"
 #include "app/plan/activation_table.h"
 #include "app/plan/allocation_meter.h"
 #include "models/backbone_registry.h"
+#include "app/train/graph_status.h"
 #include "app/train/train_job.h"
 #include "app/train/train_step.h"
 #include "data/dataset.h"
@@ -434,7 +436,15 @@ int run_step(const Args& a) {
   };
   job.backbone->train();
   int64_t k = 0;
-  for (int64_t i = 0; i < a.warmup; ++i) step.run(next, k++);
+  // Every step's loss, kept on the device and read after the timing (no host sync inside
+  // it): the JSON's "losses" let a cell with CUDA graphs be compared with its eager cell.
+  std::vector<at::Tensor> losses;
+  auto run_one = [&]() -> StepResult {
+    StepResult r = step.run(next, k++);
+    losses.push_back(r.loss.detach());
+    return r;
+  };
+  for (int64_t i = 0; i < a.warmup; ++i) run_one();
   sync_device(cuda);
   reset_peak(cuda);
   AllocationMeter::reset_peak();
@@ -444,14 +454,14 @@ int run_step(const Args& a) {
   for (int64_t w = 0; w < a.windows; ++w) {
     dist.barrier();
     auto t0 = std::chrono::steady_clock::now();
-    for (int64_t i = 0; i < a.steps; ++i) step.run(next, k++);
+    for (int64_t i = 0; i < a.steps; ++i) run_one();
     sync_device(cuda);
     const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     rate.push_back(double(a.steps * job.global_batch()) / s);
   }
   step.set_timing(true);  // one window more
   for (int64_t i = 0; i < a.steps; ++i) {
-    StepResult r = step.run(next, k++);
+    StepResult r = run_one();
     sum.data += r.times.data, sum.forward += r.times.forward, sum.backward += r.times.backward;
     sum.optimizer += r.times.optimizer;
   }
@@ -469,6 +479,12 @@ int run_step(const Args& a) {
            cuda ? "" : "; tensors ", cuda ? "" : std::to_string(tensor_peak), cuda ? "" : " MB",
            "); per step ", total / n * 1e3, " ms = data ", pct(sum.data), "%, forward ", pct(sum.forward),
            "%, backward ", pct(sum.backward), "%, optimiser ", pct(sum.optimizer), "%");
+  // What train.cuda_graph came to: a cell that asked for CUDA graphs measured them only
+  // where they were captured and every step replayed them.
+  const GraphStatus graphs = job.graph_status();
+  if (graphs.asked)
+    log_info("step: train.cuda_graph ", graphs.captured ? "captured" : "not captured",
+             graphs.reason.empty() ? "" : ": " + graphs.reason, ", ", graphs.eager_calls, " eager calls");
   const int64_t hits = CpuBlockCache::hits() - hits0, misses = CpuBlockCache::misses() - misses0;
   if (CpuBlockCache::installed())
     log_info("CPU block cache (limit ", CpuBlockCache::limit() / 1e9, " GB): ", hits, " blocks reused, ", misses,
@@ -487,7 +503,15 @@ int run_step(const Args& a) {
      << ",\"reused\":" << hits << ",\"from_system\":" << misses << "}"
      << ",\"step_ms\":" << total / n * 1e3 << ",\"split_ms\":{\"data\":" << sum.data / n * 1e3
      << ",\"forward\":" << sum.forward / n * 1e3 << ",\"backward\":" << sum.backward / n * 1e3
-     << ",\"optimizer\":" << sum.optimizer / n * 1e3 << "}}";
+     << ",\"optimizer\":" << sum.optimizer / n * 1e3 << "}"
+     << ",\"cuda_graph\":{\"asked\":" << (graphs.asked ? "true" : "false")
+     << ",\"captured\":" << (graphs.captured ? "true" : "false") << ",\"reason\":\"" << json_escape(graphs.reason) << "\""
+     << ",\"eager_calls\":" << graphs.eager_calls << "},\"losses\":[";
+  const at::Tensor loss_values = losses.empty() ? at::Tensor() : torch::stack(losses).to(torch::kCPU, torch::kDouble);
+  for (int64_t i = 0; i < int64_t(losses.size()); ++i) {
+    js << (i ? "," : "") << json_number(loss_values[i].item<double>());  // null where not finite
+  }
+  js << "]}";
   if (dist.rank() == 0) write_json(a.json, js.str());
   dist.shutdown();
   return 0;

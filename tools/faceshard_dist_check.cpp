@@ -8,6 +8,7 @@
 #include <cstdio>
 #include <vector>
 #include <cstring>
+#include <filesystem>
 #include <string>
 #include <thread>
 
@@ -21,6 +22,27 @@ using namespace faceshard;
 
 namespace {
 
+bool holds_trace_files(const std::filesystem::path& dir) {
+  std::error_code ec;
+  for (const auto& e : std::filesystem::directory_iterator(dir, ec)) {
+    const std::string name = e.path().filename().string();
+    if (name.rfind("rank", 0) == 0 && name.size() > 10 && name.substr(name.size() - 6) == ".jsonl") return true;
+  }
+  return false;
+}
+
+// --trace takes the folder of the trace files or the folder a run wrote them under (its
+// output folder, whose trace/ holds them): the user names the run, not its layout.
+std::string trace_folder(const std::string& dir) {
+  const std::filesystem::path inner = std::filesystem::path(dir) / "trace";
+  std::error_code ec;
+  if (std::filesystem::is_directory(dir, ec) && !holds_trace_files(dir)) {
+    if (std::filesystem::is_directory(inner, ec) && holds_trace_files(inner)) return inner.string();
+    throw usage_error("--trace '", dir, "': no trace files (rank<r>.jsonl) in it or in its trace/ folder");
+  }
+  return dir;
+}
+
 const char* kUsage =
     "usage: faceshard-dist-check [--rounds N] [--interval-ms MS] [--timeout-s S] [--rendezvous-timeout-s S]\n"
     "                            [--numel N] [--cuda] [--output DIR]\n"
@@ -28,7 +50,8 @@ const char* kUsage =
     "Start it with tools/launch.sh --nproc N, torchrun --no-python or srun; alone it runs one rank.\n"
     "  --output DIR   each rank writes its collective trace to DIR/trace/rank<r>.jsonl when a\n"
     "                 collective fails or hangs, or on SIGUSR1\n"
-    "  --trace DIR    read the trace files in DIR (rank<r>.jsonl) and print the verdict: the\n"
+    "  --trace DIR    read the trace files in DIR (rank<r>.jsonl), or in DIR/trace (a run's output\n"
+    "                 folder, or this tool's --output), and print the verdict: the\n"
     "                 collective some ranks waited in and the ranks (hosts) that never entered it\n";
 
 double parse_num(const char* flag, const char* v) {
@@ -66,7 +89,7 @@ int main(int argc, char** argv) {
       else throw usage_error("unknown argument '", a, "' (see --help)");
     }
     if (!trace.empty()) {
-      for (const std::string& line : trace_verdict(read_run_traces(trace))) std::printf("%s\n", line.c_str());
+      for (const std::string& line : trace_verdict(read_run_traces(trace_folder(trace)))) std::printf("%s\n", line.c_str());
       return 0;
     }
     DistOptions opts;

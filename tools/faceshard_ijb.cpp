@@ -5,6 +5,7 @@
 // score of every template pair; TAR at FAR 1e-6 .. 1e-1 and the ROC (CSV + PNG).
 // Launched with several ranks (tools/launch.sh, torchrun, srun) the images are split
 // across them and the features gathered; then the ranks leave the job and rank 0 scores.
+#include <algorithm>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -20,6 +21,7 @@
 #include "app/io/npy.h"
 #include "app/eval/tool_args.h"
 #include "app/eval/verification_metrics.h"
+#include "data/face_align.h"
 #include "data/image_transform.h"
 #include "partial_fc/runtime/dist_env.h"
 #include "partial_fc/runtime/distributed.h"
@@ -119,16 +121,19 @@ int main(int argc, char** argv) {
     write_roc_png({{meta.target, roc}}, stem + "_roc.png", meta.target + " 1:1 verification");
     std::ostringstream js;
     js << "{\"target\": \"" << meta.target << "\", \"images\": " << n << ", \"templates\": " << templates.size()
-       << ", \"pairs\": " << scores.size() << ", \"auc\": " << json_number(roc_auc(roc)) << ", \"tar_at_far\": {";
+       << ", \"pairs\": " << scores.size();
+    // TAR at a FAR below 1/negatives is not measured by these pairs: said instead of a number.
+    const int64_t negatives = std::count(meta.pair_label.begin(), meta.pair_label.end(), 0);
+    js << ", \"negative_pairs\": " << negatives << ", \"auc\": " << json_number(roc_auc(roc)) << ", \"tar_at_far\": {";
     std::printf("%s  TAR@FAR (%%): ", meta.target.c_str());
     const double fars[] = {1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 1e-1};
     for (int k = 0; k < 6; ++k) {
       const double tar = tar_at_far(roc, fars[k]);
-      std::printf("%s1e-%d %.2f", k ? "  " : "", 6 - k, tar * 100);
+      std::printf("%s1e-%d %s", k ? "  " : "", 6 - k, tar_at_far_text(tar, fars[k], negatives, 2, true).c_str());
       js << (k ? ", " : "") << "\"1e-" << 6 - k << "\": " << json_number(tar);
     }
     js << "}}\n";
-    std::printf("  (AUC %.5f, %zu pairs)\n", roc_auc(roc), scores.size());
+    std::printf("  (AUC %.5f, %zu pairs, %lld negatives)\n", roc_auc(roc), scores.size(), static_cast<long long>(negatives));
     std::fflush(stdout);
     if (!json.empty()) write_text_durably(js.str(), json);
     log_info("wrote ", stem, "_roc.csv, ", stem, "_roc.png, ", stem, "_scores.npy");

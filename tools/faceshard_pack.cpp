@@ -9,16 +9,20 @@
 #include <cstdlib>
 #include <filesystem>
 #include <map>
+#include <system_error>
 #include <string>
 #include <vector>
 
 #include "data/dataset.h"
+#include "data/image_check.h"
 #include "data/image_header.h"
 #include "data/image_record.h"
 #include "data/index_check.h"
+#include "data/image_encode.h"
 #include "data/image_transform.h"
 #include "data/insightface_rec.h"
 #include "data/pack_source.h"
+#include "data/pack_transform.h"
 #include "data/recordio.h"
 #include "data/verification_bin.h"
 #include "data/verification_pairs.h"
@@ -33,6 +37,7 @@ namespace fs = std::filesystem;
 const char* kUsage =
     "usage: faceshard-pack <command> ...\n"
     "  pack SOURCE OUT_PREFIX [--size PX] [--skip-bad] [--decode | --no-check]\n"
+    "       [--resize 112 [--fit pad|center|stretch] | --landmarks FILE] [--quality Q]\n"
     "        SOURCE: a folder with one sub-folder per identity (SOURCE/<identity>/<image>), or an image list\n"
     "        (.lst: 'index<TAB>label<TAB>path' or insightface's 'aligned<TAB>path<TAB>label'; paths relative to\n"
     "        the list's folder) -> OUT_PREFIX.rec + OUT_PREFIX.idx (insightface layout: header record 0,\n"
@@ -41,6 +46,18 @@ const char* kUsage =
     "        Every image's header is checked (JPEG, PNG or BMP of PX x PX, default 112, not cut short); every\n"
     "        bad file and empty identity folder is listed and nothing is written, unless --skip-bad leaves\n"
     "        them out. --decode also decodes every image; --no-check packs without looking.\n"
+    "        faceshard-train takes 112x112 aligned faces. Photos of another size are made so at pack time\n"
+    "        (decoded, changed, stored as JPEG of quality Q, default 95; any size is taken):\n"
+    "        --resize 112   crops of another size, e.g. 250x250 or 96x112. --fit pad (default): scaled so that\n"
+    "                       the longer side is 112, aspect ratio kept, centred on black (a square is only\n"
+    "                       scaled; a 96x112 crop gains 8 black columns a side: the ArcFace layout); center:\n"
+    "                       scaled so that the shorter side is 112, aspect ratio kept, the middle 112x112\n"
+    "                       kept; stretch: each side scaled to 112 (the aspect ratio changes).\n"
+    "        --landmarks FILE  photos aligned to insightface's 112x112 template (norm_crop) from five points\n"
+    "                       per image; FILE: one line per image, 'PATH x1 y1 x2 y2 x3 y3 x4 y4 x5 y5' in pixels,\n"
+    "                       left eye, right eye, nose, left and right mouth corner (left as seen in the\n"
+    "                       image), PATH relative to SOURCE (to the list's folder for a .lst). Every image\n"
+    "                       needs a line; every bad line and image is listed and nothing is written.\n"
     "  pairs IMAGE_DIR OUT.bin [--pairs N] [--seed S] [--size PX] [--skip-bad]\n"
     "        a verification set in insightface's .bin format (a val target for faceshard-train and\n"
     "        faceshard-verify): N pairs (default 3000), half of one identity, half of two, from IMAGE_DIR's\n"
@@ -123,26 +140,7 @@ void need_positional(const Args& a, size_t lo, size_t hi, const char* cmd) {
 
 // Reads a whole file (small: an aligned face).
 bool read_file(const std::string& path, std::vector<uint8_t>& out, std::string& why) {
-  std::FILE* f = std::fopen(path.c_str(), "rb");
-  if (!f) {
-    why = std::string("cannot open: ") + std::strerror(errno);
-    return false;
-  }
-  out.clear();
-  uint8_t buf[1 << 16];
-  size_t n;
-  while ((n = std::fread(buf, 1, sizeof buf, f)) > 0) {
-    out.insert(out.end(), buf, buf + n);
-    if (out.size() > (uint64_t(64) << 20)) {
-      std::fclose(f);
-      why = "larger than 64 MiB: not an aligned face";
-      return false;
-    }
-  }
-  const bool err = std::ferror(f) != 0;
-  std::fclose(f);
-  if (err) why = "read error";
-  return !err;
+  return faceshard::read_image_file(path, out, why);  // shared with the trainer's folder check
 }
 
 // Every problem of the source, one line each, then what to do: the pack is refused unless
@@ -159,15 +157,20 @@ void report_problems(const std::vector<faceshard::PackProblem>& problems, bool s
 
 // The source's items that pass the check (all when check is off); bad ones become problems.
 std::vector<uint64_t> check_items(const faceshard::PackSource& src, int size, bool decode,
-                                  std::vector<faceshard::PackProblem>& problems) {
+                                  std::vector<faceshard::PackProblem>& problems,
+                                  const faceshard::PackTransform& transform = {}) {
   std::vector<uint64_t> bad;
   std::vector<uint8_t> bytes;
   faceshard::Progress progress("checking", src.items.size(), "images");
   for (uint64_t i = 0; i < src.items.size(); ++i) {
     const std::string& path = src.items[i].path;
     std::string why;
-    if (read_file(path, bytes, why)) why = faceshard::check_image_bytes(bytes, size);
-    if (why.empty() && decode) {
+    cv::Mat changed;
+    // A transform takes any size: the image is decoded, and its landmarks checked against it.
+    if (read_file(path, bytes, why))
+      why = transform.kind == faceshard::PackTransform::Kind::none ? faceshard::check_image_bytes(bytes, size)
+                                                                   : faceshard::transform_image(bytes, path, transform, changed);
+    if (why.empty() && decode && transform.kind == faceshard::PackTransform::Kind::none) {
       try {
         check_image(bytes.data(), bytes.size(), size, "");
       } catch (const faceshard::Error& e) {
@@ -175,7 +178,7 @@ std::vector<uint64_t> check_items(const faceshard::PackSource& src, int size, bo
       }
     }
     if (!why.empty()) {
-      problems.push_back({path, why});
+      if (why != "-") problems.push_back({path, why});  // "-": its landmark line is the problem listed
       bad.push_back(i);
     }
     progress.update(i + 1);
@@ -189,10 +192,46 @@ int cmd_pack(const Args& a) {
   const bool header_check = !a.opt.count("--no-check");
   const bool skip_bad = a.opt.count("--skip-bad");
   const int size = a.opt.count("--size") ? int(parse_u64("--size", a.opt.at("--size"))) : 112;
+  // --resize / --landmarks: every image decoded, changed to 112x112 and stored as JPEG.
+  faceshard::PackTransform transform;
+  const bool resize = a.opt.count("--resize"), align = a.opt.count("--landmarks");
+  if (resize && align) throw usage_error("--resize and --landmarks: give one (--landmarks makes 112x112 faces itself)");
+  if (a.opt.count("--fit") && !resize) throw usage_error("--fit goes with --resize 112");
+  if (a.opt.count("--quality") && !resize && !align)
+    throw usage_error("--quality goes with --resize or --landmarks (otherwise the images are stored as they are)");
+  if (resize || align) {
+    if (a.opt.count("--no-check")) throw usage_error("--no-check: --resize and --landmarks decode every image");
+    if (a.opt.count("--size"))
+      throw usage_error("--size: with --resize or --landmarks the images may be of any size");
+    transform.kind = resize ? faceshard::PackTransform::Kind::resize : faceshard::PackTransform::Kind::align;
+    if (resize) {
+      const uint64_t n = parse_u64("--resize", a.opt.at("--resize"));
+      if (n != 112)
+        throw usage_error("--resize ", n, ": faceshard-train takes 112x112 faces; give --resize 112");
+      if (a.opt.count("--fit")) transform.fit = faceshard::parse_fit_mode(a.opt.at("--fit"));
+    }
+    if (a.opt.count("--quality")) {
+      const uint64_t q = parse_u64("--quality", a.opt.at("--quality"));
+      if (q < 1 || q > 100) throw usage_error("--quality ", q, ": expected a JPEG quality in 1..100");
+      transform.jpeg_quality = int(q);
+    }
+  }
   faceshard::PackSource src = faceshard::list_pack_source(a.pos[0]);
   std::vector<faceshard::PackProblem> problems = src.problems;
+  faceshard::LandmarkList landmarks;
+  if (align) {
+    // Relative paths in the list are taken from where the source's own paths are.
+    std::error_code ec;
+    fs::path base = fs::is_directory(a.pos[0], ec) ? fs::path(a.pos[0]) : fs::path(a.pos[0]).parent_path();
+    if (base.empty()) base = ".";
+    std::vector<std::string> keys;
+    for (const auto& it : src.items) keys.push_back(faceshard::landmark_key(it.path));
+    landmarks = faceshard::read_landmark_list(a.opt.at("--landmarks"), base.string(), keys);
+    problems.insert(problems.end(), landmarks.problems.begin(), landmarks.problems.end());
+    transform.landmarks = &landmarks;
+  }
   std::vector<uint64_t> bad;
-  if (header_check || decode) bad = check_items(src, size, decode, problems);
+  if (header_check || decode || resize || align) bad = check_items(src, size, decode, problems, transform);
   report_problems(problems, skip_bad);
   const size_t empty_folders = src.problems.size();
   const std::vector<std::string> emptied = faceshard::drop_items(src, bad);
@@ -207,6 +246,12 @@ int cmd_pack(const Args& a) {
     for (uint64_t i = 0; i < src.items.size(); ++i) {
       std::string why;
       if (!read_file(src.items[i].path, bytes, why)) throw faceshard::runtime_error(src.items[i].path, ": ", why);
+      if (transform.kind != faceshard::PackTransform::Kind::none) {
+        cv::Mat face;
+        why = faceshard::transform_image(bytes, src.items[i].path, transform, face);
+        if (!why.empty()) throw faceshard::runtime_error(src.items[i].path, ": ", why);
+        bytes = faceshard::encode_jpeg(face, transform.jpeg_quality);
+      }
       writer.add(src.items[i].label, bytes);
       progress.update(i + 1);
     }
@@ -228,9 +273,21 @@ int cmd_pack(const Args& a) {
     }
   }
   if (skip_bad && !problems.empty())
-    std::printf("faceshard-pack: left out %zu bad files and %zu empty folders (listed above)%s\n", bad.size(),
+    std::printf("faceshard-pack: left out %zu bad files and %zu folders (empty, or inside an identity folder; listed "
+                "above)%s\n", bad.size(),
                 empty_folders, emptied.empty() ? "" : faceshard::detail::concat("; ", emptied.size(),
                                                                    " identities lost every image and are no class").c_str());
+  if (resize)
+    std::printf("faceshard-pack: every image resized to 112x112 (--fit %s) and stored as JPEG of quality %d\n",
+                faceshard::fit_mode_name(transform.fit), transform.jpeg_quality);
+  if (align)
+    std::printf("faceshard-pack: every image aligned to the ArcFace 112x112 template from its landmarks and stored as "
+                "JPEG of quality %d\n",
+                transform.jpeg_quality);
+  if (!resize && !align && size != 112)
+    std::printf("faceshard-pack: note: faceshard-train takes 112x112 faces and these are %dx%d; --resize 112 or "
+                "--landmarks FILE makes them 112x112\n",
+                size, size);
   std::printf("faceshard-pack: %llu images of %lld identities -> %s, %s, %s%s\n", (unsigned long long)src.items.size(),
               (long long)src.identities.size(), rec.c_str(), idx.c_str(), labels.c_str(),
               src.ignored_files ? faceshard::detail::concat(" (", src.ignored_files,
@@ -454,7 +511,9 @@ int main(int argc, char** argv) {
         return 0;
       }
     }
-    if (cmd == "pack") return cmd_pack(parse(argc, argv, {"--size"}, {"--check", "--decode", "--no-check", "--skip-bad"}));
+    if (cmd == "pack")
+      return cmd_pack(parse(argc, argv, {"--size", "--resize", "--fit", "--landmarks", "--quality"},
+                            {"--check", "--decode", "--no-check", "--skip-bad"}));
     if (cmd == "pairs") return cmd_pairs(parse(argc, argv, {"--pairs", "--seed", "--size"}, {"--skip-bad"}));
     if (cmd == "list") return cmd_list(parse(argc, argv, {"--idx", "--limit"}, {}));
     if (cmd == "verify") return cmd_verify(parse(argc, argv, {"--idx", "--size"}, {"--decode"}));

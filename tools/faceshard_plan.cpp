@@ -1,7 +1,10 @@
 // faceshard-plan: what one rank of a training job needs in device memory, part by part
 // (backbone parameters, gradients, optimiser state, activations; the classifier shard's rows,
 // optimiser state, gradient and logits; DataParallel's buckets and the embedding all-gather),
-// whether that fits a device, and the largest number of identities that does. The formulas
+// whether that fits a device, the largest number of identities and the largest batch per rank
+// that do; how long the job takes (measured step rates, app/plan/job_time_plan.h), the decode
+// rate its loaders must sustain, its checkpoints' size on disk and whether its learning rate
+// needs scaling for its global batch. The formulas
 // are app/plan/job_memory_plan.h (the classifier's are classifier_memory_plan(), the ones the
 // trainer checks before it allocates); the activations come from the measured table
 // app/plan/activations.json (faceshard-bench --mode activations).
@@ -17,6 +20,7 @@
 #include "app/config/cli.h"
 #include "app/plan/activation_table.h"
 #include "app/plan/job_memory_plan.h"
+#include "app/plan/job_time_plan.h"
 #include "partial_fc/runtime/error.h"
 
 using namespace faceshard;
@@ -30,6 +34,7 @@ const char* kUsage =
     "                      [--fc-update sampled|all] [--fc-state-dtype fp32|bf16] [--fc-weight-dtype fp32|bf16]\n"
     "                      [--logits auto|buffer|streamed] [--grad-accumulation K] [--cuda-graph on|off]\n"
     "                      [--device-memory SIZE] [--reserve SIZE] [--activations FILE] [--json FILE]\n"
+    "                      [--images N] [--epochs E] [--gpus-per-host G] [--bench FILE] [--keep-checkpoints K]\n"
     "  --config FILE        a training config gives the settings (model.backbone, data.batch_size or\n"
     "                       data.global_batch_size, train.precision, model.checkpointing, data.num_classes,\n"
     "                       loss.sample_rate, optim.*); the flags override it. Defaults: r50, batch 128,\n"
@@ -42,7 +47,15 @@ const char* kUsage =
     "  --reserve SIZE       kept aside for what the plan does not count: CUDA context, NCCL and cuDNN\n"
     "                       workspaces, allocator fragmentation (default 1GiB)\n"
     "  --activations FILE   an activations table from faceshard-bench --mode activations --json FILE\n"
-    "                       (default: the one built in, app/plan/activations.json)\n";
+    "                       (default: the one built in, app/plan/activations.json)\n"
+    "  --images N           images per epoch (default: data.num_images, or the preset's data set as published):\n"
+    "                       with it the plan says how long the job takes\n"
+    "  --epochs E           epochs (default: optim.epochs, 20)\n"
+    "  --gpus-per-host G    GPUs (ranks) per host, for the decode rate a host's loaders must sustain\n"
+    "                       (default: the ranks, at most 8)\n"
+    "  --bench FILE         step rates from faceshard-bench --mode step --json FILE run on your card, or a GPU\n"
+    "                       check report (default: the built-in figures, measured on an NVIDIA H200)\n"
+    "  --keep-checkpoints K checkpoints kept (default: train.keep_checkpoints, 3), for the disk they take\n";
 
 // "80GB", "79.6GiB", "32510MiB", "1e9": bytes.
 double parse_size(const std::string& flag, const std::string& v) {
@@ -133,7 +146,8 @@ int main(int argc, char** argv) {
                                     "--ranks", "--sample-rate", "--optimizer", "--fc-optimizer", "--fc-update",
                                     "--fc-state-dtype", "--fc-weight-dtype", "--logits", "--grad-accumulation", "--cuda-graph",
                                     "--device-memory", "--reserve",
-                                    "--activations", "--json"};
+                                    "--activations", "--json", "--images", "--epochs", "--gpus-per-host",
+                                    "--bench", "--keep-checkpoints"};
       if (std::find(std::begin(known), std::end(known), s) == std::end(known))
         throw usage_error("unknown argument '", faceshard::detail::printable(s), "' (see --help)");
       if (i + 1 >= args.rest.size()) throw usage_error(s, " needs a value");
@@ -143,8 +157,13 @@ int main(int argc, char** argv) {
     auto has = [&](const char* f) { return flag.count(f) > 0; };
     const int ranks = has("--ranks") ? static_cast<int>(std::min<int64_t>(parse_count("--ranks", flag["--ranks"]), 1 << 20)) : 1;
     JobPlanInputs in;
-    if (!args.config.empty()) in = job_plan_inputs(load_config_from_args(args), ranks);
-    else if (!args.overrides.empty()) throw usage_error("--set needs --config FILE");
+    std::optional<Config> cfg;
+    if (!args.config.empty()) {
+      cfg = load_config_from_args(args);
+      in = job_plan_inputs(*cfg, ranks);
+    } else if (!args.overrides.empty()) {
+      throw usage_error("--set needs --config FILE");
+    }
     in.world_size = ranks;
     if (has("--network")) in.network = flag["--network"];
     if (has("--batch")) in.batch_per_rank = parse_count("--batch", flag["--batch"]);
@@ -168,6 +187,43 @@ int main(int argc, char** argv) {
     const double reserve = has("--reserve") ? parse_size("--reserve", flag["--reserve"]) : 1073741824.0;
     const ActivationTable table =
         has("--activations") ? ActivationTable::from_file(flag["--activations"]) : ActivationTable::shipped();
+    const StepRateTable rates = has("--bench") ? StepRateTable::from_file(flag["--bench"]) : StepRateTable::shipped();
+    // The schedule: flags, else the config, else the preset's data set as published.
+    std::optional<LrReference> ref;
+    if (cfg) {
+      ref = lr_reference(args.config);
+    } else {  // flags alone: base.yaml's rate, arcface_torch's SGD lr 0.1 for 8 ranks x 128
+      ref = LrReference{"base.yaml", "sgd", 0.1, 8, 1024, 0, 0, ""};
+    }
+    if (ref) ref->optimizer = in.optimizer;  // the job's backbone optimiser decides whether the rate scales
+    TimePlanInputs tin;
+    std::string images_from;
+    if (has("--images")) {
+      tin.images = parse_count("--images", flag["--images"]);
+      if (tin.images < 1) throw usage_error("--images: expected at least 1 image");
+      images_from = "--images";
+    } else if (cfg && cfg->data.num_images) {
+      tin.images = *cfg->data.num_images;
+      images_from = "data.num_images";
+    } else if (ref && ref->images > 0) {
+      tin.images = ref->images;
+      images_from = ref->dataset + " as published, from " + ref->preset + "; --images N for yours";
+    }
+    tin.epochs = cfg ? cfg->optim.epochs : 20;
+    if (cfg) tin.total_steps = cfg->optim.total_steps;
+    if (has("--epochs")) {
+      tin.epochs = parse_count("--epochs", flag["--epochs"]);
+      if (tin.epochs < 1) throw usage_error("--epochs: expected at least 1 epoch");
+      tin.total_steps.reset();
+    }
+    if (has("--gpus-per-host")) {
+      const int64_t g = parse_count("--gpus-per-host", flag["--gpus-per-host"]);
+      if (g < 1 || g > 1024) throw usage_error("--gpus-per-host: expected 1 to 1024");
+      tin.gpus_per_host = static_cast<int>(g);
+    }
+    int64_t keep = cfg ? cfg->train.keep_checkpoints : 3;
+    if (has("--keep-checkpoints")) keep = parse_count("--keep-checkpoints", flag["--keep-checkpoints"]);
+    const double job_lr = cfg ? cfg->optim.lr : 0.1;
     // No class count (a preset leaves it to the data): with a device, the plan is made at the
     // largest count that fits; without one there is nothing to plan the classifier for.
     const bool classes_given = in.num_classes != 0;
@@ -185,10 +241,11 @@ int main(int argc, char** argv) {
     }
 
     JobMemoryPlan plan;
-    int64_t max_classes = -1;
+    int64_t max_classes = -1, max_batch = -1;
     try {
       plan = plan_job_memory(in, table);
       if (device) max_classes = max_classes_that_fit(in, table, *device - reserve);
+      if (device) max_batch = max_batch_that_fits(in, table, *device - reserve);
     } catch (const Error& e) {
       if (!e.option().empty()) rethrow_as_flag(e);
       throw;
@@ -234,6 +291,56 @@ int main(int argc, char** argv) {
                     "reserve)\n");
       }
     }
+    if (device) {
+      if (max_batch > 0) {
+        JobPlanInputs at = in;
+        at.batch_per_rank = max_batch;
+        const JobMemoryPlan bp = plan_job_memory(at, table);
+        std::printf("largest batch per rank that fits: %lld (global %lld; %s MiB planned%s)\n",
+                    static_cast<long long>(max_batch),
+                    static_cast<long long>(max_batch * in.world_size * in.grad_accumulation), mib(bp.total_bytes()).c_str(),
+                    bp.classifier.streamed && !plan.classifier.streamed ? ", streamed logits" : "");
+      } else {
+        std::printf("largest batch per rank that fits: none (2 images per rank do not fit)\n");
+      }
+    }
+    std::optional<TimePlan> time;
+    if (tin.images > 0) {
+      time = plan_job_time(in, tin, rates);
+      const TimePlan& t = *time;
+      std::printf("time: %lld images (%s) x %s, global batch %lld (%lld x %d ranks%s): %lld steps\n",
+                  static_cast<long long>(tin.images), images_from.c_str(),
+                  tin.total_steps ? ("optim.total_steps " + std::to_string(*tin.total_steps)).c_str()
+                                  : (std::to_string(tin.epochs) + " epochs of " + std::to_string(t.steps_per_epoch) +
+                                     " steps").c_str(),
+                  static_cast<long long>(t.global_batch), static_cast<long long>(in.batch_per_rank), in.world_size,
+                  in.grad_accumulation > 1 ? (" x " + std::to_string(in.grad_accumulation) + " micro-batches").c_str() : "",
+                  static_cast<long long>(t.total_steps));
+      if (t.rate) {
+        std::printf("  speed: %.0f images/s per GPU (%s)\n", t.images_per_s_per_gpu, t.rate_note.c_str());
+        std::printf("  hours: %.1f on %d GPUs (the measured GPU's rate x %d; the communication between GPUs and a "
+                    "batch other than the measured one are not counted)\n",
+                    t.hours, in.world_size, in.world_size);
+        std::printf("  loader: %.0f images/s to decode per host (%d GPUs x %.0f images/s; faceshard-bench --mode data "
+                    "measures a host's rate)\n",
+                    t.decode_per_host, t.gpus_per_host, t.images_per_s_per_gpu);
+      } else {
+        std::printf("  speed: %s\n", t.rate_note.c_str());
+      }
+    } else {
+      std::printf("time: give --images N (images per epoch) to plan the hours\n");
+    }
+    const CheckpointPlan ck = plan_checkpoint(in, table, keep);
+    {
+      std::string files;
+      for (const auto& f : ck.files) files += (files.empty() ? "" : ", ") + f.name + " " + mib(f.bytes) + " MiB";
+      std::printf("checkpoint: %s MiB each (%s); %lld kept: up to %lld on disk during a save, with model.pt %s GiB\n",
+                  mib(ck.bytes).c_str(), files.c_str(), static_cast<long long>(keep), static_cast<long long>(keep + 1),
+                  faceshard::detail::concat(std::round(ck.disk_bytes() / 1073741824.0 * 100) / 100).c_str());
+    }
+    std::string lr_line;
+    if (ref) lr_line = lr_scaling_reminder(*ref, in.batch_per_rank * in.world_size * in.grad_accumulation, job_lr);
+    if (!lr_line.empty()) std::printf("%s\n", lr_line.c_str());
     if (has("--json")) {
       std::ostringstream js;
       js.precision(15);
@@ -253,7 +360,26 @@ int main(int argc, char** argv) {
          << ",\"total_bytes\":" << plan.total_bytes();
       if (device)
         js << ",\"device_memory_bytes\":" << *device << ",\"reserve_bytes\":" << reserve << ",\"fits\":"
-           << (fits ? "true" : "false") << ",\"max_classes\":" << std::max<int64_t>(0, max_classes);
+           << (fits ? "true" : "false") << ",\"max_classes\":" << std::max<int64_t>(0, max_classes)
+           << ",\"max_batch_per_rank\":" << std::max<int64_t>(0, max_batch);
+      if (time) {
+        const TimePlan& t = *time;
+        js << ",\"time\":{\"images\":" << tin.images << ",\"epochs\":" << tin.epochs << ",\"global_batch\":"
+           << t.global_batch << ",\"steps_per_epoch\":" << t.steps_per_epoch << ",\"total_steps\":" << t.total_steps
+           << ",\"gpus_per_host\":" << t.gpus_per_host;
+        if (t.rate)
+          js << ",\"images_per_s_per_gpu\":" << t.images_per_s_per_gpu << ",\"measured_on\":\""
+             << json_escape(t.rate->card) << "\",\"measured_batch\":" << t.rate->batch_per_rank << ",\"hours\":" << t.hours
+             << ",\"decode_images_per_s_per_host\":" << t.decode_per_host;
+        js << ",\"rate\":\"" << json_escape(t.rate_note) << "\"}";
+      }
+      js << ",\"checkpoint\":{\"bytes\":" << ck.bytes << ",\"keep\":" << keep << ",\"disk_bytes\":" << ck.disk_bytes()
+         << ",\"model_bytes\":" << ck.model_bytes << ",\"files\":[";
+      for (size_t i = 0; i < ck.files.size(); ++i)
+        js << (i ? "," : "") << "{\"name\":\"" << json_escape(ck.files[i].name) << "\",\"bytes\":" << ck.files[i].bytes
+           << "}";
+      js << "]}";
+      if (!lr_line.empty()) js << ",\"lr_reminder\":\"" << json_escape(lr_line) << "\"";
       js << "}\n";
       std::ofstream out(flag["--json"]);
       if (!(out << js.str())) throw runtime_error(flag["--json"], ": cannot write");

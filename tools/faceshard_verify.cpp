@@ -3,6 +3,7 @@
 // accuracy +- std, the best threshold and TAR at FAR 1e-3 / 1e-4 per set; writes the ROC
 // of each set as CSV and all of them in one PNG plot. The numbers are computed by the code
 // the trainer uses, so they equal the trainer's final verification of the same model.
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
@@ -80,10 +81,14 @@ int main(int argc, char** argv) {
       // The protocol's threshold is a squared L2 distance between unit embeddings (same
       // identity below it); the ROC's is the cosine similarity 1 - d/2 (same at or above).
       const double cosine = 1 - r.kfold.best_threshold / 2;
+      // TAR at a FAR below 1/negatives is not measured by the set: said instead of a number.
+      const int64_t negatives = std::count(data.issame.begin(), data.issame.end(), false);
       std::printf("%s: accuracy %.5f +- %.5f  best threshold: distance %.3f (squared L2) = cosine %.3f  "
-                  "TAR@FAR=1e-3 %.4f  TAR@FAR=1e-4 %.4f  AUC %.5f  XNorm %.3f  (%zu pairs)\n",
+                  "TAR@FAR=1e-3 %s  TAR@FAR=1e-4 %s  AUC %.5f  XNorm %.3f  (%zu pairs, %lld negatives)\n",
                   data.name.c_str(), r.kfold.accuracy_mean, r.kfold.accuracy_std, r.kfold.best_threshold, cosine,
-                  r.tar_at_far_1e3, r.tar_at_far_1e4, auc, r.xnorm, data.issame.size());
+                  tar_at_far_text(r.tar_at_far_1e3, 1e-3, negatives).c_str(),
+                  tar_at_far_text(r.tar_at_far_1e4, 1e-4, negatives).c_str(), auc, r.xnorm, data.issame.size(),
+                  static_cast<long long>(negatives));
       std::fflush(stdout);
       if (r.negative_cosine > 0.9)
         log_warn(data.name, ": different identities' embeddings have a mean cosine of ", std::round(r.negative_cosine * 1000) / 1000,
@@ -91,6 +96,7 @@ int main(int argc, char** argv) {
                  "accuracy says nothing about the model");
       write_roc_csv(r.roc, output + "/" + data.name + "_roc.csv");
       js << (i ? ", " : "") << "{\"name\": \"" << data.name << "\", \"pairs\": " << data.issame.size()
+         << ", \"negative_pairs\": " << negatives
          << ", \"accuracy\": " << json_number(r.kfold.accuracy_mean) << ", \"accuracy_std\": " << json_number(r.kfold.accuracy_std)
          << ", \"best_threshold\": " << json_number(r.kfold.best_threshold)
          << ", \"best_threshold_unit\": \"squared_l2_distance\", \"best_threshold_cosine\": " << json_number(cosine)

@@ -3,15 +3,26 @@ results.json and the summary table (stdout).
 
   python3 tools/gpu_check_report.py JSON_DIR RESULTS_JSON [--device cuda|cpu]
 
-results.json holds "card", "date", "env", "sections" (each command's exit status and
-seconds), "tests", "train", "records" (one per step cell: who, network, batch, precision,
-sample_rate, channels_last, images_per_s, peak_memory_mb, card, ...: the format of
-docs/benchmarks/), "ratios" (faceshard over arcface_torch per cell), "contributions" (each
-variant cell against its base cell: what the fused optimiser, the PReLU kernel, the CUDA graphs
-and the real input pipeline each change), "targets" (the step's targets on a GPU, held or
-not: reported, not a failed check), "classifier" (bytes per class measured and planned) and
-"loader". Exit status 1 when a section failed or a check
-did not hold (a test failed, the loss did not fall, a cell has no result).
+results.json holds "card", "date", "env", "sections" (each item's exit status, seconds and
+whether it is required; "skipped": not started, its budget spent), "tests" (the GPU tests the
+binary lists and what each did), "train" (losses, verification, and the resume against the
+uninterrupted run), "records" (one per step cell: who, network, batch, precision,
+sample_rate, channels_last, images_per_s, peak_memory_mb, card, cuda_graph, ...: the format
+of docs/benchmarks/), "graph_checks" (each graph cell's losses against its eager cell's),
+"ratios" (faceshard over arcface_torch per cell), "contributions" (each variant cell against
+its base cell: what the fused optimiser, the PReLU kernel, the CUDA graphs and the real input
+pipeline each change), "targets" (the step's targets on a GPU, held or not: reported, not a
+failed check), "classifier" (bytes per class measured and planned), "capacity", "loader",
+"two_ranks" and "problems".
+
+A check that could not fail proves nothing, so each of these is a problem (exit status 1):
+an item that failed or ran past its limit; a required item not started (the budget spent);
+zero GPU tests, a test the binary lists that did not run or did not pass, a skipped test on
+a GPU, a name of MIN_GPU_TESTS the binary does not list; a graph cell whose graphs were not
+captured on a GPU, or whose losses differ from its eager cell's; a resumed run without its
+"resumed from ... at step N" line or whose losses do not continue the uninterrupted run's;
+the loss not falling; faceshard-verify disagreeing with the trainer; the classifier's bytes
+per class more than 10% from the plan; two_ranks.json not "ok".
 """
 
 import argparse
@@ -19,6 +30,7 @@ import datetime
 import glob
 import json
 import os
+import re
 import sys
 
 
@@ -122,6 +134,220 @@ def fmt(x, digits=4):
     return "none" if x is None else f"{x:.{digits}f}"
 
 
+# The GPU tests that must exist: the check runs what the binary lists under the filter, and
+# this list catches a test renamed or removed (the binary would no longer list it, and the
+# check would pass without it). Add a GPU test here when it is added to tests/.
+MIN_GPU_TESTS = [
+    "AppOptim.CudaMatchesCpu",
+    "BackboneForward.CudaReducedPrecision",
+    "DataLoader.CudaCopyMatchesCpuBatches",
+    "DistributedCuda.NcclCollectivesAtWorldOne",
+    "DistributedCuda.RuntimeAtWorldOneWithNccl",
+    "GraphedBackboneCuda.StepsMatchEagerWithoutHostSync",
+    "PReLUCuda.BackwardMatchesATenAndFloat64",
+    "PartialFCCuda.MatchesCpu",
+    "PartialFCCuda.StreamedEqualsBuffered",
+    "StochasticRoundCuda.SameBitsAsTheCpu",
+    "TrainStepCuda.StepsWithoutHostSynchronisation",
+]
+
+# A graph cell's per-step losses against its eager cell's (the same job, seed and batches):
+# relative difference per step. Reduced precision with cuDNN's benchmark on may choose other
+# algorithms for the graphs' shapes, and the difference grows over the cell's 40-odd steps;
+# fp32 (the CPU's cells, TF32 on a GPU) agrees far more closely.
+STEP_LOSS_TOL = {"fp32": 1e-3, "bf16": 0.02, "fp16": 0.02}
+# The resumed run's per-step losses against the uninterrupted run's at the same steps. A GPU
+# run is not bit-reproducible (atomics in the backward), so two runs part slowly; a resume
+# that loses the data position, the optimiser's state or the weights moves the loss by more.
+# On the CPU the two runs compute the same numbers.
+RESUME_TOL = {"cuda": 0.05, "cpu": 1e-4}
+RESUMED_LINE = re.compile(r"resumed from (\S+) at step (\d+)")
+
+
+def rel(a, b):
+    return abs(a - b) / max(abs(a), abs(b), 1e-12)
+
+
+def read_status(d):
+    items = []
+    try:
+        with open(os.path.join(d, "status.tsv")) as f:
+            for line in f:
+                name, rc, secs, need = (line.rstrip("\n").split("\t") + ["", "", "", ""])[:4]
+                if not name:
+                    continue
+                try:
+                    seconds = float(secs or 0)
+                except ValueError:
+                    seconds = 0.0
+                items.append({"name": name, "exit": rc, "seconds": seconds, "required": need != "optional"})
+    except OSError:
+        pass
+    return items
+
+
+def judge_items(items, problems):
+    skipped = []
+    for s in items:
+        if s["name"] == "total":
+            continue
+        if s["exit"] == "skipped":
+            skipped.append(s["name"])
+            if s["required"]:
+                problems.append(f"{s['name']}: not started, the budget was spent (a required item)")
+        elif s["exit"] == "absent":
+            continue
+        elif s["exit"] != "0":
+            why = " (killed at its time limit)" if s["exit"] in ("124", "137") else ""
+            problems.append(f"{s['name']} exited {s['exit']}{why}")
+    return skipped
+
+
+def judge_tests(d, device, problems):
+    """The GPU tests: the binary's list (gtest_expected.txt), each test's GoogleTest JSON."""
+    tests = {"expected": [], "passed": 0, "failed": 0, "skipped": 0, "missing": [], "failures": [], "names": [],
+             "skipped_names": []}
+    try:
+        with open(os.path.join(d, "gtest_expected.txt")) as f:
+            tests["expected"] = [l.strip() for l in f if l.strip()]
+    except OSError:
+        problems.append("tests: no list of the GPU tests from the test binary (--gtest_list_tests)")
+    expected = tests["expected"]
+    for name in MIN_GPU_TESTS:
+        if name not in expected:
+            problems.append(f"tests: the test binary does not list {name} (renamed or removed? it is in "
+                            f"gpu_check_report.py's MIN_GPU_TESTS)")
+    results = {}
+    paths = sorted(glob.glob(os.path.join(d, "gtest", "*.json"))) + [os.path.join(d, "gtest.json")]
+    for path in paths:
+        g = load(path)
+        if not g:
+            continue
+        for suite in g.get("testsuites", []):
+            for t in suite.get("testsuite", []):
+                results[f"{suite['name']}.{t['name']}"] = t
+    for name, t in sorted(results.items()):
+        tests["names"].append(name)
+        if t.get("failures"):
+            tests["failed"] += 1
+            tests["failures"].append({"test": name, "message": t["failures"][0].get("failure", "")[:2000]})
+        elif t.get("result") in ("SKIPPED", "SUPPRESSED") or t.get("status") == "NOTRUN":
+            tests["skipped"] += 1
+            tests["skipped_names"].append(name)
+        else:
+            tests["passed"] += 1
+    tests["missing"] = [n for n in expected if n not in results]
+    for n in tests["missing"]:
+        problems.append(f"tests: {n} is listed by the test binary but has no result (did not run, crashed or hung)")
+    if tests["failed"]:
+        problems.append(f"tests: {tests['failed']} GPU test(s) failed: {', '.join(f['test'] for f in tests['failures'])}")
+    if device == "cuda" and tests["skipped"]:
+        problems.append(f"tests: {tests['skipped']} GPU test(s) skipped on a GPU: {', '.join(tests['skipped_names'])}")
+    if tests["passed"] == 0:
+        problems.append("tests: zero tests passed")
+    return tests
+
+
+def losses_of(rows):
+    return [(int(r["step"]), float(r["loss"])) for r in rows if "loss" in r and "step" in r and r["loss"] is not None]
+
+
+def judge_resume(d, device, problems):
+    """The resumed run (its log's "resumed from ... at step N" and its losses after N) against
+    the uninterrupted run's losses at the same steps."""
+    plan = load(os.path.join(d, "train_resume.json"))
+    if not plan:
+        problems.append("train: no record of the resume to judge (train_resume.json)")
+        return None
+    prec, stop = plan.get("precision", "bf16"), int(plan["stop_step"])
+    tol = RESUME_TOL.get(device, RESUME_TOL["cuda"])
+    out = {"precision": prec, "stop_step": stop, "tolerance": tol, "resumed_at": None, "compared_steps": [],
+           "max_relative_difference": None, "before_resume_max_relative_difference": None}
+    try:
+        with open(os.path.join(d, f"train_{prec}_resume.log"), errors="replace") as f:
+            m = RESUMED_LINE.search(f.read())
+    except OSError:
+        m = None
+    if not m:
+        problems.append(f"train {prec}: the resumed run did not say 'resumed from ... at step N'")
+    else:
+        out["resumed_at"] = int(m.group(2))
+        out["checkpoint"] = m.group(1)
+        if out["resumed_at"] != stop:
+            problems.append(f"train {prec}: resumed at step {out['resumed_at']}, expected the checkpoint of step {stop}")
+    at = out["resumed_at"] if out["resumed_at"] is not None else stop
+    run = losses_of(jsonl(os.path.join(d, f"train_{prec}_metrics.jsonl")))
+    full = dict(losses_of(jsonl(os.path.join(d, f"train_{prec}_full_metrics.jsonl"))))
+    before = {s: l for s, l in run if s <= at}
+    after = {}
+    for s, l in run:  # the resumed run's lines come after the first run's: the last line of a step
+        if s > at:
+            after[s] = l
+    if not after:
+        problems.append(f"train {prec}: the resumed run logged no loss after step {at}")
+    if not full:
+        problems.append(f"train {prec}: the uninterrupted run logged no loss")
+    common = sorted(s for s in after if s in full)
+    out["compared_steps"] = common
+    if after and full and not common:
+        problems.append(f"train {prec}: no step that both the resumed and the uninterrupted run logged")
+    if common:
+        worst = max(common, key=lambda s: rel(after[s], full[s]))
+        out["max_relative_difference"] = rel(after[worst], full[worst])
+        out["losses"] = [[s, after[s], full[s]] for s in common]
+        if out["max_relative_difference"] > tol:
+            problems.append(f"train {prec}: the resumed run's loss at step {worst} is {after[worst]:.6g}, the "
+                            f"uninterrupted run's {full[worst]:.6g} ({100 * out['max_relative_difference']:.3g}% apart, "
+                            f"more than {100 * tol:.3g}%): the resume does not continue the run")
+    # Before the resume both runs are the same run: if they part there, the comparison after
+    # it cannot tell a resume from noise.
+    early = sorted(s for s in before if s in full)
+    if early:
+        worst = max(early, key=lambda s: rel(before[s], full[s]))
+        out["before_resume_max_relative_difference"] = rel(before[worst], full[worst])
+        if out["before_resume_max_relative_difference"] > tol:
+            problems.append(f"train {prec}: before the resume, two runs from the same start differ at step {worst} "
+                            f"({before[worst]:.6g} vs {full[worst]:.6g}): the resume's comparison cannot tell")
+    return out
+
+
+def judge_graph_cells(records, raw_variant, cells, device, problems):
+    """A graph cell counts only where its graphs were captured (on a GPU), and its losses
+    equal its eager base cell's."""
+    checks = []
+    for r in records:
+        if r["who"] != "faceshard" or raw_variant.get(id(r)) not in ("graph", "graph-eager"):
+            continue
+        name = r["cell"]
+        base = [x for x in records if x["who"] == "faceshard" and not raw_variant.get(id(x)) and
+                all(x[k] == r[k] for k in ("network", "batch", "precision", "channels_last"))]
+        check = {"cell": name, "captured": bool((r.get("cuda_graph") or {}).get("captured")), "base": None,
+                 "steps": 0, "max_relative_difference": None}
+        if not base:
+            problems.append(f"{name}: no eager cell (the same network, batch, precision and layout) to compare "
+                            f"its losses with")
+            checks.append(check)
+            continue
+        check["base"] = base[0]["cell"]
+        a, b = cells[name].get("losses"), cells[base[0]["cell"]].get("losses")
+        if not a or not b:
+            problems.append(f"{name}: no per-step losses in {'its JSON' if not a else base[0]['cell'] + '.json'} "
+                            f"to compare")
+        elif len(a) != len(b):
+            problems.append(f"{name}: {len(a)} step losses against {len(b)} in {base[0]['cell']}")
+        elif any(x is None for x in a + b):
+            problems.append(f"{name}: a loss that is not finite (its cell or {base[0]['cell']})")
+        else:
+            tol = STEP_LOSS_TOL.get(r["precision"], 0.02)
+            k = max(range(len(a)), key=lambda i: rel(a[i], b[i]))
+            check.update(steps=len(a), max_relative_difference=rel(a[k], b[k]), tolerance=tol)
+            if rel(a[k], b[k]) > tol:
+                problems.append(f"{name}: its loss at step {k} is {a[k]:.6g}, the eager cell's {b[k]:.6g} "
+                                f"({100 * rel(a[k], b[k]):.3g}% apart, more than {100 * tol:.3g}%)")
+        checks.append(check)
+    return checks
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("json_dir")
@@ -131,17 +357,16 @@ def main():
     d = a.json_dir
     problems = []
 
-    sections = []
-    try:
-        with open(os.path.join(d, "status.tsv")) as f:
-            for line in f:
-                name, rc, secs = (line.rstrip("\n").split("\t") + ["", "", ""])[:3]
-                sections.append({"name": name, "exit": rc, "seconds": float(secs or 0)})
-    except OSError:
-        pass
-    for s in sections:
-        if s["exit"] not in ("0", "skipped"):
-            problems.append(f"{s['name']} exited {s['exit']}")
+    check = load(os.path.join(d, "check.json"), {})
+    items = read_status(d)
+    asked = [s for s in str(check.get("sections", "")).split(",") if s]
+    if not asked:  # an older check's folder: the sections its items show
+        prefixes = {"env": "env", "tests": "test", "train": "train", "step": "step_", "classifier": "classifier",
+                    "capacity": "cap_", "loader": "loader", "tworanks": "tworanks"}
+        asked = [k for k, v in prefixes.items() if any(s["name"].startswith(v) for s in items)]
+    if not items:
+        problems.append("no item ran (status.tsv is empty or missing)")
+    skipped = judge_items(items, problems)
 
     env = load(os.path.join(d, "env.json"), {})
     card = "cpu"
@@ -159,26 +384,7 @@ def main():
     date = datetime.date.today().isoformat()
 
     # tests
-    tests = {"passed": 0, "failed": 0, "skipped": 0, "failures": [], "names": []}
-    g = load(os.path.join(d, "gtest.json"))
-    if g:
-        for suite in g.get("testsuites", []):
-            for t in suite.get("testsuite", []):
-                name = f"{suite['name']}.{t['name']}"
-                tests["names"].append(name)
-                if t.get("failures"):
-                    tests["failed"] += 1
-                    tests["failures"].append({"test": name, "message": t["failures"][0].get("failure", "")[:2000]})
-                elif t.get("result") == "SKIPPED" or t.get("status") == "NOTRUN":
-                    tests["skipped"] += 1
-                else:
-                    tests["passed"] += 1
-        if tests["failed"]:
-            problems.append(f"{tests['failed']} GPU test(s) failed")
-        if a.device == "cuda" and tests["skipped"]:
-            problems.append(f"{tests['skipped']} GPU test(s) skipped on a GPU")
-    elif any(s["name"] == "tests" for s in sections):
-        problems.append("no GoogleTest report")
+    tests = judge_tests(d, a.device, problems) if "tests" in asked else {}
 
     # train
     train = {}
@@ -201,37 +407,71 @@ def main():
         if acc and verify_acc is not None and abs(acc[-1][1] - verify_acc) > 1e-9:
             problems.append(f"train {prec}: faceshard-verify {verify_acc} != trainer {acc[-1][1]}")
         train[prec] = entry
+    if "train" in asked:
+        resume = judge_resume(d, a.device, problems)
+        if resume:
+            train.setdefault(resume["precision"], {})["resume"] = resume
+        if "bf16" not in train or not train["bf16"].get("losses"):
+            problems.append("train bf16: no losses (metrics.jsonl)")
 
     # step cells
     records = []
-    raw_variant = {}  # id(record) -> its cell's variant word ("" for a base cell)
+    cells = {}        # cell name -> its raw JSON
+    raw_variant = {}  # id(record) -> its cell's variant word ("" for a base cell, "graph-eager": asked, not captured)
     for path in sorted(glob.glob(os.path.join(d, "step_*.json"))):
         r = load(path)
         if not r:
             continue
-        base = os.path.basename(path)[len("step_"):-len(".json")]
+        cell = os.path.basename(path)[:-len(".json")]
+        cells[cell] = r
+        base = cell[len("step_"):]
         if base.startswith("arcface_torch_"):
-            records.append({"who": "arcface_torch", "network": r["network"], "batch": r["batch_per_rank"],
+            records.append({"who": "arcface_torch", "cell": cell, "network": r["network"], "batch": r["batch_per_rank"],
                             "precision": r.get("precision", "fp32"), "sample_rate": r["sample_rate"],
                             "channels_last": False, "classes": r["classes"], "images_per_s": r["images_per_s"],
                             "peak_memory_mb": r.get("peak_memory_mb"), "step_ms": r.get("step_ms"),
                             "phases_ms": r.get("phases"), "card": card, "date": date})
-        else:
-            words = base.split("_")
-            variant = words[-1] if words[-1] not in ("cl", "nchw") else ""
-            layout = words[-2] if variant else words[-1]
-            records.append({"who": "faceshard", "network": r["network"], "batch": r["batch_per_rank"],
-                            "precision": r["precision"], "sample_rate": r.get("sample_rate"),
-                            "variant": VARIANTS[variant][0] if variant in VARIANTS else variant,
-                            "channels_last": layout == "cl", "classes": r["classes"],
-                            "images_per_s": r["images_per_s"], "peak_memory_mb": r.get("peak_memory_mb"),
-                            "step_ms": r.get("step_ms"), "phases_ms": r.get("split_ms"), "card": card, "date": date})
-            raw_variant[id(records[-1])] = variant
+            continue
+        words = base.split("_")
+        variant = words[-1] if words[-1] not in ("cl", "nchw") else ""
+        layout = words[-2] if variant else words[-1]
+        graph = r.get("cuda_graph")
+        label = VARIANTS[variant][0] if variant in VARIANTS else variant
+        if variant == "graph":
+            if not isinstance(graph, dict):
+                problems.append(f"{cell}: no CUDA graph status in its JSON (faceshard-bench too old?)")
+                variant = "graph-eager"
+            elif not graph.get("asked"):
+                problems.append(f"{cell}: train.cuda_graph was not asked in the step it measured")
+                variant = "graph-eager"
+            elif not graph.get("captured"):
+                # Not a graph cell: the steps ran eagerly. On a GPU that is a failed check.
+                variant = "graph-eager"
+                if a.device == "cuda":
+                    problems.append(f"{cell}: CUDA graphs asked but not captured: {graph.get('reason') or 'no reason given'}")
+            elif graph.get("eager_calls"):
+                variant = "graph-eager"
+                if a.device == "cuda":
+                    problems.append(f"{cell}: {graph['eager_calls']} backbone call(s) ran eagerly beside the graphs")
+            if variant == "graph-eager":
+                label = "train.cuda_graph=true, not captured" + (f" ({graph.get('reason')})"
+                                                                 if isinstance(graph, dict) and graph.get("reason") else "")
+        records.append({"who": "faceshard", "cell": cell, "network": r["network"], "batch": r["batch_per_rank"],
+                        "precision": r["precision"], "sample_rate": r.get("sample_rate"), "variant": label,
+                        "channels_last": layout == "cl", "classes": r["classes"],
+                        "images_per_s": r["images_per_s"], "peak_memory_mb": r.get("peak_memory_mb"),
+                        "step_ms": r.get("step_ms"), "phases_ms": r.get("split_ms"), "cuda_graph": graph,
+                        "card": card, "date": date})
+        raw_variant[id(records[-1])] = variant
     for r in records:
         r["mfu"] = mfu(r["network"], r["images_per_s"], card, r["precision"])
-    for s in sections:
+    for s in items:
         if s["name"].startswith("step_") and s["exit"] == "0" and not os.path.exists(os.path.join(d, s["name"] + ".json")):
             problems.append(f"{s['name']}: no result")
+    if "step" in asked and not any(s["name"].startswith("step_faceshard_") and s["exit"] not in ("skipped",)
+                                   for s in items):
+        problems.append("step: no cell ran")
+    graph_checks = judge_graph_cells(records, raw_variant, cells, a.device, problems)
     ratios = []
     for r in records:
         if r["who"] != "faceshard":
@@ -281,13 +521,48 @@ def main():
         for run in c.get("runs", []):
             classifier.append({"sample_rate": run["sample_rate"], "classes_per_shard": run["classes_per_shard"],
                                "step_ms": run["step_ms"], "gemm_ms": run["gemm_ms"], "peak_memory_mb": run["peak_memory_mb"]})
+    if "classifier" in asked and not any("bytes_per_class" in c for c in classifier):
+        problems.append("classifier: no bytes per class measured")
+
+    # capacity: the largest class count planned and whether it trained
+    capacity = {}
+    for reserve in (3, 4):
+        plan = load(os.path.join(d, f"cap_plan_{reserve}GiB.json"))
+        if plan:
+            ran = load(os.path.join(d, f"cap_largest_{reserve}GiB.json"))
+            capacity[f"{reserve}GiB"] = {"max_classes": plan.get("max_classes"),
+                                         "trained": bool(ran), "images_per_s": (ran or {}).get("images_per_s"),
+                                         "peak_memory_mb": (ran or {}).get("peak_memory_mb")}
+    for name in ("cap_storage", "cap_gathered", "cap_200k"):
+        c = load(os.path.join(d, f"{name}.json"))
+        if c:
+            capacity[name] = c.get("bytes_per_class", [])
 
     loader = load(os.path.join(d, "loader.json"), {})
 
-    results = {"card": card, "date": date, "device": a.device, "env": env, "sections": sections, "tests": tests,
-               "train": train, "records": records, "ratios": ratios, "contributions": contributions,
-               "targets": targets, "classifier": classifier, "loader": loader,
-               "problems": problems}
+    # two ranks (tools/gpu_two_ranks.sh)
+    two_ranks = {}
+    if "tworanks" in asked:
+        st = [s for s in items if s["name"] == "tworanks"]
+        if st and st[0]["exit"] == "absent":
+            two_ranks = {"ran": False, "why": "tools/gpu_two_ranks.sh is not in this build"}
+        elif st and st[0]["exit"] != "skipped":
+            j = load(os.path.join(d, "two_ranks.json"))
+            if not isinstance(j, dict):
+                problems.append("tworanks: no two_ranks.json")
+                two_ranks = {"ran": True}
+            else:
+                two_ranks = {"ran": True, "ok": j.get("ok") is True, "problems": j.get("problems", [])}
+                if j.get("ok") is not True:
+                    problems.append("tworanks: not ok" + (": " + "; ".join(map(str, j.get("problems") or [])) if
+                                                          j.get("problems") else ""))
+                elif j.get("problems"):
+                    problems.append("tworanks: ok, yet problems listed: " + "; ".join(map(str, j["problems"])))
+
+    results = {"card": card, "date": date, "device": a.device, "asked": asked, "env": env, "sections": items,
+               "skipped": skipped, "tests": tests, "train": train, "records": records, "graph_checks": graph_checks,
+               "ratios": ratios, "contributions": contributions, "targets": targets, "classifier": classifier,
+               "capacity": capacity, "loader": loader, "two_ranks": two_ranks, "problems": problems}
     tmp = a.results + ".tmp"
     with open(tmp, "w") as f:
         json.dump(results, f, indent=1)
@@ -295,21 +570,37 @@ def main():
     os.replace(tmp, a.results)
 
     # the table
-    print(f"== faceshard GPU check: {card}, {date}")
+    print(f"== faceshard GPU check: {card}, {date}; sections {','.join(asked)}")
     if env:
         print(f"   torch {env.get('torch')}, CUDA {env.get('cuda')}, cuDNN {env.get('cudnn')}, NCCL {env.get('nccl')}; "
               f"{env.get('nvidia_smi', '')}")
-    print("-- sections (exit, seconds)")
-    print("   " + ", ".join(f"{s['name']} {s['exit']} {s['seconds']:.0f}s" for s in sections))
-    print(f"-- GPU tests: {tests['passed']} passed, {tests['failed']} failed, {tests['skipped']} skipped")
-    for f_ in tests["failures"]:
-        print(f"   FAILED {f_['test']}: {f_['message'].splitlines()[0] if f_['message'] else ''}")
+    print("-- items (exit, seconds)")
+    print("   " + ", ".join(f"{s['name']} {s['exit']} {s['seconds']:.0f}s" for s in items))
+    if skipped:
+        print("-- not started (budget spent): " + ", ".join(
+            n + ("" if next(s for s in items if s["name"] == n)["required"] else " (optional)") for n in skipped))
+    if tests:
+        print(f"-- GPU tests: {len(tests['expected'])} listed, {tests['passed']} passed, {tests['failed']} failed, "
+              f"{tests['skipped']} skipped, {len(tests['missing'])} without a result")
+        for f_ in tests["failures"]:
+            print(f"   FAILED {f_['test']}: {f_['message'].splitlines()[0] if f_['message'] else ''}")
     for prec, t in train.items():
-        l = t["losses"]
-        acc = t["verification"]
-        print(f"-- train {prec}: loss {l[0][1]:.3f} (step {l[0][0]}) -> {l[-1][1]:.3f} (step {l[-1][0]}); "
-              f"verification {' '.join(f'{s}:{v:.3f}' for s, v in acc)}; faceshard-verify {fmt(t['verify_tool_accuracy'])}"
-              f"; onnx {t.get('onnx_bytes', 'none')} B" if l else f"-- train {prec}: no losses")
+        l = t.get("losses")
+        acc = t.get("verification", [])
+        if l:
+            print(f"-- train {prec}: loss {l[0][1]:.3f} (step {l[0][0]}) -> {l[-1][1]:.3f} (step {l[-1][0]}); "
+                  f"verification {' '.join(f'{s}:{v:.3f}' for s, v in acc)}; "
+                  f"faceshard-verify {fmt(t.get('verify_tool_accuracy'))}; onnx {t.get('onnx_bytes', 'none')} B")
+        else:
+            print(f"-- train {prec}: no losses")
+        q = t.get("resume")
+        if q:
+            steps = q["compared_steps"]
+            span = f"steps {steps[0]}-{steps[-1]}" if steps else "no step"
+            diff = q["max_relative_difference"]
+            print(f"   resumed at step {q['resumed_at']} (checkpoint of step {q['stop_step']}); against the "
+                  f"uninterrupted run at {span}: largest difference "
+                  f"{'none' if diff is None else f'{100 * diff:.3g}%'} (limit {100 * q['tolerance']:.3g}%)")
     if records:
         print("-- step (images/s, peak MB)")
         print(f"   {'who':14} {'network':9} {'batch':>5} {'prec':5} {'layout':6} {'images/s':>10} {'peak MB':>9} {'step ms':>8} {'MFU':>6}")
@@ -322,6 +613,11 @@ def main():
             print(f"   faceshard/arcface_torch {q['network']} {q['batch']} {q['precision']} "
                   f"{'NHWC' if q['channels_last'] else 'NCHW'}{' ' + q['variant'] if q.get('variant') else ''}: {q['ratio']:.2f}x "
                   f"(arcface_torch {q['arcface_torch_precision']})")
+    for q in graph_checks:
+        if q.get("max_relative_difference") is not None:
+            print(f"   {q['cell']} ({'captured' if q['captured'] else 'not captured'}): losses of {q['steps']} steps "
+                  f"against {q['base']}: largest difference {100 * q['max_relative_difference']:.3g}% "
+                  f"(limit {100 * q['tolerance']:.3g}%)")
     for q in contributions:
         print(f"   {q['change']}: {q['speedup']:.2f}x ({q['network']} {q['batch']} {q['precision']} "
               f"{'NHWC' if q['channels_last'] else 'NCHW'}: {q['base_images_per_s']:.1f} images/s, with "
@@ -339,8 +635,15 @@ def main():
             print(f"-- classifier rate {c['sample_rate']}: {c['bytes_per_class']:.0f} B/class measured "
                   f"({c['from']} -> {c['to']} classes), plan {planned:.0f}" if planned else
                   f"-- classifier rate {c['sample_rate']}: {c['bytes_per_class']:.0f} B/class measured, no plan")
+    for k, v in capacity.items():
+        if k.endswith("GiB"):
+            print(f"-- capacity, {k} reserve: {v['max_classes']} classes planned, "
+                  + (f"trained ({v['peak_memory_mb']:.0f} MB peak)" if v["trained"] else "not trained"))
     for r in loader.get("results", []):
         print(f"-- loader: {r['workers']} workers: {r['images_per_s']:.0f} images/s")
+    if two_ranks:
+        print("-- two ranks: " + ("not run: " + two_ranks["why"] if not two_ranks["ran"] else
+                                  "ok" if two_ranks.get("ok") else "NOT ok"))
     if problems:
         print("-- PROBLEMS")
         for x in problems:

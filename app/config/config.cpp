@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -534,12 +535,24 @@ class Reader : public FieldVisitor {
   std::set<std::string> known_, sections_;
 };
 
+// A double as the printed config holds it: the shortest decimal that reads back as the same
+// double ("0.9", not yaml-cpp's 17 digits "0.90000000000000002").
+YAML::Node number_node(double v) {
+  if (!std::isfinite(v)) return YAML::Node(v);
+  char buf[32];
+  for (int precision = 1; precision <= 17; ++precision) {
+    std::snprintf(buf, sizeof buf, "%.*g", precision, v);
+    if (std::strtod(buf, nullptr) == v) break;
+  }
+  return YAML::Node(std::string(buf));
+}
+
 class Printer : public FieldVisitor {
  public:
   YAML::Node root = YAML::Node(YAML::NodeType::Map);
   void field(const std::string& p, std::string& v, const FieldSpec&) override { at(p) = v; }
   void field(const std::string& p, int64_t& v, const FieldSpec&) override { at(p) = v; }
-  void field(const std::string& p, double& v, const FieldSpec&) override { at(p) = v; }
+  void field(const std::string& p, double& v, const FieldSpec&) override { at(p) = number_node(v); }
   void field(const std::string& p, bool& v, const FieldSpec&) override { at(p) = v; }
   void field(const std::string& p, std::vector<std::string>& v, const FieldSpec&) override { seq(p, v); }
   void field(const std::string& p, std::vector<double>& v, const FieldSpec&) override { seq(p, v); }
@@ -551,16 +564,19 @@ class Printer : public FieldVisitor {
  private:
   template <typename T>
   void optional(const std::string& p, const std::optional<T>& v) {
-    if (v) at(p) = *v;
+    if (v) at(p) = node_of(*v);
     else at(p) = YAML::Node(YAML::NodeType::Null);
   }
   template <typename T>
   void seq(const std::string& p, const std::vector<T>& v) {
     YAML::Node n(YAML::NodeType::Sequence);
-    for (const auto& x : v) n.push_back(x);
+    for (const auto& x : v) n.push_back(node_of(x));
     n.SetStyle(YAML::EmitterStyle::Flow);
     at(p) = n;
   }
+  template <typename T>
+  static YAML::Node node_of(const T& v) { return YAML::Node(v); }
+  static YAML::Node node_of(double v) { return number_node(v); }
   YAML::Node at(const std::string& p) {
     YAML::Node cur = root;
     std::stringstream ss(p);
@@ -632,6 +648,7 @@ void Config::visit(FieldVisitor& v) {
   v.field("data.augment.gray_prob", data.augment_gray_prob, range(0, 1));
   v.field("data.augment.blur_prob", data.augment_blur_prob, range(0, 1));
   v.field("data.augment.downscale_prob", data.augment_downscale_prob, range(0, 1));
+  v.field("data.skip_bad", data.skip_bad, none);
 
   v.field("model.backbone", model.backbone, none);
   v.field("model.embedding_size", model.embedding_size, range(1, 65536));
@@ -691,6 +708,8 @@ void Config::visit(FieldVisitor& v) {
   v.field("optim.warmup_steps", optim.warmup_steps, at_least(0));
   v.field("optim.power", optim.power, positive());
   v.field("optim.grad_clip", optim.grad_clip, at_least(0));
+  v.field("optim.freeze_backbone_steps", optim.freeze_backbone_steps, at_least(0));
+  v.field("optim.freeze_stages", optim.freeze_stages, at_least(0));
   v.field("optim.grad_accumulation", optim.grad_accumulation, range(1, 1024));
 
   v.field("train.precision", train.precision, choices({"auto", "fp32", "bf16", "fp16"}));
@@ -712,6 +731,7 @@ void Config::visit(FieldVisitor& v) {
   v.field("train.cpu_cache_gb", train.cpu_cache_gb, at_least(0));
 
   v.field("dist.device", dist.device, choices({"auto", "cpu", "cuda"}));
+  v.field("dist.backend", dist.backend, choices({"auto", "nccl", "gloo"}));
   v.field("dist.timeout_s", dist.timeout_s, positive());
   v.field("dist.rendezvous_timeout_s", dist.rendezvous_timeout_s, positive());
   v.field("dist.hang_floor_s", dist.hang_floor_s, positive());
@@ -734,6 +754,12 @@ void Config::validate_relations() const {
     throw usage_error(origin("optim.warmup_steps"), ": key 'optim.warmup_steps' (", *optim.warmup_steps,
                       ") exceeds 'optim.total_steps' (", *optim.total_steps, ")");
   if (loss.margin[0] <= 0) throw usage_error(origin("loss.margin"), ": key 'loss.margin': m1 must be > 0");
+  // (How many stages a network has is checked where the network is known: check_model_config.)
+  if (optim.freeze_stages && optim.freeze_backbone_steps == 0)
+    throw usage_error(origin("optim.freeze_stages"), ": key 'optim.freeze_stages': freezes nothing while "
+                      "optim.freeze_backbone_steps is 0; set optim.freeze_backbone_steps to the number of steps to freeze");
+  if (dist.backend == "nccl" && dist.device == "cpu")
+    throw usage_error(origin("dist.backend"), ": key 'dist.backend': nccl carries CUDA tensors only, but dist.device is cpu");
   // arcface_torch's CombinedMarginLoss has two branches and raises for anything else.
   if (loss.margin_mode == "arcface_torch" && !(loss.margin[2] > 0) && !(loss.margin[0] == 1.0 && loss.margin[2] == 0.0))
     throw usage_error(origin("loss.margin"), ": key 'loss.margin': [", loss.margin[0], ", ", loss.margin[1], ", ",

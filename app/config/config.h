@@ -70,6 +70,10 @@ struct DataConfig {
   double augment_gray_prob = 0.0;
   double augment_blur_prob = 0.0;
   double augment_downscale_prob = 0.0;
+  // An image folder is checked before training (every file's header and end, every identity
+  // folder): false refuses to start while anything is wrong, listing it; true leaves the bad
+  // files and folders out and says how many (faceshard-pack's --skip-bad).
+  bool skip_bad = false;
 
   std::string verification_dir() const { return val_dir.value_or(rec); }
 };
@@ -150,6 +154,12 @@ struct OptimConfig {
   std::optional<int64_t> warmup_steps;  // default: derived from warmup_epochs
   double power = 1.0;        // polynomial decay exponent
   double grad_clip = 5.0;    // max norm of the backbone gradient, 0 = off
+  // Fine-tuning: for the first freeze_backbone_steps steps (0: off) the frozen part of the
+  // backbone gets no update (no gradient, weight decay or momentum) and its BatchNorm layers
+  // run in eval mode; freeze_stages: that part is the stem and the first K stages (unset:
+  // the whole backbone, its embedding head included).
+  int64_t freeze_backbone_steps = 0;
+  std::optional<int64_t> freeze_stages;
   int64_t grad_accumulation = 1;
 
   const std::string& classifier_optimizer() const { return fc_optimizer ? *fc_optimizer : optimizer; }
@@ -196,6 +206,8 @@ struct TrainConfig {
 
 struct DistConfig {
   std::string device = "auto";  // auto | cpu | cuda
+  // What carries CUDA tensors: auto | nccl | gloo (gloo: several ranks may share a GPU).
+  std::string backend = "auto";
   double timeout_s = 600;              // each collective
   double rendezvous_timeout_s = 300;  // all ranks joining the job
   // Once 10 steps are measured: a collective that waits longer than 3 x the median step +

@@ -10,58 +10,10 @@
 #include <system_error>
 #include <sstream>
 
-#include <opencv2/imgproc.hpp>
 
 #include "partial_fc/runtime/error.h"
 
 namespace faceshard {
-
-const std::array<cv::Point2f, 5>& arcface_template() {
-  static const std::array<cv::Point2f, 5> t = {cv::Point2f(30.2946f + 8.0f, 51.6963f), cv::Point2f(65.5318f + 8.0f, 51.5014f),
-                                               cv::Point2f(48.0252f + 8.0f, 71.7366f), cv::Point2f(33.5493f + 8.0f, 92.3655f),
-                                               cv::Point2f(62.7299f + 8.0f, 92.2041f)};
-  return t;
-}
-
-cv::Mat estimate_similarity(const std::vector<cv::Point2f>& src, const std::vector<cv::Point2f>& dst) {
-  if (src.size() != dst.size() || src.size() < 2) throw runtime_error("similarity transform: need >= 2 point pairs");
-  const double n = double(src.size());
-  double sm[2] = {0, 0}, dm[2] = {0, 0};
-  for (size_t i = 0; i < src.size(); ++i) sm[0] += src[i].x, sm[1] += src[i].y, dm[0] += dst[i].x, dm[1] += dst[i].y;
-  for (int k = 0; k < 2; ++k) sm[k] /= n, dm[k] /= n;
-  cv::Matx22d A = cv::Matx22d::zeros();
-  double src_var = 0;
-  for (size_t i = 0; i < src.size(); ++i) {
-    const double s[2] = {src[i].x - sm[0], src[i].y - sm[1]}, d[2] = {dst[i].x - dm[0], dst[i].y - dm[1]};
-    for (int r = 0; r < 2; ++r)
-      for (int c = 0; c < 2; ++c) A(r, c) += d[r] * s[c] / n;
-    src_var += (s[0] * s[0] + s[1] * s[1]) / n;
-  }
-  if (src_var <= 0) throw runtime_error("similarity transform: the source points coincide");
-  cv::Matx22d u, vt;
-  cv::Matx21d w;
-  cv::SVD::compute(A, w, u, vt);
-  const double sign = cv::determinant(A) < 0 ? -1.0 : 1.0;
-  const cv::Matx22d D(1, 0, 0, sign);
-  const cv::Matx22d R = u * D * vt;
-  const double scale = (w(0) + sign * w(1)) / src_var;
-  cv::Mat M(2, 3, CV_64F);
-  for (int r = 0; r < 2; ++r) {
-    M.at<double>(r, 0) = scale * R(r, 0);
-    M.at<double>(r, 1) = scale * R(r, 1);
-    M.at<double>(r, 2) = dm[r] - scale * (R(r, 0) * sm[0] + R(r, 1) * sm[1]);
-  }
-  return M;
-}
-
-cv::Mat align_face(const cv::Mat& bgr, const std::array<float, 10>& landmarks) {
-  std::vector<cv::Point2f> src, dst(arcface_template().begin(), arcface_template().end());
-  for (int k = 0; k < 5; ++k) src.emplace_back(landmarks[size_t(2 * k)], landmarks[size_t(2 * k + 1)]);
-  cv::Mat out;
-  cv::warpAffine(bgr, out, estimate_similarity(src, dst), cv::Size(112, 112), cv::INTER_LINEAR, cv::BORDER_CONSTANT,
-                 cv::Scalar(0, 0, 0));
-  return out;
-}
 
 at::Tensor ijb_template_features(const at::Tensor& image_features, const IjbMeta& meta,
                                  std::vector<int64_t>* unique_templates, bool use_faceness) {

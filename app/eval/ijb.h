@@ -1,5 +1,5 @@
 // IJB-B / IJB-C 1:1 verification (insightface's eval_ijbc.py protocol): the meta files (ijb_meta.h),
-// 5-point alignment to the ArcFace template, template features from image features
+// 5-point alignment to the ArcFace template (data/face_align.h), template features from image features
 // (faceness-weighted, averaged per media, summed per template, L2-normalised), and the
 // cosine score of every template pair.
 #pragma once
@@ -11,19 +11,9 @@
 #include <opencv2/core.hpp>
 
 #include "app/eval/ijb_meta.h"
+#include "data/face_align.h"  // the 5-point alignment (arcface_template, align_face)
 
 namespace faceshard {
-
-// The ArcFace 112x112 template (insightface's 112x96 points with x + 8).
-const std::array<cv::Point2f, 5>& arcface_template();
-
-// Least-squares similarity transform (Umeyama, as skimage's SimilarityTransform.estimate)
-// mapping src onto dst: the 2x3 CV_64F matrix [sR | t].
-cv::Mat estimate_similarity(const std::vector<cv::Point2f>& src, const std::vector<cv::Point2f>& dst);
-
-// The face warped to 112x112 with the similarity that maps its landmarks onto the
-// template (bilinear, constant 0 border, as cv2.warpAffine with borderValue 0).
-cv::Mat align_face(const cv::Mat& bgr, const std::array<float, 10>& landmarks);
 
 // Template features: image features [N, E] times the faceness score, averaged over the
 // images of each media of a template, summed over the template's media, L2-normalised.

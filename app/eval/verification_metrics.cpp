@@ -170,6 +170,29 @@ RocCurve roc_curve(const std::vector<double>& scores, const std::vector<int>& la
   return roc;
 }
 
+int64_t negatives_needed(double far) {
+  if (!(far > 0)) throw runtime_error(kFile, ": FAR must be > 0, got ", far);
+  // 1/1e-4 is 10000 up to rounding: not 10001.
+  return static_cast<int64_t>(std::ceil(1.0 / far - 1e-6));
+}
+
+std::string far_label(double far) {
+  const double e = std::round(std::log10(far));
+  char buf[32];
+  if (std::fabs(std::pow(10.0, e) - far) <= 1e-12 * far) std::snprintf(buf, sizeof buf, "1e%d", static_cast<int>(e));
+  else std::snprintf(buf, sizeof buf, "%g", far);
+  return buf;
+}
+
+std::string tar_at_far_text(double tar, double far, int64_t negatives, int decimals, bool percent) {
+  const int64_t needed = negatives_needed(far);
+  if (negatives < needed)
+    return "not enough pairs (" + std::to_string(negatives) + " negatives, " + std::to_string(needed) + " needed)";
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.*f", decimals, percent ? tar * 100 : tar);
+  return buf;
+}
+
 double tar_at_far(const RocCurve& roc, double far) {
   check_roc(roc, "tar_at_far");
   // eval_ijbc.py flips the arrays and takes min over (|fpr - far|, index): the smallest

@@ -2,6 +2,7 @@
 // implementation): insightface's 10-fold pair-verification accuracy, the exact ROC over
 // similarity scores with TAR@FAR, and the ROC written as CSV and as a PNG plot.
 #pragma once
+#include <cstdint>
 #include <string>
 #include <utility>
 #include <vector>
@@ -48,6 +49,16 @@ double tar_at_far(const RocCurve& roc, double far);
 double tar_at_far_exact(const RocCurve& roc, double far);
 // Area under the ROC (trapezoids over the exact curve).
 double roc_auc(const RocCurve& roc);
+
+// The impostor (different-identity) pairs TAR at `far` needs: 1/far. With fewer, the ROC's
+// smallest FPR step (1/negatives) is larger than `far`, and the TPR read off the curve is
+// the TAR of another FAR (with 200 negatives, FAR 1e-4 reads the point at FPR 0).
+int64_t negatives_needed(double far);
+// "1e-4" for 1e-4 (a power of ten), "%g" otherwise.
+std::string far_label(double far);
+// The value of TAR@FAR for a printed line: tar with `decimals` decimals (times 100 with
+// percent), or "not enough pairs (N negatives, M needed)" below negatives_needed(far).
+std::string tar_at_far_text(double tar, double far, int64_t negatives, int decimals = 4, bool percent = false);
 
 // CSV with header "fpr,tpr,cosine_threshold" (the first threshold is "inf"); written to a
 // temporary file and renamed so that a reader never sees half a file.

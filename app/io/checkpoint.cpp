@@ -58,7 +58,7 @@ void durable_rename(const std::string& tmp, const std::string& path) {
     ::unlink(tmp.c_str());
     throw runtime_error("cannot rename '", tmp, "' to '", path, "': ", std::strerror(e));
   }
-  fsync_path(fs::path(path).parent_path().string(), true);
+  fsync_path(parent_folder(path), true);
 }
 
 // A failed write in one line that says what the disk said: the library's own message (a
@@ -75,6 +75,11 @@ std::string describe_write_error(const std::exception& e, const std::string& dir
 }
 
 }  // namespace
+
+std::string parent_folder(const std::string& path) {
+  const fs::path parent = fs::path(path).parent_path();
+  return parent.empty() ? std::string(".") : parent.string();
+}
 
 void write_state_dict_durably(const StateDict& weights, const std::string& path) {
   const std::string tmp = path + ".tmp." + std::to_string(::getpid());

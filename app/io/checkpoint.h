@@ -83,8 +83,14 @@ double read_checkpoint_double(const TensorSource& file, const std::string& key, 
 void check_checkpoint_values(const at::Tensor& values, const std::string& source, const std::string& key,
                              bool non_negative = false, int64_t first_row = -1);
 
-// Writes `weights` to path atomically: temporary file, fsync, rename, fsync of the folder.
+// Writes `weights` to path atomically: temporary file, fsync, rename, fsync of the folder
+// that holds it (parent_folder: "." for a bare file name).
 void write_state_dict_durably(const StateDict& weights, const std::string& path);
 void write_text_durably(const std::string& text, const std::string& path);
+
+// The folder a file lives in, as the file system resolves it: "emb.npy" and "./emb.npy" are in
+// ".", "/data/emb.npy" is in "/data", "/emb.npy" in "/". (std::filesystem's parent_path()
+// of a bare name is empty, which no system call takes for the current folder.)
+std::string parent_folder(const std::string& path);
 
 }  // namespace faceshard

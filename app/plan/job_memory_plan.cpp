@@ -125,7 +125,9 @@ JobMemoryPlan plan_job_memory(const JobPlanInputs& in, const ActivationTable& ta
                                                 std::to_string(in.image_size) + " x 4 B");
   // train.cuda_graph (graphed_backbone.h): the graphs' pool holds a second copy of the
   // gradients (the captured backward's, added into .grad after each replay), the static input
-  // and the static output with its gradient, besides the activations counted above.
+  // and the static output with its gradient, besides the activations counted above (which the
+  // pool keeps between steps). The warm-up runs on the training stream and its cached blocks
+  // are given back after the capture (StepRecorder::settle), so nothing else stays.
   if (in.cuda_graph)
     add("backbone", "CUDA graphs' static tensors", 4 * P + B * image + 2 * B * d * 4,
         params + " x 4 B (the captured gradients) + the static input batch + " + num(B) + " x " + num(d) +
@@ -191,6 +193,63 @@ int64_t max_classes_that_fit(JobPlanInputs in, const ActivationTable& table, dou
     (fits(mid) ? lo : hi) = mid;
   }
   return lo;
+}
+
+namespace {
+
+constexpr int64_t kMaxPlanBatch = int64_t(1) << 24;
+
+// The largest batch in [lo, hi] that fits, where fitting is monotone (true then false);
+// lo - 1 when lo does not fit.
+template <typename Fits>
+int64_t largest_fitting(int64_t lo, int64_t hi, const Fits& fits) {
+  if (lo > hi || !fits(lo)) return lo - 1;
+  int64_t good = lo, probe = lo;
+  while (true) {  // doubling to a batch that does not fit (or hi)
+    if (probe >= hi) return hi;
+    probe = std::min(hi, probe * 2);
+    if (!fits(probe)) break;
+    good = probe;
+  }
+  int64_t bad = probe;
+  while (bad - good > 1) {
+    const int64_t mid = good + (bad - good) / 2;
+    (fits(mid) ? good : bad) = mid;
+  }
+  return good;
+}
+
+}  // namespace
+
+int64_t max_batch_that_fits(JobPlanInputs in, const ActivationTable& table, double budget_bytes) {
+  auto fits_with = [&](const std::string& logits) {
+    return [&, logits](int64_t batch) {
+      JobPlanInputs b = in;
+      b.batch_per_rank = batch;
+      b.logits = logits;
+      return plan_job_memory(b, table).total_bytes() <= budget_bytes;
+    };
+  };
+  plan_job_memory(in, table);  // the settings' errors, as for any plan
+  auto none_below_two = [](int64_t b) { return b < 2 ? int64_t(0) : b; };
+  if (in.logits != "auto") return none_below_two(largest_fitting(2, kMaxPlanBatch, fits_with(in.logits)));
+  // auto: buffered below the first batch where streamed logits pay, streamed from it on.
+  auto streamed_pays = [&](int64_t batch) {
+    PartialFCOptions po;
+    po.num_classes = in.num_classes;
+    po.embedding_size = in.embedding_size;
+    po.sample_rate = in.sample_rate;
+    po.optimizer.kind = in.fc_optimizer.empty() ? in.optimizer : in.fc_optimizer;
+    po.optimizer.state_dtype = in.fc_state_dtype == "bf16" ? at::kBFloat16 : at::kFloat;
+    po.weight_dtype = in.fc_weight_dtype == "bf16" ? at::kBFloat16 : at::kFloat;
+    po.grad_accumulation = in.grad_accumulation;
+    return streamed_logits_pay(po, in.world_size, batch);
+  };
+  // The first batch where they pay (kMaxPlanBatch + 1 when none): monotone in the batch.
+  const int64_t switch_at = largest_fitting(2, kMaxPlanBatch, [&](int64_t b) { return !streamed_pays(b); }) + 1;
+  const int64_t streamed = largest_fitting(std::min(switch_at, kMaxPlanBatch + 1), kMaxPlanBatch, fits_with("streamed"));
+  if (streamed >= switch_at) return streamed;
+  return none_below_two(largest_fitting(2, switch_at - 1, fits_with("buffer")));
 }
 
 }  // namespace faceshard

@@ -69,4 +69,10 @@ JobMemoryPlan plan_job_memory(const JobPlanInputs& in, const ActivationTable& ta
 // when even world_size classes do not fit. Bisection on the class count (at most 2^40).
 int64_t max_classes_that_fit(JobPlanInputs in, const ActivationTable& table, double budget_bytes);
 
+// The largest batch per rank (per micro-batch, >= 2) whose plan needs at most
+// `budget_bytes`, or 0 when even 2 images do not fit. Every part grows with the batch except
+// where loss.logits auto turns to streamed logits (the buffer would outgrow the centres and
+// their state): there the plan drops, so each side of that batch is bisected on its own.
+int64_t max_batch_that_fits(JobPlanInputs in, const ActivationTable& table, double budget_bytes);
+
 }  // namespace faceshard

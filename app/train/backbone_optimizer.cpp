@@ -107,7 +107,7 @@ void BackboneOptimizer::step(double lr) {
   std::vector<size_t> idx;
   for (size_t i = 0; i < params_.size(); ++i) {
     const at::Tensor& g = params_[i].grad();
-    if (!g.defined()) continue;
+    if (!g.defined() || !params_[i].requires_grad()) continue;
     if (g.is_sparse()) throw usage_error("backbone optimiser: param ", i, " has a sparse gradient (not supported)");
     idx.push_back(i);
   }
@@ -168,6 +168,14 @@ void BackboneOptimizer::step_flat(double lr) {
   const auto& groups = flat_->groups();
   for (size_t k = 0; k < groups.size(); ++k) {
     const FlatParameters::Group& g = groups[k];
+    // A frozen group (fine-tuning) takes no step: no weight decay, no momentum, no AdamW
+    // step count, as a param without a gradient in torch.optim.
+    size_t trained = 0;
+    for (int i : g.params) trained += params_[i].requires_grad() ? 1 : 0;
+    if (trained == 0) continue;
+    if (trained != g.params.size())
+      throw runtime_error("backbone optimiser: flat group ", k, " holds ", g.params.size() - trained, " frozen and ",
+                          trained, " trained parameters; make the flat buffers with the freeze's partition");
     // The learning rate lives on the device: a kernel that reads it needs no new launch
     // arguments when it changes (what a replayed CUDA graph needs).
     flat_lr_[k].fill_(lr);

@@ -27,14 +27,18 @@ struct BackboneOptimizerOptions {
 // AdamW follows torch::optim::AdamW (per-param step counts, bias correction) and runs on
 // at::_fused_adamw_ (one kernel for all of a device's params, CPU and CUDA).
 // A param whose grad is undefined is left alone, and its state does not advance, as in
-// torch.optim (so a param unused in a step keeps its AdamW step count).
+// torch.optim (so a param unused in a step keeps its AdamW step count). So is a param that
+// does not require grad (frozen for a while: fine-tuning), whatever its grad holds.
 //
 // Over flat buffers (the second constructor) a step is one fused kernel per buffer
 // (at::_fused_sgd_ / at::_fused_adamw_, the learning rate a tensor on the buffer's
 // device), the state lives in buffers laid out like the parameters', and every parameter
 // steps every time (a parameter that got no gradient has a zero one there: weight decay
 // and momentum still move it; the trainer uses the flat buffers only where every
-// parameter gets a gradient). The checkpoint state is the same, per parameter.
+// parameter gets a gradient). A group whose parameters do not require grad is not
+// stepped at all (FlatParameters' partition keeps a frozen part in groups of its own; a
+// group that mixes frozen and trained parameters is an error). The checkpoint state is the
+// same, per parameter.
 class BackboneOptimizer {
  public:
   BackboneOptimizer(std::vector<at::Tensor> params, BackboneOptimizerOptions opts);

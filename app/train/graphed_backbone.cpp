@@ -9,6 +9,7 @@
 #include <utility>
 
 #include "app/train/train_job.h"
+#include "app/train/training_stream.h"
 #include "partial_fc/runtime/error.h"
 #include "partial_fc/runtime/log.h"
 
@@ -81,6 +82,10 @@ void GraphedBackbone::capture(const at::Tensor& images) {
     }
   }
   try {
+    // The backward is captured on the recorder's stream: a gradient accumulator made while
+    // another stream was current would join that stream to the capture, which breaks it.
+    const std::string mismatch = accumulator_stream_mismatch(params_, recorder_->stream());
+    if (!mismatch.empty()) throw runtime_error(mismatch);
     AutocastCacheOff cache_off;
     torch::NoGradGuard ng;
     static_in_ = images.detach().clone(at::MemoryFormat::Preserve);
@@ -122,6 +127,7 @@ void GraphedBackbone::capture(const at::Tensor& images) {
     }
     recorder_->capture(0, run_forward);
     recorder_->capture(1, run_backward);
+    recorder_->settle();
   } catch (const std::exception& e) {
     problem = e.what();
     const size_t nl = problem.find('\n');  // the first line of a CUDA error's report
@@ -163,6 +169,7 @@ at::Tensor GraphedBackbone::forward(const at::Tensor& images) {
 at::Tensor GraphedBackbone::replay_forward(const at::Tensor& images) {
   static_in_.copy_(images);
   recorder_->replay(0);
+  ++replays_;
   // A copy: the next replay overwrites the static output, and a caller may keep this one.
   return static_out_.detach().clone();
 }
@@ -189,20 +196,31 @@ std::function<bool(bool)> capture_agreement(Distributed& dist) {
   };
 }
 
+std::string cuda_graph_obstacle(const TrainJob& j) {
+  if (j.cfg.model.sync_bn) return "SyncBatchNorm's all-reduces sit inside the backbone's forward";
+  if (j.cfg.dist.find_unused_parameters) return "dist.find_unused_parameters walks the autograd graph every step";
+  if (j.cfg.optim.freeze_backbone_steps > 0)
+    return "optim.freeze_backbone_steps changes which parameters the backward reaches when the backbone thaws";
+  if (j.backbone->checkpointing())
+    return "activation checkpointing (model.checkpointing, on by default for " + j.cfg.model.backbone +
+           "'s size) reads the CUDA generator's state inside the backbone";
+  return "";
+}
+
 BackboneRun make_backbone_run(TrainJob& j) {
   std::shared_ptr<Backbone> backbone = j.backbone;
   BackboneRun eager = [backbone](const at::Tensor& images) { return backbone->forward(images); };
+  j.graph_status = eager_graph_status(j.cfg.train.cuda_graph, "");
   if (!j.cfg.train.cuda_graph) return eager;
-  std::string why;
-  if (!j.device.is_cuda()) why = "the CPU has no CUDA graphs";
-  else if (j.cfg.model.sync_bn) why = "SyncBatchNorm's all-reduces sit inside the backbone's forward";
-  else if (j.cfg.dist.find_unused_parameters) why = "dist.find_unused_parameters walks the autograd graph every step";
+  const std::string why = j.device.is_cuda() ? cuda_graph_obstacle(j) : "the CPU has no CUDA graphs";
   if (!why.empty()) {
     log_info("train.cuda_graph: ", why, "; the steps run eagerly");
+    j.graph_status = eager_graph_status(true, why);
     return eager;
   }
   auto graphed = std::make_shared<GraphedBackbone>(backbone, j.backbone_params, make_cuda_graph_recorder(j.device),
                                                    capture_agreement(*j.dist));
+  j.graph_status = graphed_status(graphed);
   return [graphed](const at::Tensor& images) { return graphed->forward(images); };
 }
 

@@ -3,7 +3,7 @@
 // about 1,400 a step), are captured once, at the first step, and replayed every step after.
 //
 // How: the first batch is copied into a static input; the forward is run a few times on the
-// capture's stream (warm-up: cuDNN's algorithm search, the allocator's first blocks), then
+// job's training stream, where the capture runs too (warm-up: cuDNN's algorithm search, the allocator's first blocks), then
 // captured with autograd on, and the backward captured as the gradient of the static output
 // (given a static output gradient) with respect to the trainable parameters, into static
 // gradients; both graphs share one memory pool, which holds the activations between them.
@@ -24,7 +24,9 @@
 //
 // Where capture is impossible the steps run eagerly, with one log line saying why: the CPU;
 // SyncBatchNorm (its all-reduces sit inside the forward); dist.find_unused_parameters (it
-// walks the autograd graph each step); a capture that fails on any rank (all ranks then run
+// walks the autograd graph each step); activation checkpointing (vit_b and larger, r2060,
+// model.checkpointing); gradient accumulators made on another stream than the capture's
+// (training_stream.h); a capture that fails on any rank (all ranks then run
 // eagerly, decided together). A batch of another shape than the captured one (none in
 // training: every batch of a run has the same size) runs eagerly for that call.
 #pragma once
@@ -60,6 +62,8 @@ class GraphedBackbone {
   const std::string& eager_reason() const { return eager_reason_; }
   // Calls that ran eagerly because their batch differs from the captured one.
   int64_t eager_calls() const { return eager_calls_; }
+  // Forward replays so far (each step's micro-batches replay once each).
+  int64_t replays() const { return replays_; }
   // The captured backward's gradients, one per trainable parameter (for inspection).
   const std::vector<at::Tensor>& static_gradients() const { return static_grads_; }
 
@@ -78,7 +82,7 @@ class GraphedBackbone {
   int warm_ups_;
   bool tried_ = false, captured_ = false;
   std::string eager_reason_;
-  int64_t eager_calls_ = 0;
+  int64_t eager_calls_ = 0, replays_ = 0;
   // graph_out_: the captured forward's output, which the captured backward differentiates;
   // static_out_: its values (the same tensor once captured on a GPU).
   at::Tensor static_in_, static_out_, graph_out_, static_grad_out_;
@@ -90,11 +94,17 @@ class GraphedBackbone {
 // issue the same collectives, but the steps of a run stay one kind on every rank.
 std::function<bool(bool)> capture_agreement(Distributed& dist);
 
+// Why `job`'s backbone cannot be captured on any device ("" where it can): SyncBatchNorm,
+// dist.find_unused_parameters, activation checkpointing (the checkpoints' recomputation reads
+// the CUDA generator's state, which a capture forbids). Checked before any warm-up.
+std::string cuda_graph_obstacle(const TrainJob& job);
+
 // How a training step runs its backbone: `images -> embeddings`, differentiable.
 using BackboneRun = std::function<at::Tensor(const at::Tensor& images)>;
 
 // Eagerly (backbone->forward), or through GraphedBackbone with CUDA graphs where
-// train.cuda_graph asks and the job allows it (otherwise one log line naming why).
+// train.cuda_graph asks and the job allows it (otherwise one log line naming why). Sets
+// job.graph_status to a reader of what came of it (graph_status.h).
 BackboneRun make_backbone_run(TrainJob& job);
 
 }  // namespace faceshard

@@ -21,6 +21,12 @@ std::string format_duration(double s) {
   return os.str();
 }
 
+std::string format_lr(double lr) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.4g", lr);
+  return buf;
+}
+
 ConsoleSink::ConsoleSink(bool progress_bar) : bar_(progress_bar) {}
 
 void ConsoleSink::progress(int64_t step, int64_t last_step) {
@@ -35,7 +41,7 @@ void ConsoleSink::progress(int64_t step, int64_t last_step) {
 void ConsoleSink::train(const TrainRecord& r) {
   std::ostringstream os;
   os << std::fixed << "step " << r.step << "/" << r.last_step << "  epoch " << r.epoch << std::setprecision(4)
-     << "  loss " << r.loss << "  acc " << r.accuracy << std::setprecision(6) << "  lr " << r.lr << std::setprecision(1)
+     << "  loss " << r.loss << "  acc " << r.accuracy << "  lr " << format_lr(r.lr) << std::setprecision(1)
      << "  " << r.samples_per_sec << " samples/s  ETA " << format_duration(r.eta_s);
   if (r.loss_scale) os << "  loss scale " << *r.loss_scale;
   if (r.memory_gb) os << std::setprecision(2) << "  mem " << *r.memory_gb << " GB";

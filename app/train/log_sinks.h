@@ -38,6 +38,10 @@ class LogSink {
   virtual void validation(const ValidationRecord& r) {}
 };
 
+// A learning rate as the log line prints it: 4 significant digits, in exponent form when
+// small ("0.1", "0.05925", "2.5e-06"), so that a fine-tuning rate never reads as 0.
+std::string format_lr(double lr);
+
 // The log line (and the progress bar when stdout is a terminal).
 class ConsoleSink : public LogSink {
  public:

@@ -2,7 +2,8 @@
 // A fresh run (no --resume) into a folder that holds another run's files is refused before
 // anything is written; --overwrite moves that run's files into replaced-<UTC time>/ in the
 // same folder (never deletes them). --resume DIR takes a run folder, a checkpoints folder or
-// one checkpoint.
+// one checkpoint. Before any of this, rank 0 takes the folder's lock (run_lock.h): a run
+// that is still alive in the folder refuses every other, --resume and --overwrite included.
 #pragma once
 #include <string>
 #include <vector>

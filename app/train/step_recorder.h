@@ -5,8 +5,10 @@
 #pragma once
 #include <functional>
 #include <memory>
+#include <string>
 #include <vector>
 
+#include <c10/core/Stream.h>
 #include <torch/torch.h>
 
 namespace faceshard {
@@ -14,7 +16,7 @@ namespace faceshard {
 class StepRecorder {
  public:
   virtual ~StepRecorder() = default;
-  // Runs `work` `times` times where the captures will run (a GPU: a side stream), before any
+  // Runs `work` `times` times where the captures will run (the training stream), before any
   // capture: cuDNN's algorithm search, cuBLAS's workspaces and the allocator's first blocks
   // happen here, not inside a graph.
   virtual void warm_up(const std::function<void()>& work, int times) = 0;
@@ -25,6 +27,13 @@ class StepRecorder {
   virtual void capture(int k, const std::function<void()>& work) = 0;
   // Runs piece `k` again on the current stream, on the same buffers.
   virtual void replay(int k) = 0;
+  // Once every piece is captured: gives back what the warm-up left cached beside the pieces'
+  // pool (a GPU: the caching allocator's unused blocks), so that what stays is what the plan
+  // counts (faceshard-plan --cuda-graph on).
+  virtual void settle() {}
+  // The stream the warm-up and the captures run on: the stream that was current when the
+  // recorder was made (the job's training stream, training_stream.h).
+  virtual c10::Stream stream() const = 0;
   // Words for log lines ("CUDA graphs on cuda:0").
   virtual std::string describe() const = 0;
 };
@@ -32,17 +41,23 @@ class StepRecorder {
 // The CPU's stand-in: capture runs the work once and keeps it; replay runs it again.
 class EagerReplay : public StepRecorder {
  public:
+  explicit EagerReplay(torch::Device device = torch::kCPU);
   void warm_up(const std::function<void()>& work, int times) override;
   void capture(int k, const std::function<void()>& work) override;
   void replay(int k) override;
   std::string describe() const override { return "eager replays"; }
+  c10::Stream stream() const override { return stream_; }
 
  private:
+  c10::Stream stream_;
   std::vector<std::function<void()>> pieces_;
 };
 
-// CUDA graphs on `device` (captured on a side stream, in thread-local capture mode so that the
-// loader's threads may pin memory meanwhile); throws where this build has no CUDA.
+// CUDA graphs on `device`, captured on the stream current when it is made (the job's training
+// stream; the default stream cannot be captured, and the capture then fails with a line saying
+// so), in thread-local capture mode so that the loader's threads may pin memory meanwhile; a
+// failed capture leaves the allocator and the pool as they were (graph_capture.h). Throws
+// where this build has no CUDA.
 std::unique_ptr<StepRecorder> make_cuda_graph_recorder(torch::Device device);
 
 }  // namespace faceshard

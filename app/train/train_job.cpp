@@ -27,21 +27,53 @@
 namespace faceshard {
 namespace {
 
+CudaBackend cuda_backend_of(const Config& cfg) {
+  return cfg.dist.backend == "gloo" ? CudaBackend::Gloo : CudaBackend::Nccl;
+}
+
 torch::Device pick_device(const Config& cfg, const DistEnv& env) {
   const bool cuda_ok = nccl_compiled() && torch::cuda::is_available();
   if (cfg.dist.device == "cuda" && !cuda_ok)
     throw_config_error(cfg, "dist.device", std::string("cuda requested but ") +
                                                (nccl_compiled() ? "no GPU is visible" : "this build has no CUDA"));
+  if (cfg.dist.backend == "nccl" && !cuda_ok)
+    throw_config_error(cfg, "dist.backend", std::string("nccl needs a GPU but ") +
+                                                (nccl_compiled() ? "no GPU is visible" : "this build has no CUDA"));
   if (cfg.dist.device == "cuda" || (cfg.dist.device == "auto" && cuda_ok))
-    return torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(env.local_rank));
+    return torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(cuda_device_of(env, cuda_backend_of(cfg))));
   return torch::kCPU;
 }
 
 // data.global_batch_size keeps the global batch what the config says on any number of ranks
-// (an elastic run stays one experiment): the per-rank batch follows the world size.
-void adapt_batch_to_world(Config& cfg, const Distributed& d) {
+// (an elastic run stays one experiment): the per-rank batch follows the world size. A resume
+// keeps its checkpoint's global batch the same way, unless the config changes it on purpose
+// (data.global_batch_size set to another value, or data.batch_size other than the
+// checkpoint's per-rank batch): the schedule's length and the learning rate at each step
+// depend on it (TrainState::load says in one line what such a change changes).
+void adapt_batch_to_world(Config& cfg, const Distributed& d, const std::optional<CheckpointBatch>& resumed) {
+  const int64_t acc = cfg.optim.grad_accumulation, w = d.world_size();
+  if (resumed && resumed->global_batch > 0 && !cfg.data.global_batch_size &&
+      cfg.data.batch_size == resumed->batch_size) {
+    const CheckpointBatch& ck = *resumed;
+    const int64_t g = ck.global_batch;
+    if (g % (w * acc) != 0)
+      throw_config_error(
+          cfg, "data.batch_size",
+          detail::concat(cfg.data.batch_size, " is the checkpoint's per-rank batch, and its global batch ", g, " (",
+                         ck.batch_size, " x ", ck.world_size, " ranks x ", ck.grad_accumulation, " micro-batches, ",
+                         ck.checkpoint, ") cannot be split evenly over ", w, " ranks x ", acc,
+                         " micro-batches (optim.grad_accumulation): resume on a number of ranks that divides it, or "
+                         "change the global batch on purpose with data.global_batch_size (a multiple of ",
+                         w * acc, ")"));
+    cfg.data.batch_size = g / (w * acc);
+    if (d.rank() == 0 && (w != ck.world_size || acc != ck.grad_accumulation))
+      log_info("resume: the checkpoint's global batch ", g, " kept: ", cfg.data.batch_size, " images per rank x ", acc,
+               " micro-batches on ", w, " ranks (it trained with ", ck.batch_size, " x ", ck.grad_accumulation, " on ",
+               ck.world_size, "); data.global_batch_size changes it");
+    return;
+  }
   if (!cfg.data.global_batch_size) return;
-  const int64_t g = *cfg.data.global_batch_size, acc = cfg.optim.grad_accumulation, w = d.world_size();
+  const int64_t g = *cfg.data.global_batch_size;
   if (g % (w * acc) != 0)
     throw_config_error(cfg, "data.global_batch_size",
                        detail::concat(g, " cannot be split evenly over ", w, " ranks x ", acc,
@@ -100,7 +132,14 @@ void build_data(TrainJob& j) {
   Distributed& d = *j.dist;
   RecordIndexOptions index = default_record_index_options();
   if (cfg.data.index_cache) index.cache_dir = *cfg.data.index_cache == "off" ? "" : *cfg.data.index_cache;
-  j.dataset = open_dataset(cfg.data.rec, cfg.data.num_classes.value_or(0), 1000000, index);
+  // An image folder is checked whole before training, as faceshard-pack checks it.
+  ImageFolderOptions folder;
+  folder.check_images = true;
+  folder.image_size = LoaderOptions().image_size;
+  folder.threads = static_cast<int>(cfg.data.num_workers);
+  folder.skip_bad = cfg.data.skip_bad;
+  folder.report = d.rank() == 0;
+  j.dataset = open_dataset(cfg.data.rec, cfg.data.num_classes.value_or(0), 1000000, index, folder);
   if (const auto* rec = dynamic_cast<const RecordIODataset*>(j.dataset.get())) {
     const RecordIndex& idx = rec->records().index();
     if (idx.cache_failed()) {
@@ -159,7 +198,13 @@ void build_model(TrainJob& j, ClassifierStart start) {
                                 [&] { return make_backbone(bo); });
   if (j.backbone->checkpointing())
     log_info("activation checkpointing: ", cfg.model.backbone, " recomputes its blocks in backward");
-  if (cfg.model.init) load_backbone_weights(*j.backbone, *cfg.model.init);
+  if (cfg.model.init) {
+    const std::string path = std::filesystem::absolute(*cfg.model.init).lexically_normal().string();
+    const StateDictLoad load = load_backbone_weights(*j.backbone, *cfg.model.init);
+    if (d.rank() == 0)
+      log_info("model.init: ", describe_load(*j.backbone, path, load), "; the classifier starts fresh",
+               start == ClassifierStart::FromCheckpoint ? " (the checkpoint resumed replaces both)" : "");
+  }
   j.backbone->to(j.device);
   if (bo.channels_last) j.backbone->to_channels_last();
   if (cfg.model.sync_bn) log_info("SyncBatchNorm: ", convert_sync_batchnorm(*j.backbone, d), " layers");
@@ -168,11 +213,16 @@ void build_model(TrainJob& j, ClassifierStart start) {
   ddo.find_unused_parameters = cfg.dist.find_unused_parameters;
   for (auto& p : j.backbone->parameters())
     if (p.requires_grad()) j.backbone_params.push_back(p);
+  j.freeze = with_config_keys(cfg, {{"freeze_stages", "optim.freeze_stages"}}, [&] {
+    return BackboneFreeze(*j.backbone, j.backbone_params, cfg.optim.freeze_backbone_steps, cfg.optim.freeze_stages);
+  });
   if (cfg.optim.fused && cfg.dist.find_unused_parameters)
     log_info("optim.fused: off with dist.find_unused_parameters (a parameter without a gradient must not move)");
   if (cfg.optim.fused && !cfg.dist.find_unused_parameters) {
-    j.flat = std::make_unique<FlatParameters>(j.backbone_params, cfg.dist.bucket_mb);
+    j.flat = std::make_unique<FlatParameters>(j.backbone_params, cfg.dist.bucket_mb, j.freeze.partition());
     ddo.flat = j.flat.get();
+  } else {
+    ddo.partition = j.freeze.partition();
   }
   j.ddp = std::make_unique<DataParallel>(j.backbone, d, ddo);
 
@@ -331,9 +381,10 @@ void check_model_config(const Config& cfg) {
   with_config_keys(cfg, {{"backbone", "model.backbone"}, {"embedding_size", "model.embedding_size"},
                          {"dropout", "model.dropout"}, {"checkpointing", "model.checkpointing"}},
                    [&] { check_backbone_options(bo); });
+  check_freeze_config(cfg);
 }
 
-TrainJob build_train_job(const Config& cfg, ClassifierStart start) {
+TrainJob build_train_job(const Config& cfg, ClassifierStart start, const std::optional<CheckpointBatch>& resumed) {
   check_model_config(cfg);
   DistOptions dopts;
   dopts.timeout = std::chrono::milliseconds(static_cast<int64_t>(cfg.dist.timeout_s * 1000));
@@ -341,9 +392,10 @@ TrainJob build_train_job(const Config& cfg, ClassifierStart start) {
   dopts.hang_floor = std::chrono::milliseconds(static_cast<int64_t>(cfg.dist.hang_floor_s * 1000));
   DistEnv env = DistEnv::from_environment();
   dopts.use_cuda = pick_device(cfg, env).is_cuda();
+  dopts.cuda_backend = cuda_backend_of(cfg);
   std::shared_ptr<Distributed> dist = Distributed::init(env, dopts);
   log_info("job: ", env.describe(), ", device ", pick_device(cfg, env).str());
-  return build_train_job(cfg, std::move(dist), start);
+  return build_train_job(cfg, std::move(dist), start, resumed);
 }
 
 // The CPU block cache's budget (train.cpu_cache_gb; unset: a quarter of the machine's
@@ -360,11 +412,13 @@ void configure_cpu_block_cache(const Config& cfg, const DistEnv& env) {
   CpuBlockCache::set_limit(static_cast<int64_t>(bytes));
 }
 
-TrainJob build_train_job(const Config& cfg, std::shared_ptr<Distributed> dist, ClassifierStart start) {
+TrainJob build_train_job(const Config& cfg, std::shared_ptr<Distributed> dist, ClassifierStart start,
+                         const std::optional<CheckpointBatch>& resumed) {
   configure_cpu_block_cache(cfg, DistEnv::from_environment());
   TrainJob j;
   j.cfg = cfg;
   j.device = pick_device(cfg, DistEnv::from_environment());
+  j.stream = std::make_shared<TrainingStream>(j.device);
   j.dist = std::move(dist);
   j.cfg.train.precision = resolve_precision(cfg.train.precision, device_has_bf16(j.device));
   if (cfg.train.precision == "auto") log_info("train.precision auto: ", j.cfg.train.precision, " on ", j.device.str());
@@ -373,7 +427,7 @@ TrainJob build_train_job(const Config& cfg, std::shared_ptr<Distributed> dist, C
     at::globalContext().setAllowTF32CuBLAS(cfg.train.tf32);
     at::globalContext().setAllowTF32CuDNN(cfg.train.tf32);
   }
-  adapt_batch_to_world(j.cfg, *j.dist);
+  adapt_batch_to_world(j.cfg, *j.dist, resumed);
   build_data(j);
   build_model(j, start);
   return j;

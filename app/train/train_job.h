@@ -14,8 +14,11 @@
 
 #include "app/config/config.h"
 #include "app/train/backbone_optimizer.h"
+#include "app/train/fine_tune.h"
+#include "app/train/graph_status.h"
 #include "app/train/loss_scaler.h"
 #include "app/train/lr_schedule.h"
+#include "app/train/training_stream.h"
 #include "data/dataset.h"
 #include "data/loader.h"
 #include "models/backbone.h"
@@ -26,6 +29,9 @@
 namespace faceshard {
 
 struct TrainJob {
+  // First, so that it is made current before, and given back after, everything below: on a
+  // GPU the job's one stream (training_stream.h).
+  std::shared_ptr<TrainingStream> stream;
   Config cfg;
   std::shared_ptr<Distributed> dist;
   torch::Device device = torch::kCPU;
@@ -39,12 +45,15 @@ struct TrainJob {
   std::unique_ptr<LossScaler> scaler;
   PolyWarmupSchedule schedule, fc_schedule;
   std::vector<at::Tensor> backbone_params;  // those that train
+  BackboneFreeze freeze;  // optim.freeze_backbone_steps: applied at the start of each step
   int64_t micro = 1;            // micro-batches per step (optim.grad_accumulation)
   int64_t steps_per_epoch = 0;  // whole steps of this rank's share of the data
   int64_t total_steps = 0;      // the schedule's length
   int64_t last_step = 0;        // where this run stops (train.max_steps or the schedule's end)
   int64_t warmup_steps = 0;
   bool loss_scaling = false;    // fp16: scaled loss, non-finite gradients skip the step
+  // What train.cuda_graph came to: set by make_backbone_run (the step's), read when asked.
+  GraphStatusReader graph_status = eager_graph_status(false, "");
 
   int64_t global_batch() const { return cfg.data.batch_size * dist->world_size() * micro; }
 };
@@ -54,6 +63,16 @@ struct TrainJob {
 // nothing is drawn or zeroed only to be overwritten.
 enum class ClassifierStart { Fresh, FromCheckpoint };
 
+// The batch a checkpoint was trained with (its train_state.pt: data.global_batch,
+// data.batch_size, optim.grad_accumulation, world_size). A resume keeps its global batch on
+// any number of ranks (the per-rank batch follows, as with data.global_batch_size) unless
+// the config changes it on purpose: data.global_batch_size set to another value, or
+// data.batch_size other than the checkpoint's per-rank batch (see TrainState::load's line).
+struct CheckpointBatch {
+  std::string checkpoint;  // the step folder it was read from
+  int64_t global_batch = 0, batch_size = 0, grad_accumulation = 1, world_size = 1;
+};
+
 // What the trainer checks of a config before it joins any rank or reads any data (the
 // backbone's name and options for that network): config errors naming the key.
 // faceshard-config makes the same checks.
@@ -61,11 +80,14 @@ void check_model_config(const Config& cfg);
 
 // Joins the job's ranks (the environment's), then builds the rest. On rank 0, creates
 // cfg.output. Collective.
-TrainJob build_train_job(const Config& cfg, ClassifierStart start = ClassifierStart::Fresh);
+// `resumed`: the batch of the checkpoint a resume starts from.
+TrainJob build_train_job(const Config& cfg, ClassifierStart start = ClassifierStart::Fresh,
+                         const std::optional<CheckpointBatch>& resumed = std::nullopt);
 // The same on ranks that have joined already (its device must be what cfg.dist.device
 // picks for them); tests build several jobs over one set of ranks this way.
 TrainJob build_train_job(const Config& cfg, std::shared_ptr<Distributed> dist,
-                         ClassifierStart start = ClassifierStart::Fresh);
+                         ClassifierStart start = ClassifierStart::Fresh,
+                         const std::optional<CheckpointBatch>& resumed = std::nullopt);
 
 // Bytes a new allocation can take on `device`: for a GPU, the driver's free memory plus
 // what LibTorch's caching allocator holds unused; for the CPU, /proc/meminfo's

@@ -6,8 +6,10 @@
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <mutex>
+#include <optional>
 #include <sstream>
 
 #include "app/io/resharded_rows.h"
@@ -60,6 +62,15 @@ bool TrainState::save(CheckpointManager& checkpoints) const {
   // size continues the same epoch at the same point.
   ts.emplace_back("data.epoch", scalar_long(p.epoch));
   ts.emplace_back("data.epoch_samples", scalar_long(p.batch_in_epoch * j.cfg.data.batch_size * j.dist->world_size()));
+  // The batch and the schedule: a resume on another number of ranks keeps the global batch
+  // (so the schedule and every step's learning rate stay the run's); one that changes it on
+  // purpose says what changes.
+  ts.emplace_back("data.global_batch", scalar_long(j.global_batch()));
+  ts.emplace_back("data.batch_size", scalar_long(j.cfg.data.batch_size));
+  ts.emplace_back("optim.grad_accumulation", scalar_long(j.micro));
+  ts.emplace_back("schedule.total_steps", scalar_long(j.total_steps));
+  ts.emplace_back("schedule.warmup_steps", scalar_long(j.warmup_steps));
+  ts.emplace_back("schedule.lr", torch::tensor({j.schedule.lr(p.step)}, torch::kDouble));
   // The live tensors, wherever they are: write_state_dict brings each to the host only as
   // it writes it (on a GPU, one tensor's host copy at a time; on the CPU, no copy).
   for (auto& kv : j.opt->state()) ts.emplace_back("opt/" + kv.first, kv.second);
@@ -231,6 +242,41 @@ void TrainState::load(const std::string& dir) {
     p.epoch++;
     p.batch_in_epoch = 0;
   }
+  // A global batch other than the checkpoint's (the config changed it on purpose, see
+  // adapt_batch_to_world): what that changes, in one line, never silently.
+  if (ts.find("data.global_batch") != TensorSource::npos) {
+    const int64_t saved = read_checkpoint_int(ts, "data.global_batch", tsrc);
+    if (saved < 1 || saved > (int64_t(1) << 40))
+      throw usage_error(tsrc, ": key 'data.global_batch' is ", saved, ", expected a batch in [1, 2^40]");
+    if (saved != j.global_batch()) {
+      auto optional_int = [&](const char* key) -> std::optional<int64_t> {
+        if (ts.find(key) == TensorSource::npos) return std::nullopt;
+        return read_checkpoint_int(ts, key, tsrc);
+      };
+      const std::optional<int64_t> total = optional_int("schedule.total_steps"), warmup = optional_int("schedule.warmup_steps");
+      std::optional<double> lr;
+      if (ts.find("schedule.lr") != TensorSource::npos) lr = read_checkpoint_double(ts, "schedule.lr", tsrc);
+      const Config& c = j.cfg;
+      const std::string key = c.data.global_batch_size ? "data.global_batch_size" : "data.batch_size";
+      const double images = static_cast<double>(c.data.num_images.value_or(static_cast<int64_t>(j.dataset->size())));
+      auto epochs = [&](double seen) { return format_sig(seen / std::max(images, 1.0), 3); };
+      std::ostringstream line;
+      line << "resume: global batch " << saved << " -> " << j.global_batch() << " (" << key << " "
+           << (c.data.global_batch_size ? *c.data.global_batch_size : c.data.batch_size) << " from " << c.origin(key)
+           << ": " << c.data.batch_size << " per rank x " << j.dist->world_size() << " ranks x " << j.micro
+           << " micro-batches): schedule ";
+      if (total) line << *total << " -> ";
+      line << j.total_steps << " steps (warm-up ";
+      if (warmup) line << *warmup << " -> ";
+      line << j.warmup_steps << "), learning rate at step " << p.step + 1 << " ";
+      if (lr) line << format_sig(*lr, 4) << " -> ";
+      line << format_sig(j.schedule.lr(p.step), 4) << "; the step count stays " << p.step;
+      if (total && *total >= p.step && j.total_steps >= p.step)
+        line << ", so the run sees " << epochs(double(p.step) * saved + double(j.total_steps - p.step) * j.global_batch())
+             << " epochs by the schedule's end (" << epochs(double(*total) * saved) << " as it was)";
+      if (!std::getenv("BREAK_LINE")) log_info(line.str());  // DELIBERATE BREAK
+    }
+  }
   log_info("resumed from ", dir, " at step ", p.step,
            info.world_size != j.dist->world_size() ? " (classifier resharded from " + std::to_string(info.world_size) +
                                                          " to " + std::to_string(j.dist->world_size()) + " ranks)"
@@ -247,6 +293,44 @@ void TrainState::load(const std::string& dir) {
              " MB; private memory +", static_cast<int64_t>(status_mb("RssAnon:") - anon_before_mb), " MB for ",
              static_cast<int64_t>(rows_gb * 1e3 / 1.048576), " MB of classifier rows read (the CPU block cache keeps ",
              static_cast<int64_t>((CpuBlockCache::cached_bytes() - cache_before) / 1048576), " MB more freed blocks)");
+}
+
+std::optional<CheckpointBatch> read_checkpoint_batch(const std::string& newest, bool walk_back) {
+  if (std::getenv("BREAK_KEEP")) return std::nullopt;  // DELIBERATE BREAK
+  namespace fs = std::filesystem;
+  std::vector<std::string> candidates{newest};
+  if (walk_back) {  // the older step folders beside it, newest first
+    std::vector<std::string> older;
+    std::error_code ec;
+    const fs::path parent = fs::path(newest).parent_path(), self = fs::path(newest).filename();
+    for (const auto& e : fs::directory_iterator(parent.empty() ? fs::path(".") : parent, ec)) {
+      const std::string name = e.path().filename().string();
+      if (name.rfind("step_", 0) == 0 && name < self.string() && e.is_directory(ec)) older.push_back(e.path().string());
+    }
+    std::sort(older.rbegin(), older.rend());
+    candidates.insert(candidates.end(), older.begin(), older.end());
+  }
+  for (const std::string& dir : candidates) {
+    try {
+      const CheckpointInfo info = read_checkpoint_info(dir);
+      const StateDictReader ts = open_checkpoint_file(info, "train_state.pt");
+      const std::string src = dir + "/train_state.pt";
+      if (ts.find("data.global_batch") == TensorSource::npos) return std::nullopt;  // an older checkpoint: none kept
+      CheckpointBatch b;
+      b.checkpoint = dir;
+      b.global_batch = read_checkpoint_int(ts, "data.global_batch", src);
+      b.batch_size = read_checkpoint_int(ts, "data.batch_size", src);
+      b.grad_accumulation = read_checkpoint_int(ts, "optim.grad_accumulation", src);
+      b.world_size = info.world_size;
+      if (b.global_batch < 1 || b.batch_size < 1 || b.grad_accumulation < 1 ||
+          b.global_batch != b.batch_size * b.grad_accumulation * b.world_size)
+        continue;  // not a batch of this checkpoint: its load names the key
+      return b;
+    } catch (const Error&) {
+      // Not readable here: its verification says why, and a resume walks back past it.
+    }
+  }
+  return std::nullopt;
 }
 
 void export_model(const TrainJob& j, int64_t step) {

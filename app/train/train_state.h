@@ -2,7 +2,10 @@
 // (<output>/checkpoints/step_<N>/, see app/io/checkpoint.h) holds:
 //   backbone.pt     the backbone's state_dict (insightface names)
 //   train_state.pt  step, world_size, data.epoch and data.epoch_samples (the data position
-//                   in global samples), opt/* (the backbone optimiser), scaler/* (the loss
+//                   in global samples), data.global_batch, data.batch_size and
+//                   optim.grad_accumulation (the batch a resume keeps), schedule.total_steps,
+//                   schedule.warmup_steps and schedule.lr (the learning rate of the next
+//                   step: what a changed batch changes), opt/* (the backbone optimiser), scaler/* (the loss
 //                   scaler), best/<set> (best verification accuracies)
 //   fc_shard_<r>.pt this rank's classifier rows: rows.start, rows.count, rows/weight,
 //                   rows/opt.* (its optimiser state), rng.cpu (and rng.cuda)
@@ -12,6 +15,7 @@
 // epoch at the same fraction of it.
 #pragma once
 #include <map>
+#include <optional>
 #include <string>
 
 #include "app/io/checkpoint.h"
@@ -43,6 +47,13 @@ class TrainState {
   TrainJob& job_;
   TrainProgress progress_;
 };
+
+// The batch the checkpoint `dir` (a committed step folder) was trained with; with walk_back,
+// the newest older committed checkpoint beside it that records one when `dir` does not or
+// cannot be read (a resume may walk back to it). Nothing when none records it (checkpoints
+// written before the batch was saved: the config's batch is then used). Reads a few scalars
+// only; a checkpoint's problems are reported when it is verified and loaded.
+std::optional<CheckpointBatch> read_checkpoint_batch(const std::string& dir, bool walk_back);
 
 // The run's final backbone on rank 0: <output>/model.pt (a state_dict Python's torch.load
 // reads) and model.json (network, embedding size, input convention, step, precision).

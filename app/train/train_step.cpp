@@ -71,6 +71,7 @@ TrainStep::TrainStep(TrainJob& job, bool timing)
 
 StepResult TrainStep::run(const BatchSource& next, int64_t step) {
   TrainJob& j = job_;
+  j.freeze.apply(step);  // fine-tuning: frozen or thawed before this step's forward
   StepResult r;
   r.lr = j.schedule.lr(step);
   r.fc_lr = j.fc_schedule.lr(step);

@@ -16,6 +16,7 @@
 #include "app/train/device_readout.h"
 #include "app/train/log_sinks.h"
 #include "app/train/run_folder.h"
+#include "app/train/run_lock.h"
 #include "app/train/train_job.h"
 #include "app/train/train_state.h"
 #include "app/train/train_step.h"
@@ -65,6 +66,16 @@ int run_training(const TrainRequest& req) {
   const std::string& output = req.config.output;
   if (req.overwrite && req.resume)
     throw usage_error("--overwrite starts afresh and --resume continues: give one of them");
+  // One run per output folder: rank 0 holds its lock (run_lock.h) from before anything is
+  // read or written there to the run's end; the job's other ranks write there only after they
+  // have joined rank 0. A live holder refuses this run, --resume and --overwrite included.
+  std::unique_ptr<RunLock> run_lock;
+  if (DistEnv::from_environment().rank == 0) {
+    run_lock = RunLock::acquire(output);
+    if (const auto& dead = run_lock->taken_over())
+      log_warn("output '", output, "': took over the stale lock of a run that is gone (", dead->describe(), "; ",
+               run_lock->taken_over_reason(), ")");
+  }
   std::string from = !req.resume_from.empty() ? resolve_resume_source(req.resume_from)
                      : req.resume           ? latest_checkpoint(output + "/checkpoints")
                                             : "";
@@ -80,7 +91,11 @@ int run_training(const TrainRequest& req) {
     const std::string aside = move_previous_run_aside(output);
     if (!aside.empty()) log_info("--overwrite: the previous run's files (", moved.size(), ") moved into ", aside);
   }
-  TrainJob j = build_train_job(req.config, from.empty() ? ClassifierStart::Fresh : ClassifierStart::FromCheckpoint);
+  // A resume keeps its checkpoint's global batch on any number of ranks (train_job.h).
+  const std::optional<CheckpointBatch> resumed_batch =
+      from.empty() ? std::nullopt : read_checkpoint_batch(from, walk_back);
+  TrainJob j = build_train_job(req.config, from.empty() ? ClassifierStart::Fresh : ClassifierStart::FromCheckpoint,
+                               resumed_batch);
   const Config& cfg = j.cfg;
   Distributed& d = *j.dist;
   if (d.rank() == 0) {
@@ -151,6 +166,7 @@ int run_training(const TrainRequest& req) {
            ", logits ", j.fc->options().streamed_logits ? "streamed" : "buffered",
            cfg.loss.logits == "auto" ? " by loss.logits auto" : "", "); head ",
            describe_margin_head(j.fc->options().head, j.fc->options().margin), "; precision ", cfg.train.precision);
+  log_info(describe_learning_rates(cfg.optim));
   std::signal(SIGTERM, on_stop_signal);
   std::signal(SIGINT, on_stop_signal);
 
@@ -202,9 +218,13 @@ int run_training(const TrainRequest& req) {
   double median_step = 0;
   int64_t stalls_unreported = 0;
   auto t_stall_line = Clock::now() - std::chrono::hours(1);
+  // Verification and checkpoints are scheduled work that other ranks wait for: left out of
+  // the stall line and the straggler windows (link_watch.h).
+  ScheduledWork scheduled([&d] { return d.blocked_seconds_total(); }, &d.links());
   while (p.step < j.last_step) {
     const auto t_step = Clock::now();
     d.take_blocked_seconds();  // from here: this step's
+    scheduled.take();
     StepResult r = train_step.run(next_batch, p.step);
     loss_sum.add_(r.loss);
     acc_sum.add_(r.accuracy);
@@ -279,6 +299,7 @@ int run_training(const TrainRequest& req) {
     if (cfg.train.verify_every > 0 && p.step % cfg.train.verify_every == 0 && p.step != j.last_step) {
       d.set_context(p.step, "validation");
       readout.deliver(/*wait=*/true);  // the log line of the step comes before its verification
+      const auto verifying = scheduled.scope("verification");
       validation.run(p.step, p.best_accuracy, sinks);
     }
     const bool epoch_end = p.batch_in_epoch == batches_per_epoch;
@@ -289,9 +310,10 @@ int run_training(const TrainRequest& req) {
     at::Tensor flags = torch::tensor({static_cast<float>(g_stop_signal.load() != 0), static_cast<float>(due)});
     d.set_context(p.step, "step");
     d.all_reduce(flags, ReduceOp::Max);
-    const double step_s = seconds_since(t_step);
+    const JudgedStep judged = judged_step(seconds_since(t_step), d.take_blocked_seconds(), scheduled.take());
+    const double step_s = judged.step_s;
     if (const std::optional<double> median = step_timer.add(step_s)) d.set_step_seconds(median_step = *median);
-    const double blocked_s = d.take_blocked_seconds();
+    const double blocked_s = judged.blocked_s;
     if (stragglers) {
       StepPhases own;
       if (j.device.is_cpu()) {  // the host's clock is the work's: each phase less its waits
@@ -341,6 +363,7 @@ int run_training(const TrainRequest& req) {
     }
     if (want_checkpoint && p.step != j.last_step) {
       d.set_context(p.step, "checkpoint");
+      const auto saving = scheduled.scope("checkpoint");
       readout.deliver(/*wait=*/true);
       check_finite();
       if (!save_checkpoint(/*last=*/false)) {

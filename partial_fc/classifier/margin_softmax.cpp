@@ -82,6 +82,8 @@ void pack_codes(const at::Tensor& codes, at::Tensor dst) {
   dst.copy_(v.select(2, 0) + v.select(2, 1) * 4 + v.select(2, 2) * 16 + v.select(2, 3) * 64);
 }
 at::Tensor unpack_codes(const at::Tensor& packed, int64_t n) {
+  // The shifts made where the codes are (a host-made tensor would be a copy, and on a GPU a
+  // wait, in every chunk of every backward).
   const at::Tensor shifts = torch::tensor({0, 2, 4, 6}, packed.options());
   return at::bitwise_and(at::bitwise_right_shift(packed.unsqueeze(2), shifts), 3)
       .reshape({packed.size(0), packed.size(1) * 4})

@@ -4,6 +4,7 @@
 #include <c10/cuda/CUDAStream.h>
 
 #include "partial_fc/classifier/stochastic_round_cuda.h"
+#include "partial_fc/runtime/cuda_kernel_check.h"
 #endif
 
 namespace faceshard {
@@ -54,9 +55,10 @@ at::Tensor stochastic_round_bf16(const at::Tensor& rows, const at::Tensor& keys)
   if (rows.is_cuda()) {  // one pass (stochastic_round_cuda.h)
     const at::Tensor x = rows.contiguous(), k = keys.to(rows.device(), at::kLong).contiguous();
     at::Tensor out = at::empty(x.sizes(), x.options().dtype(at::kBFloat16));
-    stochastic_round_bf16_cuda(x.data_ptr<float>(), k.data_ptr<int64_t>(),
-                               reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()), x.size(0), d,
-                               c10::cuda::getCurrentCUDAStream(x.device().index()).stream());
+    check_cuda_kernel(stochastic_round_bf16_cuda(x.data_ptr<float>(), k.data_ptr<int64_t>(),
+                                                 reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()), x.size(0),
+                                                 d, c10::cuda::getCurrentCUDAStream(x.device().index()).stream()),
+                      "stochastic_round_bf16 (partial_fc/classifier/stochastic_round_cuda.cu)");
     return out;
   }
 #endif
@@ -68,8 +70,11 @@ at::Tensor stochastic_round_bf16(const at::Tensor& rows, const at::Tensor& keys)
   // same on the two's complement as on the bit pattern), plus r, the low 16 bits cut.
   at::Tensor bits = x.view(at::kInt).to(at::kLong).add_(r).bitwise_and_(~int64_t(0xffff));
   at::Tensor rounded = bits.to(at::kInt).view(at::kFloat).to(at::kBFloat16);
-  // inf and NaN round to nearest (their low bits are not a fraction to round).
-  return at::where(x.isfinite(), rounded, x.to(at::kBFloat16));
+  // inf rounds to nearest (its low bits are not a fraction to round); NaN becomes 0x7fc0,
+  // sr_round's (c10::BFloat16's scalar conversion): ATen's vectorised conversion gives 0xffff
+  // on AVX2/AVX-512 CPUs, its scalar one 0x7fc0.
+  const at::Tensor nan = at::full({}, int64_t(0x7fc0), rounded.options().dtype(at::kShort)).view(at::kBFloat16);
+  return at::where(x.isfinite(), rounded, at::where(x.isnan(), nan, x.to(at::kBFloat16)));
 }
 
 at::Tensor RowRounding::round(const at::Tensor& rows, const at::Tensor& index, int64_t first,

@@ -58,6 +58,7 @@ DataParallel::DataParallel(std::shared_ptr<torch::nn::Module> module, Distribute
   }
   ready_.assign(params_.size(), 0);
   used_.assign(params_.size(), 0);
+  frozen_.assign(params_.size(), 0);
 
   // A post-hook on each parameter's gradient accumulator fires once its .grad holds this
   // backward's full gradient.
@@ -105,7 +106,8 @@ void DataParallel::make_buckets() {
   for (int i = static_cast<int>(params_.size()) - 1; i >= 0; --i) {
     const at::Tensor& p = params_[i];
     const int64_t nb = p.numel() * p.element_size();
-    bool fresh = buckets_.empty() || bytes + nb > cap ||
+    auto part = [&](int k) { return opts_.partition.empty() ? 0 : opts_.partition.at(static_cast<size_t>(k)); };
+    bool fresh = buckets_.empty() || bytes + nb > cap || part(buckets_.back().params[0]) != part(i) ||
                  params_[buckets_.back().params[0]].scalar_type() != p.scalar_type() ||
                  params_[buckets_.back().params[0]].device() != p.device();
     if (fresh) {
@@ -150,6 +152,13 @@ void DataParallel::prepare_for_backward(const std::vector<at::Tensor>& outputs) 
   stats_ = DdpStepStats();
   stats_.buckets = static_cast<int>(buckets_.size());
   t0_ = std::chrono::steady_clock::now();
+  for (size_t i = 0; i < params_.size(); ++i) frozen_[i] = params_[i].requires_grad() ? 0 : 1;
+  for (auto& b : buckets_) {
+    b.frozen = true;
+    for (int i : b.params) b.frozen = b.frozen && frozen_[i];
+  }
+  for (size_t i = 0; i < params_.size(); ++i)
+    if (frozen_[i]) mark_ready(static_cast<int>(i), false);
   if (!opts_.find_unused_parameters) return;
   // Walk the graph from the outputs: accumulators it cannot reach belong to unused parameters.
   std::unordered_set<torch::autograd::Node*> seen;
@@ -186,7 +195,9 @@ void DataParallel::mark_ready(int index, bool have_grad) {
   used_[index] = have_grad ? 1 : 0;
   Bucket& b = buckets_[bucket_of_[index]];
   const at::Tensor& g = params_[index].grad();
-  if (opts_.flat) {
+  if (b.frozen) {
+    // Nothing of this bucket is sent.
+  } else if (opts_.flat) {
     // The gradient is the bucket's slot (laid out like the param) unless something
     // replaced it.
     at::Tensor slot = opts_.flat->view(index, opts_.flat->groups()[opts_.flat->group_of(index)].grads);
@@ -204,9 +215,10 @@ void DataParallel::launch_ready_buckets() {
   // Strictly in bucket order on every rank: collectives must match one to one.
   while (next_bucket_ < static_cast<int>(buckets_.size()) && buckets_[next_bucket_].pending == 0) {
     Bucket& b = buckets_[next_bucket_];
+    next_bucket_++;
+    if (b.frozen) continue;
     b.work = dist_.all_reduce_async(b.flat);
     stats_.launch_ms.push_back(ms_since(t0_));
-    next_bucket_++;
   }
 }
 
@@ -232,12 +244,14 @@ void DataParallel::finalize() {
   const double inv = 1.0 / dist_.world_size();
   torch::NoGradGuard ng;
   for (auto& b : buckets_) {
+    if (b.frozen) continue;
     dist_.wait(b.work, "gradient all_reduce", b.flat.is_cuda());
     b.work.reset();
     b.flat.mul_(inv);
     for (size_t s = 0; s < b.params.size(); ++s) {
       const int i = b.params[s];
       at::Tensor& p = params_[i];
+      if (frozen_[i]) continue;  // its .grad stays as it is (no step takes it)
       if (globally_used.defined() && globally_used[i].item<float>() == 0) continue;  // leave .grad as is
       if (opts_.flat) {
         // Averaged in place: the gradient is its slot (restored if something replaced it).

@@ -35,6 +35,10 @@ struct DdpOptions {
   // the buckets are ranges of the flat gradient buffers, all-reduced in place, with no
   // copy of a gradient into its bucket and back. Its bucket cap is the one that counts.
   FlatParameters* flat = nullptr;
+  // Without flat buffers: one entry per trainable parameter (or empty); parameters of
+  // different partitions never share a bucket, so that a part frozen for a while (its
+  // bucket skipped, see prepare_for_backward) sends nothing. The flat buffers have their own.
+  std::vector<int> partition;
 };
 
 // One step's record, for tests and traces.
@@ -51,7 +55,11 @@ class DataParallel {
   ~DataParallel();
 
   // Call after forward and before backward, every step, with the outputs the loss is
-  // computed from (they are only read with find_unused_parameters).
+  // computed from (they are only read with find_unused_parameters). A parameter that does
+  // not require grad at that moment (frozen for a while: fine-tuning) counts as ready with
+  // no gradient and keeps the .grad it has; a bucket of such parameters only is not
+  // all-reduced (every rank freezes the same ones, so the collectives still match).
+  // Parameters that never train are best left out of the module's trainable ones.
   void prepare_for_backward(const std::vector<at::Tensor>& outputs);
 
   // Gradient accumulation: inside a NoSync scope backward only accumulates .grad locally;
@@ -79,6 +87,7 @@ class DataParallel {
     std::vector<int64_t> offsets;
     at::Tensor flat;
     int pending = 0;
+    bool frozen = false;  // every param of it is frozen this step: no all-reduce
     c10::intrusive_ptr<c10d::Work> work;
   };
   void make_buckets();
@@ -98,6 +107,7 @@ class DataParallel {
   std::vector<Bucket> buckets_;
   std::vector<char> ready_;
   std::vector<char> used_;
+  std::vector<char> frozen_;  // this step: the param does not require grad
   int next_bucket_ = 0;
   bool sync_ = true;
   bool in_backward_ = false;

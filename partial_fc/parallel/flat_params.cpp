@@ -2,6 +2,7 @@
 
 #include <map>
 #include <set>
+#include <tuple>
 
 #include <c10/core/GradMode.h>
 
@@ -9,8 +10,11 @@
 
 namespace faceshard {
 
-FlatParameters::FlatParameters(std::vector<at::Tensor> params, double bucket_mb) : params_(std::move(params)) {
+FlatParameters::FlatParameters(std::vector<at::Tensor> params, double bucket_mb, const std::vector<int>& partition)
+    : params_(std::move(params)) {
   const int n = static_cast<int>(params_.size());
+  if (!partition.empty() && partition.size() != params_.size())
+    throw runtime_error("flat parameters: a partition of ", partition.size(), " entries for ", n, " params");
   group_of_.assign(n, -1);
   offset_of_.assign(n, 0);
   std::set<const void*> seen;
@@ -25,12 +29,12 @@ FlatParameters::FlatParameters(std::vector<at::Tensor> params, double bucket_mb)
   // DataParallel's buckets: reverse registration order, one device and dtype each, at most
   // the cap (a parameter larger than the cap has a bucket of its own).
   const int64_t cap = static_cast<int64_t>(bucket_mb * 1024 * 1024);
-  std::map<std::pair<std::string, at::ScalarType>, int> group_index;
+  std::map<std::tuple<std::string, at::ScalarType, int>, int> group_index;
   std::vector<int64_t> group_size;
   int64_t bytes = 0;
   for (int i = n - 1; i >= 0; --i) {
     const at::Tensor& p = params_[i];
-    const auto key = std::make_pair(p.device().str(), p.scalar_type());
+    const auto key = std::make_tuple(p.device().str(), p.scalar_type(), partition.empty() ? 0 : partition[i]);
     auto it = group_index.find(key);
     if (it == group_index.end()) {
       it = group_index.emplace(key, static_cast<int>(groups_.size())).first;

@@ -1,5 +1,5 @@
 // The replicated module's parameters in flat buffers: one buffer of values and one of
-// gradients per (device, dtype), each parameter a view into them laid out in the order
+// gradients per (device, dtype, partition), each parameter a view into them laid out in the order
 // DataParallel's buckets take the parameters (reverse registration, at most bucket_mb a
 // bucket, a new bucket where the device or dtype changes). So a bucket is a contiguous
 // range of a gradient buffer: DataParallel all-reduces it in place, with no copy of a
@@ -27,7 +27,10 @@ class FlatParameters {
   // Moves their values into the buffers (each keeps its sizes and strides) and sets each
   // gradient to its view, zeroed. Throws a usage error for a parameter that is not dense
   // (overlapping or with gaps) or is listed twice.
-  FlatParameters(std::vector<at::Tensor> params, double bucket_mb);
+  // `partition` (empty, or one entry per param): parameters of different partitions never
+  // share a group, nor so a bucket, so that a part frozen for a while (fine-tuning) is
+  // stepped or left alone as a whole.
+  FlatParameters(std::vector<at::Tensor> params, double bucket_mb, const std::vector<int>& partition = {});
 
   struct Group {
     at::Tensor values, grads;  // 1-D, one device and dtype

@@ -322,6 +322,12 @@ std::string join_ints(const std::vector<int>& v) {
 
 }  // namespace
 
+int cuda_device_of(const DistEnv& env, CudaBackend backend) {
+  if (backend == CudaBackend::Nccl) return env.local_rank;
+  const int n = static_cast<int>(torch::cuda::device_count());
+  return n > 0 ? env.local_rank % n : env.local_rank;
+}
+
 Distributed::Distributed(const DistEnv& env, const DistOptions& opts) : env_(env), opts_(opts) {}
 
 std::shared_ptr<Distributed> Distributed::init(const DistEnv& env, const DistOptions& opts) {
@@ -400,7 +406,15 @@ std::shared_ptr<Distributed> Distributed::init(const DistEnv& env, const DistOpt
     } catch (const std::exception& e) {
       log_debug("the ranks' host names: ", one_line(e));
     }
-    if (opts.use_cuda) {
+    if (opts.use_cuda && opts.cuda_backend == CudaBackend::Gloo) {
+      if (!nccl_compiled()) throw usage_error("CUDA requested but faceshard was built without CUDA support");
+      const int device = cuda_device_of(env, CudaBackend::Gloo);
+      bind_cuda_device(device, env.local_rank);
+      if (env.local_rank == 0)
+        log_notice("dist.backend gloo: CUDA tensors go over Gloo through host memory (no NCCL); local rank ",
+                   env.local_rank, " on GPU ", device, " of ", torch::cuda::device_count(),
+                   env.local_world_size > static_cast<int>(torch::cuda::device_count()) ? " (ranks share GPUs)" : "");
+    } else if (opts.use_cuda) {
       if (!nccl_compiled()) throw usage_error("CUDA requested but faceshard was built without CUDA support");
       if (!net.nccl_interface.empty()) {
         setenv("NCCL_SOCKET_IFNAME", net.nccl_interface.c_str(), 1);
@@ -835,6 +849,13 @@ at::Tensor Distributed::reduce_scatter(const at::Tensor& in_t, const std::vector
   TORCH_CHECK(static_cast<int>(counts.size()) == W, "reduce_scatter: one count per rank expected");
   at::Tensor in = in_t.contiguous();
   if (W == 1) return in;
+  if (in.is_cuda() && !nccl_) {
+    // Gloo and CUDA: LibTorch's Gloo has CUDA works for all_reduce, broadcast, all_gather,
+    // gather, scatter, reduce and all_to_all, none for reduce-scatter. Staged through the
+    // host here (the copy out waits for the current stream, the copy back is queued on it),
+    // the CPU path below computes the same sums as a CPU run does.
+    return reduce_scatter(in.cpu(), counts).to(in.device());
+  }
   const int64_t mx = *std::max_element(counts.begin(), counts.end());
   bool equal = std::all_of(counts.begin(), counts.end(), [&](int64_t c) { return c == mx; });
   at::Tensor padded = in;

@@ -1,5 +1,6 @@
 // The distributed runtime: TCPStore rendezvous, a Gloo backend for CPU tensors and an
-// NCCL backend for CUDA tensors (one GPU per rank), blocking collectives with a timeout,
+// NCCL backend for CUDA tensors (one GPU per rank; or Gloo for them too, see CudaBackend),
+// blocking collectives with a timeout,
 // and failure diagnosis: when a collective fails, the error names the rank that died,
 // hung or threw, using heartbeats every rank publishes in the store.
 #pragma once
@@ -23,13 +24,28 @@
 
 namespace faceshard {
 
+// What carries CUDA tensors (dist.backend). Nccl: one GPU per rank. Gloo: the CUDA tensors
+// go over Gloo's TCP transport through host memory, so that several ranks may share one GPU
+// (the only multi-rank CUDA run a one-GPU machine can do: NCCL refuses two ranks on one
+// device). Gloo has CUDA implementations of all_reduce (every ReduceOp), broadcast and
+// all_gather, which copy to pinned host memory on a stream of their own, ordered after the
+// caller's current stream, and back; reduce_scatter is staged through the host by
+// Distributed itself (see there). Far slower than NCCL: a check, not a way to train.
+enum class CudaBackend { Nccl, Gloo };
+
+// The GPU a rank uses: its local rank; with Gloo carrying CUDA tensors, local ranks beyond
+// the visible GPUs wrap around (local rank mod GPU count), so that ranks share GPUs.
+int cuda_device_of(const DistEnv& env, CudaBackend backend);
+
 struct DistOptions {
   std::chrono::milliseconds timeout{std::chrono::seconds(300)};  // each collective
   // All ranks joining: the store connection, Gloo's full mesh, NCCL's communicator. A rank
   // that cannot complete it exits within this time naming what failed.
   std::chrono::milliseconds rendezvous_timeout{std::chrono::seconds(300)};
   std::chrono::milliseconds heartbeat_interval{500};
-  bool use_cuda = false;  // create an NCCL backend and bind this rank's GPU (local rank)
+  // Bind this rank's GPU (cuda_device_of) and, with cuda_backend Nccl, create an NCCL backend.
+  bool use_cuda = false;
+  CudaBackend cuda_backend = CudaBackend::Nccl;
   // Hang detection, once set_step_seconds() has a measured step time: a collective pending
   // for longer than 3 x the median step + 5 s (at least hang_floor, at most `timeout`) while
   // a rank not past it has stopped beating (frozen, or its host cut off) ends this rank at
@@ -62,7 +78,8 @@ class Distributed {
   // rank's row count.
   at::Tensor all_gather(const at::Tensor& t, std::vector<int64_t>* counts = nullptr);
   // Rows of `in` are the concatenation of every rank's block (block r has counts[r] rows);
-  // returns the element-wise sum over ranks of this rank's block.
+  // returns the element-wise sum over ranks of this rank's block. A CUDA tensor without NCCL
+  // goes through host memory (Gloo's CPU reduce-scatter, the same sums as a CPU run).
   at::Tensor reduce_scatter(const at::Tensor& in, const std::vector<int64_t>& counts);
   void barrier();
 
@@ -161,5 +178,8 @@ c10::intrusive_ptr<c10d::Backend> make_gloo_backend(const c10::intrusive_ptr<c10
 c10::intrusive_ptr<c10d::Backend> make_nccl_backend(const c10::intrusive_ptr<c10d::Store>& store, int rank,
                                                     int size, int device, std::chrono::milliseconds timeout);
 bool nccl_compiled();
+// Makes GPU `device` this process's current one; a usage error naming the local rank when
+// it is not visible (or the build has no CUDA).
+void bind_cuda_device(int device, int local_rank);
 
 }  // namespace faceshard

@@ -1,6 +1,7 @@
 #include "partial_fc/runtime/link_watch.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
 
 namespace faceshard {
@@ -8,6 +9,7 @@ namespace faceshard {
 void LinkWatch::store_answered(int64_t now_ms, double round_trip_ms) {
   std::lock_guard<std::mutex> lock(m_);
   last_answer_ms_ = now_ms;
+  if (scheduled_) return;
   // Bounded: a reader that never comes (a run without straggler windows) costs nothing.
   if (round_trips_.size() >= 4096) round_trips_.erase(round_trips_.begin(), round_trips_.begin() + 2048);
   round_trips_.push_back(round_trip_ms);
@@ -46,6 +48,57 @@ std::vector<double> LinkWatch::take_round_trips_ms() {
   std::vector<double> v;
   v.swap(round_trips_);
   return v;
+}
+
+void LinkWatch::set_scheduled_work(bool running) {
+  std::lock_guard<std::mutex> lock(m_);
+  scheduled_ = running;
+}
+
+ScheduledWork::ScheduledWork(std::function<double()> blocked_total_s, LinkWatch* links)
+    : blocked_total_s_(std::move(blocked_total_s)), links_(links) {}
+
+double ScheduledWork::now_s() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+ScheduledWork::Scope::Scope(ScheduledWork& owner, const char* what) : owner_(owner) {
+  owner_.begin(what, now_s(), owner_.blocked_total_s_());
+  if (owner_.links_) owner_.links_->set_scheduled_work(true);
+}
+
+ScheduledWork::Scope::~Scope() {
+  if (owner_.links_) owner_.links_->set_scheduled_work(false);
+  owner_.end(now_s(), owner_.blocked_total_s_());
+}
+
+void ScheduledWork::begin(const char* what, double now_s, double blocked_total_s) {
+  open_ = what;
+  begin_s_ = now_s;
+  begin_blocked_s_ = blocked_total_s;
+}
+
+void ScheduledWork::end(double now_s, double blocked_total_s) {
+  if (!open_) return;
+  share_.wall_s += std::max(0.0, now_s - begin_s_);
+  share_.blocked_s += std::max(0.0, blocked_total_s - begin_blocked_s_);
+  const std::string what = open_;
+  if (share_.what.empty()) share_.what = what;
+  else if (share_.what.find(what) == std::string::npos) share_.what += " and " + what;
+  open_ = nullptr;
+}
+
+ScheduledWork::Share ScheduledWork::take() {
+  Share out;
+  std::swap(out, share_);
+  return out;
+}
+
+JudgedStep judged_step(double step_s, double blocked_s, const ScheduledWork::Share& scheduled) {
+  JudgedStep j;
+  j.step_s = std::max(0.0, step_s - scheduled.wall_s);
+  j.blocked_s = std::max(0.0, blocked_s - scheduled.blocked_s);
+  return j;
 }
 
 std::string describe_stall(const LinkWatch::Stall& stall, const std::function<std::string(int)>& host_of,

@@ -10,12 +10,16 @@ namespace faceshard {
 
 bool nccl_compiled() { return true; }
 
+void bind_cuda_device(int device, int local_rank) {
+  const int n = static_cast<int>(c10::cuda::device_count());
+  if (device < 0 || device >= n)
+    throw usage_error("local rank ", local_rank, " needs GPU ", device, " but only ", n, " GPU(s) are visible");
+  c10::cuda::set_device(static_cast<c10::DeviceIndex>(device));
+}
+
 c10::intrusive_ptr<c10d::Backend> make_nccl_backend(const c10::intrusive_ptr<c10d::Store>& store, int rank,
                                                     int size, int device, std::chrono::milliseconds timeout) {
-  const int n = static_cast<int>(c10::cuda::device_count());
-  if (device >= n)
-    throw usage_error("local rank ", device, " needs GPU ", device, " but only ", n, " GPU(s) are visible");
-  c10::cuda::set_device(static_cast<c10::DeviceIndex>(device));
+  bind_cuda_device(device, device);
   auto opts = c10d::ProcessGroupNCCL::Options::create();
   opts->timeout = timeout;
   auto pg = c10::make_intrusive<c10d::ProcessGroupNCCL>(store, rank, size, opts);

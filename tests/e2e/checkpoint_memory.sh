@@ -77,12 +77,14 @@ reshard)
   # The reference: training one step on 3 ranks (the shards a 3-rank resume holds).
   t=$(peak_mb "$work/t.log" "${launch3[@]}" --set train.max_steps=1 --set output="$work/train3") \
     || { echo "$t"; fail "3-rank training run"; }
-  b=$(peak_mb "$work/b.log" "${launch3[@]}" --set train.max_steps=1 --set output="$work/out3" \
+  # The 2-rank run's global batch, 16, does not split over 3 ranks: 24 (8 a rank, as in the
+  # 3-rank training run), on purpose.
+  b=$(peak_mb "$work/b.log" "${launch3[@]}" --set train.max_steps=1 --set output="$work/out3" --set data.global_batch_size=24 \
       --resume "$work/out/checkpoints/step_00000001") || { echo "$b"; fail "3-rank resume"; }
   grep -q "resharded from 2 to 3 ranks" "$work/b.log" || { cat "$work/b.log"; fail "no reshard message"; }
   "$py" "$root/tests/e2e/same_rows.py" "$work/out/checkpoints/step_00000001" "$work/out3/checkpoints/step_00000001" || fail "rows differ"
   # Resharded and trained one step: the whole resumed run against the 3-rank training run.
-  c=$(peak_mb "$work/c.log" "${launch3[@]}" --set train.max_steps=2 --set output="$work/out3s" \
+  c=$(peak_mb "$work/c.log" "${launch3[@]}" --set train.max_steps=2 --set output="$work/out3s" --set data.global_batch_size=24 \
       --resume "$work/out/checkpoints/step_00000001") || { echo "$c"; fail "3-rank resume and step"; }
   within_bound "resharded 2 -> 3 ranks, no step (largest rank)" "$b" "$t" || fail "a resharding rank peaked more than ${BOUND}x a training rank"
   within_bound "resharded 2 -> 3 ranks and one step (largest rank)" "$c" "$t" || fail "a resharded rank peaked more than ${BOUND}x a training rank"
@@ -92,7 +94,7 @@ reshard)
   # the rows it read into the shard and those blocks: each at most 64 MB. Reading a part of
   # a shard file into a temporary first (130 MB per part here), a whole 2-rank shard file
   # (410 MB), or drawing initial rows (273 MB) is far outside these.
-  FACESHARD_LOG_ALL_RANKS=1 "${launch3[@]}" --set train.max_steps=1 --set output="$work/out3m" \
+  FACESHARD_LOG_ALL_RANKS=1 "${launch3[@]}" --set train.max_steps=1 --set output="$work/out3m" --set data.global_batch_size=24 \
     --resume "$work/out/checkpoints/step_00000001" > "$work/m.log" 2>&1 || { cat "$work/m.log"; fail "3-rank resume (all ranks logging)"; }
   grep "resume memory" "$work/m.log"
   "$py" - "$work/m.log" <<'PY' || fail "the load needed memory beyond the rows it read"

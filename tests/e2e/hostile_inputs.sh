@@ -256,7 +256,7 @@ for kind in bomb.jpg bomb.png cut.jpg corrupt.jpg; do
   reason="declares a 30000x30000 image"
   case "$kind" in cut.jpg) reason="truncated" ;; corrupt.jpg) reason="corrupt JPEG data" ;; esac
   check 1 "train $kind" "more than data.max_bad_fraction = 0 allows" "rec-all-$kind/train.rec: key " "$reason" \
-    "faceshard-pack verify REC --decode" -- \
+    "faceshard-pack verify " "rec-all-$kind/train.rec --decode" -- \
     "$bin/faceshard-train" --config "$work/tiny.yaml" --set data.rec="$work/rec-all-$kind" --set data.max_bad_fraction=0 \
     --set data.spare_classes=12 \
     --set output="$work/run-$kind" --set optim.total_steps=2
@@ -305,6 +305,6 @@ check 2 folds "synth.bin" "8 pairs, fewer than the 10 folds" "--folds K takes K 
 # --folds is honoured on a set of fewer than 10 pairs.
 "$bin/faceshard-verify" --model "$work/run" --bin "$work/data/synth.bin" --device cpu --folds 2 --output "$work/v2" \
   > "$work/v2.log" 2>&1 || { cat "$work/v2.log"; bad "faceshard-verify --folds 2 on 8 pairs"; }
-grep -q "(8 pairs)" "$work/v2.log" || bad "faceshard-verify --folds 2: no result line"
+grep -qE "\(8 pairs, [0-9]+ negatives\)" "$work/v2.log" || bad "faceshard-verify --folds 2: no result line"
 [ "$fail" -eq 0 ] && echo "PASS"
 exit "$fail"

@@ -181,11 +181,12 @@ resume_accumulate)
 reshard)
   train --set optim.total_steps=8 --set train.max_steps=4 > "$work/a.log" 2>&1 || { cat "$work/a.log"; fail "2-rank run"; }
   cp -r "$work/out/checkpoints/step_00000004" "$work/saved"
-  NPROC=3 train --set optim.total_steps=8 --resume "$work/saved" --set train.max_steps=5 > "$work/b.log" 2>&1 \
+  # (The 2-rank run's global batch, 16, does not split over 3 ranks: 24, on purpose.)
+  NPROC=3 train --set optim.total_steps=8 --set data.global_batch_size=24 --resume "$work/saved" --set train.max_steps=5 > "$work/b.log" 2>&1 \
     || { cat "$work/b.log"; fail "3-rank resume"; }
   grep -q "resharded from 2 to 3 ranks" "$work/b.log" || { cat "$work/b.log"; fail "no reshard message"; }
   # Resume onto 3 ranks and save at once (no step): rows must equal the 2-rank checkpoint's.
-  NPROC=3 train --set optim.total_steps=8 --resume "$work/saved" --set train.max_steps=4 --set output="$work/out3" \
+  NPROC=3 train --set optim.total_steps=8 --set data.global_batch_size=24 --resume "$work/saved" --set train.max_steps=4 --set output="$work/out3" \
     > "$work/c.log" 2>&1 || { cat "$work/c.log"; fail "3-rank resume without steps"; }
   "$py" "$root/tests/e2e/same_rows.py" "$work/saved" "$work/out3/checkpoints/step_00000004" || exit 1
   echo PASS ;;

@@ -29,25 +29,49 @@ class AdaFaceHead : public MarginHead {
   void negatives_backward(at::Tensor grad, const at::Tensor& logits, const at::Tensor& codes,
                           const HeadRows& rows) const override;
   std::vector<std::pair<std::string, at::Tensor>> state() const override;
+  void load_state(const std::string& key, const at::Tensor& value, const std::string& source) override;
 
  private:
-  static constexpr double kEps = 1e-3;
+  static constexpr double kEps = 1e-3, kMean0 = 20.0, kStd0 = 100.0;
+  // The statistics live on the device of the norms they standardise. Until a forward or a
+  // load sets them they hold the initial values, which are then made on that device (a
+  // fill, not a copy from the host: the first step on a GPU neither copies nor waits). A
+  // loaded state stays on the device it was loaded on (the trainer's: the job's device).
+  void place(const at::Device& device);
   double m_, h_, s_, t_alpha_;
-  mutable at::Tensor batch_mean_, batch_std_;  // [1] fp32 on the buffer's device
+  bool initial_ = true;
+  at::Tensor batch_mean_, batch_std_;  // [1] fp32
 };
 
 AdaFaceHead::AdaFaceHead(const std::map<std::string, double>& p)
     : m_(p.at("m")), h_(p.at("h")), s_(p.at("s")), t_alpha_(p.at("t_alpha")) {
-  batch_mean_ = torch::full({1}, 20.0);
-  batch_std_ = torch::full({1}, 100.0);
+  place(at::kCPU);
+}
+
+void AdaFaceHead::place(const at::Device& device) {
+  if (batch_mean_.defined() && batch_mean_.device() == device) return;
+  if (!batch_mean_.defined() || initial_) {
+    const auto o = at::TensorOptions().device(device).dtype(at::kFloat);
+    batch_mean_ = at::full({1}, kMean0, o);
+    batch_std_ = at::full({1}, kStd0, o);
+    return;
+  }
+  // Values set on another device than the norms' (loaded on the host, run on a GPU): moved
+  // once, at the first forward after the load.
+  batch_mean_ = batch_mean_.to(device);
+  batch_std_ = batch_std_.to(device);
+}
+
+void AdaFaceHead::load_state(const std::string& key, const at::Tensor& value, const std::string& source) {
+  place(value.device());
+  MarginHead::load_state(key, value, source);
+  initial_ = false;
 }
 
 HeadRows AdaFaceHead::begin_forward(const HeadInputs& in) {
   const at::Tensor safe = in.norms.to(torch::kFloat).clamp(0.001, 100);
-  if (batch_mean_.device() != safe.device()) {
-    batch_mean_ = batch_mean_.to(safe.device());
-    batch_std_ = batch_std_.to(safe.device());
-  }
+  place(safe.device());
+  initial_ = false;
   // The statistics of this batch join the running ones before they standardise it.
   batch_mean_.copy_(safe.mean().reshape({1}) * t_alpha_ + batch_mean_ * (1 - t_alpha_));
   batch_std_.copy_(safe.std().reshape({1}) * t_alpha_ + batch_std_ * (1 - t_alpha_));

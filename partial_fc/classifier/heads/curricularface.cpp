@@ -27,9 +27,15 @@ class CurricularFaceHead : public MarginHead {
   void negatives_backward(at::Tensor grad, const at::Tensor& logits, const at::Tensor& codes,
                           const HeadRows& rows) const override;
   std::vector<std::pair<std::string, at::Tensor>> state() const override { return {{"t", t_}}; }
+  void load_state(const std::string& key, const at::Tensor& value, const std::string& source) override;
 
  private:
+  // t lives on the device of the target cosines. Until a forward or a load sets it, it holds
+  // its initial 0, which is then made on that device (a fill, not a copy from the host); a
+  // loaded t stays on the device it was loaded on (the trainer's: the job's device).
+  void place(const at::Device& device);
   double m_, s_, cos_m_, sin_m_, threshold_, mm_;
+  bool initial_ = true;
   at::Tensor t_;  // [1] fp32
 };
 
@@ -40,12 +46,28 @@ CurricularFaceHead::CurricularFaceHead(const std::map<std::string, double>& p)
       sin_m_(std::sin(m_)),
       threshold_(std::cos(M_PI - m_)),
       mm_(std::sin(M_PI - m_) * m_) {
-  t_ = torch::zeros({1});
+  place(at::kCPU);
+}
+
+void CurricularFaceHead::place(const at::Device& device) {
+  if (t_.defined() && t_.device() == device) return;
+  if (!t_.defined() || initial_) {
+    t_ = at::zeros({1}, at::TensorOptions().device(device).dtype(at::kFloat));
+    return;
+  }
+  t_ = t_.to(device);  // set on another device than the cosines' (loaded on the host): moved once
+}
+
+void CurricularFaceHead::load_state(const std::string& key, const at::Tensor& value, const std::string& source) {
+  place(value.device());
+  MarginHead::load_state(key, value, source);
+  initial_ = false;
 }
 
 HeadRows CurricularFaceHead::begin_forward(const HeadInputs& in) {
   const at::Tensor c = in.target_cos.to(torch::kFloat).clamp(-1, 1);
-  if (t_.device() != c.device()) t_ = t_.to(c.device());
+  place(c.device());
+  initial_ = false;
   HeadRows r;
   // The hard-negative threshold of each row uses cos(theta_y + m) before the target's
   // own fallback; t moves before it is used, as in the authors' forward.

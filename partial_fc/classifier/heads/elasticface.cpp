@@ -1,22 +1,63 @@
 #include "partial_fc/classifier/heads/elasticface.h"
 
+#include <cmath>
 #include <memory>
 
+#include "partial_fc/classifier/sr_hash.h"
 #include "partial_fc/runtime/error.h"
 
 namespace faceshard {
+namespace {
 
-at::Tensor elasticface_draws(int64_t n, double m, double sigma, uint64_t seed, int64_t forward) {
-  auto gen = at::make_generator<at::CPUGeneratorImpl>(seed * 6364136223846793005ULL + 1442695040888963407ULL +
-                                                     static_cast<uint64_t>(forward));
-  return at::normal(0.0, 1.0, {n}, gen) * sigma + m;
+// sr_hash.h's mix32 in int64 tensor operations on uint32 values (the stochastic rounding's
+// tensor hash does the same): a 32 x 32-bit product does not fit an int64, so each constant
+// multiplies in two 16-bit halves, and every result is cut to 32 bits.
+constexpr int64_t kMask32 = 0xffffffffLL;
+
+at::Tensor mul32(const at::Tensor& x, uint32_t c) {
+  const int64_t lo = c & 0xffffU, hi = c >> 16;
+  return (x * lo + at::bitwise_left_shift(at::bitwise_and(x * hi, 0xffff), 16)).bitwise_and_(kMask32);
+}
+
+at::Tensor xorshift(const at::Tensor& x, int64_t s) { return at::bitwise_xor(x, at::bitwise_right_shift(x, s)); }
+
+at::Tensor mix32(const at::Tensor& x) {
+  at::Tensor y = mul32(xorshift(x, 16), 0x7feb352dU);
+  y = mul32(xorshift(y, 15), 0x846ca68bU);
+  return xorshift(y, 16);
+}
+
+// Keeps ElasticFace's stream apart from the stochastic rounding's, which hashes the same seed.
+constexpr uint32_t kDomain = 0x45fa3e11U;
+
+}  // namespace
+
+at::Tensor elasticface_draws(int64_t n, double m, double sigma, uint64_t seed, int64_t forward,
+                             const at::Device& device) {
+  TORCH_CHECK(n >= 0 && n < (int64_t(1) << 31), "elasticface_draws: ", n, " rows");
+  at::NoGradGuard ng;
+  // The key of this forward, on the host (plain integers): the same on every device.
+  const auto f = static_cast<uint64_t>(forward);
+  uint32_t key = sr_detail::mix32(static_cast<uint32_t>(seed) ^ kDomain);
+  key = sr_detail::mix32(key ^ static_cast<uint32_t>(seed >> 32));
+  key = sr_detail::mix32(key ^ static_cast<uint32_t>(f));
+  key = sr_detail::mix32(key ^ static_cast<uint32_t>(f >> 32));
+  // Row i's two uniforms from the counters 2i and 2i + 1, each -> mix32(mix32(c) ^ key): a
+  // bijection of the counters for a given key (the 2n uniforms of a forward are distinct),
+  // and row i's margin does not depend on how many rows are drawn. Made on `device` from an
+  // arange: nothing is copied from the host.
+  const at::Tensor counters = at::arange(2 * n, at::TensorOptions().device(device).dtype(at::kLong));
+  const at::Tensor bits = mix32(at::bitwise_xor(mix32(counters), static_cast<int64_t>(key)));
+  const at::Tensor u = bits.to(at::kDouble).add_(0.5).mul_(std::ldexp(1.0, -32)).view({n, 2});  // in (0, 1)
+  const at::Tensor z = u.select(1, 0).log().mul_(-2.0).sqrt_().mul_(u.select(1, 1).mul(2 * M_PI).cos_());
+  return z.mul_(sigma).add_(m).to(at::kFloat);
 }
 
 ElasticFaceHead::ElasticFaceHead(const std::map<std::string, double>& p, bool arc)
     : m_(p.at("m")), sigma_(p.at("sigma")), s_(p.at("s")), plus_(p.at("plus") != 0), arc_(arc) {}
 
 HeadRows ElasticFaceHead::begin_forward(const HeadInputs& in) {
-  at::Tensor margin = elasticface_draws(in.rows, m_, sigma_, in.seed, in.forward).to(in.options.device());
+  at::Tensor margin = elasticface_draws(in.rows, m_, sigma_, in.seed, in.forward, in.options.device());
   if (plus_) {
     const at::Tensor order = std::get<1>(in.target_cos.sort(std::optional<bool>(true), 0, /*descending=*/true));
     margin = std::get<0>(margin.sort(std::optional<bool>(true), 0, false)).index_select(0, order);

@@ -2,9 +2,10 @@
 // margin drawn from N(m, sigma) every step: ElasticFace-Arc cos(theta + m_i) (no correction
 // past pi, as there), ElasticFace-Cos cos - m_i. The "plus" variant sorts the draws and hands
 // them out by the target cosines' descending order exactly as the authors' code indexes
-// them (margin_sorted[argsort_desc(cos_y)][i]). Draws come from a generator seeded by the
-// run's seed and the forward count: every rank draws the same, and a resumed run draws what
-// the uninterrupted one would have.
+// them (margin_sorted[argsort_desc(cos_y)][i]). The draws are a function of the run's seed
+// and the forward count alone (elasticface_draws): every rank draws the same, a resumed run
+// draws what the uninterrupted one would have, and they are made on the device that uses
+// them with tensor operations, so that a step on a GPU neither waits for nor copies from the host.
 #pragma once
 #include <map>
 #include <string>
@@ -29,7 +30,15 @@ class ElasticFaceHead : public MarginHead {
   bool plus_, arc_;
 };
 
-// The N margins ElasticFace draws for a forward (before the plus variant's ordering).
-at::Tensor elasticface_draws(int64_t n, double m, double sigma, uint64_t seed, int64_t forward);
+// The N margins ElasticFace draws for a forward (before the plus variant's ordering), fp32
+// on `device`: m + sigma * z_i, z_i standard normal by Box-Muller from two uniforms
+// (b + 0.5) / 2^32, where b are 32-bit counter-based hashes (sr_hash.h's mix32) of
+// (seed, forward) and the counters 2i and 2i + 1. Integer hashing is exact on every device and
+// the Box-Muller step runs in float64, so CPU and CUDA give the same fp32 margins (their
+// float64 log and cos may differ in the last bit, which the rounding to fp32 hides except in
+// about one value in 10^8, then by one fp32 ulp). Nothing is drawn on the host: no generator,
+// no copy, no host synchronisation.
+at::Tensor elasticface_draws(int64_t n, double m, double sigma, uint64_t seed, int64_t forward,
+                             const at::Device& device = at::kCPU);
 
 }  // namespace faceshard

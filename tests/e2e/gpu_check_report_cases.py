@@ -1,0 +1,330 @@
+"""The GPU check's report (tools/gpu_check_report.py) on hand-made result folders: one that
+holds, and one per way a check can prove nothing or find something wrong, each of which must
+make the report exit 1 naming that problem. A folder is what tools/gpu_check.sh leaves in its
+JSON folder: status.tsv, check.json, the test binary's list and each test's GoogleTest JSON,
+the training runs' metrics and the resumed run's log, the step cells' JSON.
+
+  python3 gpu_check_report_cases.py SOURCE_DIR CASE     (CASE: one of CASES, or "all")
+"""
+
+import copy
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+GPU_TESTS = [
+    "AppOptim.CudaMatchesCpu",
+    "BackboneForward.CudaReducedPrecision",
+    "DataLoader.CudaCopyMatchesCpuBatches",
+    "DistributedCuda.NcclCollectivesAtWorldOne",
+    "DistributedCuda.RuntimeAtWorldOneWithNccl",
+    "GraphedBackboneCuda.StepsMatchEagerWithoutHostSync",
+    "PReLUCuda.BackwardMatchesATenAndFloat64",
+    "PartialFCCuda.MatchesCpu",
+    "PartialFCCuda.StreamedEqualsBuffered",
+    "StochasticRoundCuda.SameBitsAsTheCpu",
+    "TrainStepCuda.StepsWithoutHostSynchronisation",
+    # one the binary lists beyond the committed minimum
+    "GraphedBackboneCuda.FailedCaptureKeepsMemoryFlat",
+]
+STOP, FULL, LAST = 37, 47, 62
+BASE = "step_faceshard_r50_256_bf16_cl"
+GRAPH = BASE + "_graph"
+ARC = "step_arcface_torch_r50_256_fp16"
+
+
+def demo_loss(step):
+    # A falling loss with some step-to-step wiggle (as a batch's loss has).
+    return 18.0 * 0.97 ** step + 0.3 * ((step * 7919) % 13) / 13.0
+
+
+def step_losses(scale=1.0):
+    return [round(40.0 - 0.2 * k + 0.05 * (k % 3), 6) * scale for k in range(43)]
+
+
+def step_cell(graph, losses):
+    return {"mode": "step", "network": "r50", "device": "cuda:0", "world_size": 1, "batch_per_rank": 256,
+            "micro_batches": 1, "classes": 1000000, "precision": "bf16", "sample_rate": 0.1, "channels_last": True,
+            "images_per_s": 4000.0 if not graph.get("captured") else 4300.0, "peak_memory_mb": 13000.0,
+            "step_ms": 64.0, "split_ms": {"data": 1.0, "forward": 20.0, "backward": 30.0, "optimizer": 13.0},
+            "cuda_graph": graph, "losses": losses}
+
+
+def gtest_json(name, result="COMPLETED", failure=None):
+    suite, test = name.split(".")
+    t = {"name": test, "status": "RUN", "result": result, "time": "1s"}
+    if failure:
+        t["failures"] = [{"failure": failure, "type": ""}]
+    return {"tests": 1, "testsuites": [{"name": suite, "testsuite": [t]}]}
+
+
+def holding_folder():
+    """Everything a call of sections env,tests,train,step,tworanks leaves when all holds."""
+    f = {}
+    items = [("env", "0", "required"), ("tools_load", "0", "required"), ("tests_list", "0", "required")]
+    items += [("test_" + t, "0", "required") for t in GPU_TESTS]
+    items += [(n, "0", "required") for n in ("train_data", "train_bf16_part1", "train_bf16_resume", "train_bf16_full",
+                                             "export_bf16", "verify_bf16")]
+    items += [(ARC, "0", "required"), (BASE, "0", "required"), (GRAPH, "0", "required"),
+              ("step_faceshard_r50_256_bf16_cl_unfused", "0", "optional"), ("tworanks", "absent", "optional")]
+    f["items"] = items
+    f["nvidia-smi.csv"] = "NVIDIA H200, 580.159.04, 143771 MiB, 9.0, 1980 MHz\n"
+    f["check.json"] = {"sections": "env,tests,train,step,tworanks", "device": "cuda", "tiny": False, "budget_s": 170}
+    f["gtest_expected.txt"] = list(GPU_TESTS)
+    f["gtest"] = {t: gtest_json(t) for t in GPU_TESTS}
+    f["train_resume.json"] = {"precision": "bf16", "stop_step": STOP, "full_steps": FULL}
+    f["train_bf16_resume.log"] = ("[rank 0] starting\n[rank 0] resumed from /tmp/x/run_bf16/checkpoints/step_00000037 "
+                                  "at step 37; classifier rows 1 MB read in 0.01 s\n")
+    f["train_bf16_metrics.jsonl"] = [{"step": s, "epoch": s // 31, "loss": demo_loss(s), "lr": 0.1} for s in range(1, LAST + 1)]
+    # The uninterrupted run: the same losses, a little apart (a GPU run is not bit-reproducible).
+    f["train_bf16_full_metrics.jsonl"] = [{"step": s, "epoch": s // 31, "loss": demo_loss(s) * (1 + 0.002 * (s % 2)),
+                                           "lr": 0.1} for s in range(1, FULL + 1)]
+    f["verify_bf16.json"] = {"sets": [{"name": "synth", "accuracy": 0.9}]}
+    f["step"] = {
+        BASE: step_cell({"asked": False, "captured": False, "reason": "", "eager_calls": 0}, step_losses()),
+        GRAPH: step_cell({"asked": True, "captured": True, "reason": "", "eager_calls": 0}, step_losses(1.001)),
+        "step_faceshard_r50_256_bf16_cl_unfused": step_cell({"asked": False, "captured": False, "reason": "",
+                                                              "eager_calls": 0}, step_losses()),
+        ARC: {"network": "r50", "batch_per_rank": 256, "precision": "fp16", "sample_rate": 0.1, "classes": 1000000,
+              "images_per_s": 2100.0, "peak_memory_mb": 15000.0, "step_ms": 120.0},
+    }
+    return f
+
+
+def write(folder, d):
+    with open(os.path.join(d, "status.tsv"), "w") as out:
+        for name, rc, need in folder["items"]:
+            out.write(f"{name}\t{rc}\t{1.0 if rc not in ('skipped', 'absent') else 0}\t{need}\n")
+    for name in ("check.json", "train_resume.json", "verify_bf16.json", "two_ranks.json"):
+        if name in folder:
+            with open(os.path.join(d, name), "w") as out:
+                json.dump(folder[name], out)
+    with open(os.path.join(d, "nvidia-smi.csv"), "w") as out:
+        out.write(folder["nvidia-smi.csv"])
+    with open(os.path.join(d, "gtest_expected.txt"), "w") as out:
+        out.write("".join(t + "\n" for t in folder["gtest_expected.txt"]))
+    os.makedirs(os.path.join(d, "gtest"))
+    for t, j in folder["gtest"].items():
+        with open(os.path.join(d, "gtest", t + ".json"), "w") as out:
+            json.dump(j, out)
+    for name in ("train_bf16_metrics.jsonl", "train_bf16_full_metrics.jsonl"):
+        with open(os.path.join(d, name), "w") as out:
+            out.write("".join(json.dumps(r) + "\n" for r in folder[name]))
+    with open(os.path.join(d, "train_bf16_resume.log"), "w") as out:
+        out.write(folder["train_bf16_resume.log"])
+    for cell, j in folder["step"].items():
+        with open(os.path.join(d, cell + ".json"), "w") as out:
+            json.dump(j, out)
+
+
+def set_item(f, name, rc, need=None):
+    f["items"] = [(n, rc if n == name else r, (need or k) if n == name else k) for n, r, k in f["items"]]
+
+
+# Each case: how the holding folder is changed, and the problem the report must name (None:
+# the report must hold, exit 0, no problem).
+def case_holds(f):
+    return None
+
+
+def case_optional_cell_skipped(f):
+    # A cell the budget may leave out: reported as skipped, not a problem.
+    set_item(f, "step_faceshard_r50_256_bf16_cl_unfused", "skipped")
+    del f["step"]["step_faceshard_r50_256_bf16_cl_unfused"]
+    return None
+
+
+def case_zero_tests(f):
+    f["gtest"] = {}
+    f["items"] = [x for x in f["items"] if not x[0].startswith("test_")]
+    return r"tests: zero tests passed"
+
+
+def case_known_test_missing(f):
+    # The binary lists a GPU test that left no result (it crashed, hung, or was never run).
+    del f["gtest"]["GraphedBackboneCuda.FailedCaptureKeepsMemoryFlat"]
+    f["items"] = [x for x in f["items"] if x[0] != "test_GraphedBackboneCuda.FailedCaptureKeepsMemoryFlat"]
+    return r"GraphedBackboneCuda\.FailedCaptureKeepsMemoryFlat is listed by the test binary but has no result"
+
+
+def case_min_test_not_listed(f):
+    # A test of the committed minimum renamed away: the binary no longer lists it.
+    f["gtest_expected.txt"].remove("PartialFCCuda.MatchesCpu")
+    del f["gtest"]["PartialFCCuda.MatchesCpu"]
+    return r"the test binary does not list PartialFCCuda\.MatchesCpu"
+
+
+def case_test_skipped(f):
+    f["gtest"]["TrainStepCuda.StepsWithoutHostSynchronisation"] = gtest_json(
+        "TrainStepCuda.StepsWithoutHostSynchronisation", result="SKIPPED")
+    return r"1 GPU test\(s\) skipped on a GPU: TrainStepCuda\.StepsWithoutHostSynchronisation"
+
+
+def case_test_failed(f):
+    f["gtest"]["PartialFCCuda.MatchesCpu"] = gtest_json("PartialFCCuda.MatchesCpu", failure="Expected equality")
+    set_item(f, "test_PartialFCCuda.MatchesCpu", "1")
+    return r"1 GPU test\(s\) failed: PartialFCCuda\.MatchesCpu"
+
+
+def case_test_timed_out(f):
+    del f["gtest"]["AppOptim.CudaMatchesCpu"]
+    set_item(f, "test_AppOptim.CudaMatchesCpu", "124")
+    return r"test_AppOptim\.CudaMatchesCpu exited 124 \(killed at its time limit\)"
+
+
+def case_required_cell_skipped(f):
+    set_item(f, GRAPH, "skipped")
+    del f["step"][GRAPH]
+    return re.escape(GRAPH) + r": not started, the budget was spent \(a required item\)"
+
+
+def case_graph_not_captured(f):
+    f["step"][GRAPH]["cuda_graph"] = {"asked": True, "captured": False,
+                                      "reason": "the capture failed: operation not permitted when stream is capturing",
+                                      "eager_calls": 0}
+    return re.escape(GRAPH) + r": CUDA graphs asked but not captured: the capture failed: operation not permitted"
+
+
+def case_graph_without_status(f):
+    del f["step"][GRAPH]["cuda_graph"]
+    return re.escape(GRAPH) + r": no CUDA graph status in its JSON"
+
+
+def case_graph_eager_calls(f):
+    f["step"][GRAPH]["cuda_graph"]["eager_calls"] = 3
+    return re.escape(GRAPH) + r": 3 backbone call\(s\) ran eagerly beside the graphs"
+
+
+def case_graph_losses_differ(f):
+    losses = step_losses()
+    losses[20] *= 1.10
+    f["step"][GRAPH]["losses"] = losses
+    return re.escape(GRAPH) + r": its loss at step 20 is [0-9.]+, the eager cell's [0-9.]+ \([0-9.]+% apart, more than 2%\)"
+
+
+def case_graph_without_losses(f):
+    f["step"][GRAPH]["losses"] = []
+    return re.escape(GRAPH) + r": no per-step losses in its JSON"
+
+
+def case_resume_without_line(f):
+    f["train_bf16_resume.log"] = "[rank 0] starting fresh\n"
+    return r"train bf16: the resumed run did not say 'resumed from \.\.\. at step N'"
+
+
+def case_resume_at_wrong_step(f):
+    f["train_bf16_resume.log"] = f["train_bf16_resume.log"].replace("step_00000037 at step 37", "step_00000031 at step 31")
+    return r"train bf16: resumed at step 31, expected the checkpoint of step 37"
+
+
+def case_resume_does_not_continue(f):
+    # The resumed run's losses from a fresh start (the weights not restored): they jump.
+    for r in f["train_bf16_metrics.jsonl"]:
+        if r["step"] > STOP:
+            r["loss"] = demo_loss(r["step"] - STOP)
+    return r"train bf16: the resumed run's loss at step \d+ is [0-9.]+, the uninterrupted run's [0-9.]+ .*" \
+           r"the resume does not continue the run"
+
+
+def case_resume_logged_nothing(f):
+    f["train_bf16_metrics.jsonl"] = [r for r in f["train_bf16_metrics.jsonl"] if r["step"] <= STOP]
+    return r"train bf16: the resumed run logged no loss after step 37"
+
+
+def case_resume_nothing_to_compare(f):
+    f["train_bf16_full_metrics.jsonl"] = [r for r in f["train_bf16_full_metrics.jsonl"] if r["step"] <= STOP]
+    return r"train bf16: no step that both the resumed and the uninterrupted run logged"
+
+
+def case_runs_part_before_resume(f):
+    for r in f["train_bf16_full_metrics.jsonl"]:
+        if r["step"] == 10:
+            r["loss"] *= 1.3
+    return r"train bf16: before the resume, two runs from the same start differ at step 10"
+
+
+def case_item_failed(f):
+    set_item(f, "train_bf16_resume", "1")
+    return r"train_bf16_resume exited 1"
+
+
+def case_two_ranks_not_ok(f):
+    set_item(f, "tworanks", "0", "required")
+    f["two_ranks.json"] = {"ok": False, "problems": ["rank 1: loss differs from one rank's"]}
+    return r"tworanks: not ok: rank 1: loss differs from one rank's"
+
+
+def case_two_ranks_without_json(f):
+    set_item(f, "tworanks", "0", "required")
+    return r"tworanks: no two_ranks\.json"
+
+
+CASES = {k[len("case_"):]: v for k, v in globals().items() if k.startswith("case_")}
+
+
+def run_case(source, name):
+    folder = holding_folder()
+    want = CASES[name](folder)
+    with tempfile.TemporaryDirectory() as d:
+        j = os.path.join(d, "json")
+        os.makedirs(j)
+        write(folder, j)
+        res = os.path.join(d, "results.json")
+        p = subprocess.run([sys.executable, os.path.join(source, "tools", "gpu_check_report.py"), j, res,
+                            "--device", "cuda"], capture_output=True, text=True)
+        try:
+            problems = json.load(open(res))["problems"]
+        except (OSError, ValueError):
+            print(p.stdout, p.stderr)
+            return f"no results.json (exit {p.returncode})"
+        if want is None:
+            if p.returncode != 0 or problems:
+                print(p.stdout, p.stderr)
+                return f"the report should hold: exit {p.returncode}, problems {problems}"
+            r = json.load(open(res))
+            # What the holding folder shows: every listed test passed; the resume compared
+            # the steps after 37 that both runs logged; the graph cell is one.
+            assert r["card"] == "NVIDIA H200", r["card"]
+            assert r["tests"]["passed"] == len(GPU_TESTS), r["tests"]
+            assert r["train"]["bf16"]["resume"]["compared_steps"] == list(range(STOP + 1, FULL + 1)), r["train"]
+            assert [q["variant"] for q in r["contributions"]] == ["graph", "unfused"][:len(r["contributions"])], \
+                r["contributions"]
+            assert r["two_ranks"] == {"ran": False, "why": "tools/gpu_two_ranks.sh is not in this build"}, r["two_ranks"]
+            return None
+        if p.returncode != 1:
+            print(p.stdout, p.stderr)
+            return f"the report should exit 1, exited {p.returncode}"
+        if not any(re.search(want, x) for x in problems):
+            print(p.stdout)
+            return f"no problem matching {want!r} among {problems}"
+        if name == "graph_not_captured":
+            r = json.load(open(res))
+            if any(q["variant"] == "graph" for q in r["contributions"]) or \
+                    any(t.get("variant") == "graph" for t in r["targets"]):
+                return f"an uncaptured graph cell counted as a graph cell: {r['contributions']} {r['targets']}"
+        print(f"{name}: exit 1, '{next(x for x in problems if re.search(want, x))}'")
+        return None
+
+
+def main():
+    source, which = sys.argv[1], sys.argv[2]
+    names = list(CASES) if which == "all" else [which]
+    failed = 0
+    for n in names:
+        if n not in CASES:
+            print(f"unknown case {n!r} (known: {', '.join(CASES)})")
+            return 2
+        err = run_case(source, n)
+        if err:
+            print(f"FAIL {n}: {err}")
+            failed += 1
+        else:
+            print(f"PASS {n}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
