@@ -102,12 +102,14 @@ __global__ void rows_kernel(const T* __restrict__ x, const T* __restrict__ dy, T
 }
 
 // out[c] = the sum of column c of partial [rows][cols]. A block takes `tile` (blockDim.x, a
-// power of two up to 32) neighbouring columns, read coalesced, with kThreads / tile row
-// lanes (blockDim.y); the lanes' sums are added in a fixed tree. Which thread adds what
+// power of two up to 8: one 32-byte sector of a row) neighbouring columns with
+// kReduceThreads / tile row lanes (blockDim.y), many lanes so that a thousand rows are a few
+// loads per thread; the lanes' sums are added in a fixed tree. Which thread adds what
 // depends on the shape alone: the same bits on every run.
+constexpr int kReduceThreads = 1024, kReduceTile = 8;
 __global__ void column_sums_kernel(const float* __restrict__ partial, float* __restrict__ out, int64_t rows,
                                    int64_t cols) {
-  __shared__ float lanes[kThreads];
+  __shared__ float lanes[kReduceThreads];
   const int tile = blockDim.x, lanes_n = blockDim.y;
   const int tid = threadIdx.y * tile + threadIdx.x;
   for (int64_t c0 = blockIdx.x * static_cast<int64_t>(tile); c0 < cols; c0 += static_cast<int64_t>(gridDim.x) * tile) {
@@ -134,10 +136,10 @@ unsigned grid_for(int64_t work, int64_t per_block) {
 
 cudaError_t column_sums(const float* partial, float* out, int64_t rows, int64_t cols, cudaStream_t s) {
   int tile = 1;
-  while (tile < cols && tile < 32) tile *= 2;
+  while (tile < cols && tile < kReduceTile) tile *= 2;
   const int64_t blocks = (cols + tile - 1) / tile;
-  column_sums_kernel<<<static_cast<unsigned>(blocks < 4096 ? blocks : 4096), dim3(tile, kThreads / tile), 0, s>>>(
-      partial, out, rows, cols);
+  column_sums_kernel<<<static_cast<unsigned>(blocks < 4096 ? blocks : 4096), dim3(tile, kReduceThreads / tile), 0,
+                       s>>>(partial, out, rows, cols);
   return cudaGetLastError();
 }
 
@@ -205,9 +207,8 @@ cudaError_t prelu_backward_rows_cuda(PReLUCudaType type, const void* x, const vo
     case PReLUCudaType::BFloat16: e = rows<__nv_bfloat16>(x, dy, dx, a, workspace, n, channels, s); break;
     case PReLUCudaType::Half: e = rows<__half>(x, dy, dx, a, workspace, n, channels, s); break;
   }
-  (void)e;
-  (void)column_sums(workspace, dw, rows_layout(n, channels).grid, channels, s);
-  return cudaSuccess;
+  if (e != cudaSuccess) return e;
+  return column_sums(workspace, dw, rows_layout(n, channels).grid, channels, s);
 }
 
 }  // namespace faceshard

@@ -3,8 +3,8 @@
 // about 1,400 a step), are captured once, at the first step, and replayed every step after.
 //
 // How: the first batch is copied into a static input; the forward is run a few times on the
-// job's training stream, where the capture runs too (warm-up: cuDNN's algorithm search, the allocator's first blocks), then
-// captured with autograd on, and the backward captured as the gradient of the static output
+// job's training stream, where the capture runs too (warm-up: cuDNN's algorithm search, the
+// allocator's first blocks), then captured with autograd on, and the backward captured as the gradient of the static output
 // (given a static output gradient) with respect to the trainable parameters, into static
 // gradients; both graphs share one memory pool, which holds the activations between them.
 // The warm-up's effects on the module are undone (BatchNorm's running statistics and counts
