@@ -334,7 +334,7 @@ int main(int argc, char** argv) {
     {
       std::string files;
       for (const auto& f : ck.files) files += (files.empty() ? "" : ", ") + f.name + " " + mib(f.bytes) + " MiB";
-      std::printf("checkpoint: %s MiB each (%s); %lld kept: up to %lld on disk during a save, with model.pt %s GiB\n",
+      std::printf("checkpoint: %s MiB each (%s); %lld kept, %lld during a save: %s GiB on disk with model.pt\n",
                   mib(ck.bytes).c_str(), files.c_str(), static_cast<long long>(keep), static_cast<long long>(keep + 1),
                   faceshard::detail::concat(std::round(ck.disk_bytes() / 1073741824.0 * 100) / 100).c_str());
     }

@@ -210,7 +210,7 @@ CheckpointPlan plan_checkpoint(const JobPlanInputs& job, const ActivationTable& 
     opt = 8 * P;
     how = num(P) + " parameters x 8 B (AdamW's two fp32 moments)";
   } else if (job.momentum != 0) {
-    opt = 0;
+    opt = 4 * P;
     how = num(P) + " parameters x 4 B (SGD momentum)";
   } else {
     how = "no optimiser state (SGD without momentum)";
