@@ -117,9 +117,13 @@ TEST(PartialFCCuda, MatchesCpu) {
   auto dist = Distributed::init(DistEnv{});
   const int64_t C = 1003, D = 64, B = 24;
   const torch::Device cuda(torch::kCUDA, 0);
-  // Full fp32 GEMMs (no TF32) for the comparison with float64; restored at the end.
-  const bool tf32 = at::globalContext().allowTF32CuBLAS();
-  at::globalContext().setAllowTF32CuBLAS(false);
+  // Full fp32 GEMMs (no TF32: a train job may have left it on) for the comparison with
+  // float64; restored however the test ends.
+  struct NoTf32 {
+    bool was = at::globalContext().allowTF32CuBLAS();
+    NoTf32() { at::globalContext().setAllowTF32CuBLAS(false); }
+    ~NoTf32() { at::globalContext().setAllowTF32CuBLAS(was); }
+  } no_tf32;
   int referenced = 0;
   for (const HeadInfo& info : head_catalogue()) {
     const std::string head = info.name;
@@ -197,7 +201,6 @@ TEST(PartialFCCuda, MatchesCpu) {
       }
     }
   }
-  at::globalContext().setAllowTF32CuBLAS(tf32);
   EXPECT_EQ(referenced, static_cast<int>(head_catalogue().size()));
 }
 

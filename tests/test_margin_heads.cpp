@@ -253,19 +253,18 @@ TEST(ElasticFaceDraws, NormalWithTheGivenMeanAndSpread) {
 // --- what would make a GPU step wait for, or copy from, the host ---------------------------
 
 // On the CPU nothing waits, but the operators that would are seen: every operator call passes
-// LibTorch's RecordFunction hooks, which name it and its arguments. Flagged: a tensor read on
-// the host (item()) and a conversion that names a device (.to(device), .cpu(),
+// LibTorch's RecordFunction hooks, which name it and its overload. Flagged: a tensor read on
+// the host (item()) and a conversion that can name a device (.to(device), .to(other), .cpu(),
 // torch::tensor(values, options): a tensor made on one side and moved to the other, on a GPU a
-// pageable copy that waits) where the code under test calls them, not inside another operator
-// (the CPU's std() reads its mean on the host, CUDA's does not); and, at any depth, operators
-// whose output size depends on the values (nonzero, masked_select, unique: on a GPU the host
-// waits for the size).
+// pageable copy that waits; .to(dtype) is none) where the code under test calls them, not
+// inside another operator (the CPU's std() reads its mean on the host, CUDA's does not); and,
+// at any depth, operators whose output size depends on the values (nonzero, masked_select,
+// unique: on a GPU the host waits for the size).
 class HostTransferWatch {
  public:
   HostTransferWatch() {
     clear();
-    handle_ = at::addGlobalCallback(
-        at::RecordFunctionCallback(&on_start, &on_end).needsInputs(true).scopes({at::RecordScope::FUNCTION}));
+    handle_ = at::addGlobalCallback(at::RecordFunctionCallback(&on_start, &on_end).scopes({at::RecordScope::FUNCTION}));
   }
   ~HostTransferWatch() { at::removeCallback(handle_); }
   HostTransferWatch(const HostTransferWatch&) = delete;
@@ -293,9 +292,12 @@ class HostTransferWatch {
     std::lock_guard<std::mutex> lock(mutex());
     flagged().clear();
   }
-  // Tensor::backward is itself an operator: what the backward functions call counts as called
-  // by the code under test.
-  static bool transparent(const at::RecordFunction& fn) { return std::string(fn.name()) == "aten::_backward"; }
+  // Tensor::backward and the autograd engine's run of each backward function are ranges of
+  // their own: what a backward function calls counts as called by the code under test.
+  static bool transparent(const at::RecordFunction& fn) {
+    const std::string name = fn.name();
+    return name == "aten::_backward" || name.rfind("autograd::engine::", 0) == 0;
+  }
   static std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction& fn) {
     if (transparent(fn)) return nullptr;
     const bool called_by_us = depth()++ == 0;
@@ -307,9 +309,11 @@ class HostTransferWatch {
       why = "an output that depends on the values";
     if (called_by_us && (name == "aten::item" || name == "aten::_local_scalar_dense"))
       why = "a host read of a tensor (item)";
-    if (called_by_us && (name == "aten::to" || name == "aten::_to_copy"))
-      for (const c10::IValue& v : fn.inputs())
-        if (v.isDevice()) why = "a conversion to " + v.toDevice().str();
+    // aten::to's overloads that can name a device (to.dtype names a dtype alone).
+    if (called_by_us && name == "aten::to") {
+      const std::string overload = fn.overload_name();
+      if (overload != "dtype") why = "a conversion that can name a device (to." + overload + ")";
+    }
     if (!why.empty()) {
       std::lock_guard<std::mutex> lock(mutex());
       flagged().push_back(name + ": " + why);

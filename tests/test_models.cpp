@@ -986,12 +986,16 @@ void check_each_tensor_against_fp32(const std::string& name, const torch::Device
 // On a GPU: TF32 off (for the reference as for the cases), so that fp32 channels-last differs
 // from fp32 NCHW by cuDNN's choice of algorithm and summation order alone; the reduced
 // precisions against real fp32. Every sample's output and every parameter's gradient on its own.
+// The same comparison on the CPU (batch 16) measured: fp32 channels-last, samples within 1e-5,
+// the worst parameter 0.03 with a floor of 1e-3 (a BatchNorm bias whose gradient is rounding
+// alone: 3.2 with no floor); bf16, samples within 0.03, the worst parameter 0.40 (r50) and 0.37
+// (mbf) with a floor of 0.05. A wrong gradient is 1 or more away.
 TEST(BackboneForward, CudaReducedPrecision) {
   if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
   NoTf32Scope no_tf32;
   for (const std::string name : {"r50", "mbf"})
     check_each_tensor_against_fp32(name, torch::Device(torch::kCUDA, 0),
-                                   {{BodyPrecision::Float32, true, 0.0, 1e-3, 1e-2, 1e-3},
+                                   {{BodyPrecision::Float32, true, 0.0, 1e-3, 5e-2, 1e-2},
                                     {BodyPrecision::BFloat16, true, 1e-4, 0.15, 0.6, 0.05},
                                     {BodyPrecision::BFloat16, false, 1e-4, 0.15, 0.6, 0.05},
                                     {BodyPrecision::Float16, true, 1e-5, 0.05, 0.3, 0.05}},

@@ -84,7 +84,7 @@ void pack_codes(const at::Tensor& codes, at::Tensor dst) {
 at::Tensor unpack_codes(const at::Tensor& packed, int64_t n) {
   // The shifts made where the codes are (a host-made tensor would be a copy, and on a GPU a
   // wait, in every chunk of every backward).
-  const at::Tensor shifts = torch::tensor({0, 2, 4, 6}, packed.options());
+  const at::Tensor shifts = at::arange(0, 8, 2, packed.options());
   return at::bitwise_and(at::bitwise_right_shift(packed.unsqueeze(2), shifts), 3)
       .reshape({packed.size(0), packed.size(1) * 4})
       .narrow(1, 0, n);
