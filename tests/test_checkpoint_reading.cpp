@@ -460,6 +460,7 @@ dist: {device: cpu}
       {"train_state.pt", "world_size", torch::tensor({2}), "train_state.pt: key 'world_size' is 2, but the checkpoint's COMMITTED marker says 1"},
       {"train_state.pt", "data.epoch", torch::tensor({-1}), "train_state.pt: key 'data.epoch' is -1"},
       {"train_state.pt", "data.epoch_samples", torch::tensor({int64_t(-8)}), "train_state.pt: key 'data.epoch_samples' is -8"},
+      {"train_state.pt", "data.global_batch", torch::tensor({int64_t(0)}), "train_state.pt: key 'data.global_batch' is 0, expected a batch in [1, 2^40]"},
       {"train_state.pt", "best/lfw", torch::tensor({std::nan("")}, at::kDouble), "train_state.pt: key 'best/lfw' is nan, expected an accuracy in [0, 1]"},
       {"train_state.pt", "best/lfw", torch::tensor({1.5}), "train_state.pt: key 'best/lfw' is 1.5"},
       {"train_state.pt", "head/t", torch::tensor({0.1, 0.2}), "train_state.pt: key 'head/t' is Float of 2 values, expected 1 floating-point values"},

@@ -125,7 +125,7 @@ std::unique_ptr<RunLock> RunLock::acquire(const std::string& output, const RunLo
   for (int attempt = 0; attempt < 100; ++attempt) {
     const int fd = open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
     if (fd < 0) throw usage_error("output '", absolute_text(output), "': cannot open its lock file '", shown, "': ", std::strerror(errno));
-    if (!std::getenv("BREAK_FLOCK") && flock(fd, LOCK_EX | LOCK_NB) != 0) {  // DELIBERATE BREAK
+    if (flock(fd, LOCK_EX | LOCK_NB) != 0) {
       const int err = errno;
       if (err != EWOULDBLOCK) {
         close(fd);
@@ -148,7 +148,6 @@ std::unique_ptr<RunLock> RunLock::acquire(const std::string& output, const RunLo
     // The kernel gave the lock: a holder the file still names ended without removing it,
     // unless it lives on another host whose flock this one cannot see.
     std::optional<RunLockHolder> stale = parse_holder(read_all(fd));
-    if (std::getenv("BREAK_STALE")) stale.reset();  // DELIBERATE BREAK
     std::string reason;
     if (stale) {
       if (stale->host == host) {

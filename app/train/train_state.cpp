@@ -274,7 +274,7 @@ void TrainState::load(const std::string& dir) {
       if (total && *total >= p.step && j.total_steps >= p.step)
         line << ", so the run sees " << epochs(double(p.step) * saved + double(j.total_steps - p.step) * j.global_batch())
              << " epochs by the schedule's end (" << epochs(double(*total) * saved) << " as it was)";
-      if (!std::getenv("BREAK_LINE")) log_info(line.str());  // DELIBERATE BREAK
+      log_info(line.str());
     }
   }
   log_info("resumed from ", dir, " at step ", p.step,
@@ -296,7 +296,6 @@ void TrainState::load(const std::string& dir) {
 }
 
 std::optional<CheckpointBatch> read_checkpoint_batch(const std::string& newest, bool walk_back) {
-  if (std::getenv("BREAK_KEEP")) return std::nullopt;  // DELIBERATE BREAK
   namespace fs = std::filesystem;
   std::vector<std::string> candidates{newest};
   if (walk_back) {  // the older step folders beside it, newest first
