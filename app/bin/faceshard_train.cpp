@@ -16,7 +16,9 @@ static const char* kUsage =
     "--resume DIR continues from a run folder's newest checkpoint, or from that checkpoint. Either works with a\n"
     "different number of ranks.\n"
     "A fresh run into an output folder that holds a run is refused; --overwrite moves that run's files into\n"
-    "<output>/replaced-<time>/ (nothing is deleted) and starts afresh.\n"
+    "<output>/replaced-<time>/ (nothing is deleted) and starts afresh. While a run trains it holds\n"
+    "<output>/.faceshard-train.lock: a second run into the folder, --resume and --overwrite included, is refused\n"
+    "naming the holder's host and pid; a lock left by a killed run is named and taken over.\n"
     "Writes <output>/config.yaml, training.log, metrics.jsonl, checkpoints/, tensorboard/ and model.pt.\n"
     "SIGTERM/SIGINT (Ctrl-C): finish the step, checkpoint, exit 0 (75 under torchrun on a rank whose own agent\n"
     "did not ask: its agent restarts it into the next round); continue with --resume.\n";
