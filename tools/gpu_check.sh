@@ -184,7 +184,8 @@ else
   cap_classes="1000000,2000000"; cap_gathered="500000,1000000"; cap_gathered_batch=8192; cap_200k=200000
   cap_args=(--steps 3 --windows 2 --warmup 1); cap_step=(--classes 1000000 --steps 10 --windows 2 --warmup 3)
   cap_net=r50; cap_batch=128
-  tests_filter="*Cuda*"; test_limit=120
+  # The multi-rank *GlooCuda* tests run in the tworanks section (tools/gpu_two_ranks.sh).
+  tests_filter="*Cuda*:-*GlooCuda*"; test_limit=120
   # A step cell takes 10-30 s on an H100/H200: two minutes means it hangs.
   item_limit=120
 fi

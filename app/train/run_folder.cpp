@@ -10,13 +10,13 @@
 namespace faceshard {
 namespace fs = std::filesystem;
 
-namespace {
-
 std::string absolute_text(const std::string& p) {
   std::error_code ec;
   const fs::path a = fs::absolute(p, ec);
   return ec ? p : a.lexically_normal().string();
 }
+
+namespace {
 
 bool non_empty_dir(const fs::path& p) {
   std::error_code ec;

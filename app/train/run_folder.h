@@ -13,6 +13,9 @@ namespace faceshard {
 // The entries a training run writes into its output folder.
 const std::vector<std::string>& run_file_names();
 
+// `p` as an absolute, normalised path for messages (as given where that fails).
+std::string absolute_text(const std::string& p);
+
 // Which of them `dir` holds now (empty when none, or when `dir` does not exist). An empty
 // checkpoints/ or tensorboard/ folder holds nothing of a run.
 std::vector<std::string> run_files_in(const std::string& dir);

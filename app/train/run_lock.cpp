@@ -12,18 +12,13 @@
 #include <filesystem>
 #include <sstream>
 
+#include "app/train/run_folder.h"
 #include "partial_fc/runtime/error.h"
 
 namespace faceshard {
 namespace fs = std::filesystem;
 
 namespace {
-
-std::string absolute_text(const std::string& p) {
-  std::error_code ec;
-  const fs::path a = fs::absolute(p, ec);
-  return ec ? p : a.lexically_normal().string();
-}
 
 std::string this_host() {
   char name[256] = {};

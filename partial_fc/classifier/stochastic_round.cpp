@@ -1,5 +1,7 @@
 #include "partial_fc/classifier/stochastic_round.h"
 
+#include "partial_fc/classifier/tensor_hash.h"
+
 #ifdef FACESHARD_WITH_CUDA
 #include <c10/cuda/CUDAStream.h>
 
@@ -10,23 +12,8 @@
 namespace faceshard {
 namespace {
 
-// Tensors of int64 holding uint32 values: the hash's arithmetic modulo 2^32 without a
-// signed overflow (a 32 x 32-bit product does not fit an int64, so the constant is taken in
-// two 16-bit halves).
-constexpr int64_t kMask32 = 0xffffffffLL;
-
-at::Tensor mul32(const at::Tensor& x, uint32_t c) {
-  const int64_t lo = c & 0xffffU, hi = c >> 16;
-  return (x * lo + at::bitwise_left_shift(at::bitwise_and(x * hi, 0xffff), 16)).bitwise_and_(kMask32);
-}
-
-at::Tensor xorshift(const at::Tensor& x, int64_t s) { return at::bitwise_xor(x, at::bitwise_right_shift(x, s)); }
-
-at::Tensor mix32(const at::Tensor& x) {
-  at::Tensor y = mul32(xorshift(x, 16), 0x7feb352dU);
-  y = mul32(xorshift(y, 15), 0x846ca68bU);
-  return xorshift(y, 16);
-}
+using tensor_hash::kMask32;
+using tensor_hash::mix32;
 
 at::Tensor mix_in(const at::Tensor& k, const at::Tensor& v) { return mix32(at::bitwise_xor(k, v)); }
 

@@ -4,28 +4,13 @@
 #include <memory>
 
 #include "partial_fc/classifier/sr_hash.h"
+#include "partial_fc/classifier/tensor_hash.h"
 #include "partial_fc/runtime/error.h"
 
 namespace faceshard {
 namespace {
 
-// sr_hash.h's mix32 in int64 tensor operations on uint32 values (the stochastic rounding's
-// tensor hash does the same): a 32 x 32-bit product does not fit an int64, so each constant
-// multiplies in two 16-bit halves, and every result is cut to 32 bits.
-constexpr int64_t kMask32 = 0xffffffffLL;
-
-at::Tensor mul32(const at::Tensor& x, uint32_t c) {
-  const int64_t lo = c & 0xffffU, hi = c >> 16;
-  return (x * lo + at::bitwise_left_shift(at::bitwise_and(x * hi, 0xffff), 16)).bitwise_and_(kMask32);
-}
-
-at::Tensor xorshift(const at::Tensor& x, int64_t s) { return at::bitwise_xor(x, at::bitwise_right_shift(x, s)); }
-
-at::Tensor mix32(const at::Tensor& x) {
-  at::Tensor y = mul32(xorshift(x, 16), 0x7feb352dU);
-  y = mul32(xorshift(y, 15), 0x846ca68bU);
-  return xorshift(y, 16);
-}
+using tensor_hash::mix32;
 
 // Keeps ElasticFace's stream apart from the stochastic rounding's, which hashes the same seed.
 constexpr uint32_t kDomain = 0x45fa3e11U;
