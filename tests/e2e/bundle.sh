@@ -67,6 +67,13 @@ missing=$(ldd "$home/bin/faceshard_tests" | grep "not found" || true)
 FACESHARD_TEST_PYTHON="$py" "$home/bin/faceshard_tests" --gtest_filter='PartialFCInit.*:LossScaler.*' > "$work/tests.log" 2>&1 \
   || { cat "$work/tests.log"; fail "the test binary from the bundle"; }
 grep -E "PASSED|tests ran" "$work/tests.log"
+# The filter must have matched tests, and every one it lists must have passed (a filter that
+# matches nothing passes with zero tests).
+listed=$(FACESHARD_TEST_PYTHON="$py" "$home/bin/faceshard_tests" --gtest_list_tests --gtest_filter='PartialFCInit.*:LossScaler.*' |
+         grep -c '^  ' || true)
+[ "$listed" -gt 0 ] || fail "the bundle's test binary lists no PartialFCInit.* or LossScaler.* test"
+grep -qE "^\[  PASSED  \] $listed tests?\.$" "$work/tests.log" ||
+  { cat "$work/tests.log"; fail "the test binary from the bundle did not pass all $listed tests its filter lists"; }
 "$home/tools/gpu_check.sh" "$work/check" --device cpu --sections env,tests,train,step,classifier,loader --budget-s 0 > "$work/check.log" 2>&1 || { cat "$work/check.log"; fail "gpu_check.sh --device cpu"; }
 cat "$work/check.log" | tail -25
 for f in results.json summary.txt logs.tar.gz; do [ -s "$work/check/$f" ] || fail "gpu_check wrote no $f"; done
