@@ -181,7 +181,13 @@ import cv2, numpy as np, onnxruntime as ort
 work = sys.argv[1]
 v = json.load(open(os.path.join(work, "verify.json")))["sets"][0]
 acc = v["accuracy"]
-assert 0 <= acc <= 1, acc
+# The trainer verified the same model on the same set at its last step: faceshard-verify must
+# report what the training logged there.
+rows = [json.loads(l) for l in open(os.path.join(work, "run2", "metrics.jsonl")) if l.strip()]
+last = max(r["step"] for r in rows)
+logged = [r["val/mine/accuracy"] for r in rows if "val/mine/accuracy" in r and r["step"] == last]
+assert logged, ("no verification logged at the last step", last)
+assert abs(acc - logged[-1]) < 1e-9, ("faceshard-verify", acc, "the trainer at step", last, logged[-1])
 # The threshold names its unit, and the collapse warning follows the different-identity
 # pairs' mean cosine (printed exactly when it is above 0.9).
 assert v["best_threshold_unit"] == "squared_l2_distance", v
