@@ -9,14 +9,17 @@
 #include "partial_fc/runtime/error.h"
 
 namespace faceshard {
-namespace {
 
-std::string num(double v) {
+std::string plan_number(double v) {
   std::ostringstream os;
   os.precision(12);
   os << v;
   return os.str();
 }
+namespace {
+
+std::string num(double v) { return plan_number(v); }
+
 
 }  // namespace
 

@@ -67,6 +67,9 @@ JobMemoryPlan plan_job_memory(const JobPlanInputs& in, const ActivationTable& ta
 
 // The largest class count (>= world_size) whose plan needs at most `budget_bytes`, or 0
 // when even world_size classes do not fit. Bisection on the class count (at most 2^40).
+// A plan figure as its parts and messages print it (12 significant digits).
+std::string plan_number(double v);
+
 int64_t max_classes_that_fit(JobPlanInputs in, const ActivationTable& table, double budget_bytes);
 
 // The largest batch per rank (per micro-batch, >= 2) whose plan needs at most

@@ -22,12 +22,7 @@ namespace fs = std::filesystem;
 
 namespace {
 
-std::string num(double v) {
-  std::ostringstream os;
-  os.precision(12);
-  os << v;
-  return os.str();
-}
+std::string num(double v) { return plan_number(v); }
 
 template <typename T>
 T get(const YAML::Node& n, const char* key, const std::string& where) {
