@@ -287,7 +287,13 @@ TEST(Config, ClassifierMemoryPlanAndItsLimit) {
   po.gemm_dtype = at::kFloat;
   p = classifier_memory_plan(po, 4, 3, cfg.data.batch_size);
   EXPECT_DOUBLE_EQ(p.gradient_bytes, 0.0);  // no whole-shard gradient any more
-  EXPECT_DOUBLE_EQ(p.total_bytes(), 2 * 250000.0 * 32 * 4 + 32 * 250000.0 * 4);
+  // The chunk temporaries (a GPU's budget: 1 GiB): the whole step fits one chunk, whose
+  // logits passes take the most, 250000 columns x (6 x 32 + 12 x 32) B.
+  EXPECT_DOUBLE_EQ(p.chunk_bytes, 250000.0 * (6 * 32 + 12 * 32));
+  EXPECT_DOUBLE_EQ(p.total_bytes(), 2 * 250000.0 * 32 * 4 + 32 * 250000.0 * 4 + 250000.0 * (6 * 32 + 12 * 32));
+  // On the CPU a cache-sized chunk: 2 MiB of fp32 rows (16384 at d = 32), the logits' the larger.
+  p = classifier_memory_plan(po, 4, 3, cfg.data.batch_size, /*cuda=*/false);
+  EXPECT_DOUBLE_EQ(p.chunk_bytes, 16384.0 * (6 * 32 + 12 * 32));
   // Fewer classes than ranks: PartialFC's own option error.
   po.num_classes = 3;
   EXPECT_NE(testing::error_of([&] { classifier_memory_plan(po, 4, 0, 8); }).find("at least the number of ranks"),

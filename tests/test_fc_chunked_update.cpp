@@ -296,7 +296,10 @@ TEST(PartialFCChunkedUpdate, MemoryPlanAndConfigKey) {
   ClassifierMemoryPlan p = classifier_memory_plan(po, 1, 0, 128);
   EXPECT_DOUBLE_EQ(p.state_bytes, 1000.0 * 512 * 4);
   EXPECT_DOUBLE_EQ(p.gradient_bytes, 0.0);
-  EXPECT_DOUBLE_EQ(p.total_bytes(), 1000.0 * (512 * 4 * 2 + 128 * 4));
+  // Chunk temporaries: 1000 rows fit one chunk of a GPU's budget; the logits passes' columns
+  // (6 x 512 + 12 x 128 B each) take more than the update's raw rows (4 x 512 B each).
+  EXPECT_DOUBLE_EQ(p.chunk_bytes, 1000.0 * (6 * 512 + 12 * 128));
+  EXPECT_DOUBLE_EQ(p.total_bytes(), 1000.0 * (512 * 4 * 2 + 128 * 4) + p.chunk_bytes);
   po.optimizer.state_dtype = at::kBFloat16;
   p = classifier_memory_plan(po, 1, 0, 128);
   EXPECT_DOUBLE_EQ(p.state_bytes, 1000.0 * 512 * 2);

@@ -112,11 +112,13 @@ struct MarginSoftmaxFn : public torch::autograd::Function<MarginSoftmaxFn> {
       for (int64_t j = 0; j < S; j += o.chunk_classes) {
         const int64_t n = std::min(o.chunk_classes, S - j);
         const at::Tensor wc = columns(w, o.rows, j, n);
-        inv_norm.narrow(0, j, n).copy_(wc.norm(2, {1}).clamp_min(1e-12).reciprocal());
+        at::Tensor norms_dst = inv_norm.narrow(0, j, n);
+        at::linalg_vector_norm_out(norms_dst, wc, 2, {1});
         at::Tensor dst = buf.narrow(1, j, n);
         if (o.gemm_dtype == at::kFloat) at::mm_out(dst, e, wc.t());
         else dst.copy_(mm_low(e_low, wc.to(o.gemm_dtype).t()));
       }
+      inv_norm.clamp_min_(1e-12).reciprocal_();  // once for all chunks
     }
     // One pass makes the scaled cosines s * cos: from here on the buffer holds logits, and
     // what is said of cosines is said at that scale.
@@ -126,9 +128,25 @@ struct MarginSoftmaxFn : public torch::autograd::Function<MarginSoftmaxFn> {
     // scatter with the column clamped to 0 for the others, whose values are written back.
     const at::Tensor valid = target >= 0;
     const at::Tensor col = target.clamp_min(0).unsqueeze(1);
-    const at::Tensor tc = S > 0 ? buf.gather(1, col).squeeze(1).div(s).clamp(-1, 1) : torch::zeros({N}, buf.options());
+    const at::Tensor plain_t = S > 0 ? buf.gather(1, col).squeeze(1) : torch::zeros({N}, buf.options());
+    const at::Tensor tc = plain_t.div(s).clamp(-1, 1);
     at::Tensor maxes = at::empty({2 * N}, buf.options());
-    row_max_into(buf, maxes.narrow(0, N, N));  // s * the best plain cosine: the accuracy
+    // A head that changes only the target logit needs one pass for both row maxima: the best
+    // of the other columns (the targets hidden), then the best plain logit (the accuracy's)
+    // and the final row maximum are each that or the row's own target value. A head that
+    // filters or changes negatives takes the maximum again after its changes.
+    const bool target_only = head.interclass_filter() <= 0 && !head.modifies_negatives() && S > 0;
+    at::Tensor other_max;
+    const at::Tensor no_target = torch::full_like(plain_t, -INFINITY);
+    if (target_only) {
+      buf.scatter_(1, col, torch::where(valid, no_target, plain_t).unsqueeze(1));
+      other_max = at::empty({N}, buf.options());
+      row_max_into(buf, other_max);
+      at::Tensor best_dst = maxes.narrow(0, N, N);
+      at::maximum_out(best_dst, other_max, torch::where(valid, plain_t, no_target));
+    } else {
+      row_max_into(buf, maxes.narrow(0, N, N));  // s * the best plain cosine: the accuracy
+    }
 
     // The head's view of the whole batch: the same on every rank.
     HeadInputs in;
@@ -165,8 +183,14 @@ struct MarginSoftmaxFn : public torch::autograd::Function<MarginSoftmaxFn> {
       }
     }
     const at::Tensor t = head.target(tc, rows) * s;
-    if (S > 0) buf.scatter_(1, col, torch::where(valid, t, buf.gather(1, col).squeeze(1)).unsqueeze(1));
-    row_max_into(buf, maxes.narrow(0, 0, N));
+    if (S > 0)
+      buf.scatter_(1, col, torch::where(valid, t, target_only ? plain_t : buf.gather(1, col).squeeze(1)).unsqueeze(1));
+    if (target_only) {
+      at::Tensor dst = maxes.narrow(0, 0, N);
+      at::maximum_out(dst, other_max, torch::where(valid, t, no_target));
+    } else {
+      row_max_into(buf, maxes.narrow(0, 0, N));
+    }
     dist.all_reduce(maxes, ReduceOp::Max);
     const at::Tensor row_max = maxes.narrow(0, 0, N), best = maxes.narrow(0, N, N);
 

@@ -36,23 +36,18 @@ at::Generator sampling_generator(const torch::Device& dev, uint64_t seed) {
   return at::make_generator<at::CPUGeneratorImpl>(seed);
 }
 
-// Rows per chunk of the chunked passes (PartialFCOptions::update_chunk_rows; margin_softmax
-// takes it rounded down to a multiple of 4).
-int64_t chunk_rows(const PartialFCOptions& o, const torch::Device& dev) {
-  if (o.update_chunk_rows > 0) return o.update_chunk_rows;
-  if (dev.is_cuda()) return 8192;
-  return std::max<int64_t>(64, ((int64_t(1) << 21) / (4 * o.embedding_size)) / 4 * 4);
-}
-
-// Columns per chunk of the margin softmax's passes over the logits of `global_rows` rows:
-// the update's chunk on the CPU (and wherever update_chunk_rows is set); on a GPU at least
-// 2^24 logits (64 MiB of fp32), so that a pass is a few large kernels instead of dozens of
-// launches per 8192 columns. A constant, however many classes there are.
-int64_t logits_chunk(const PartialFCOptions& o, const torch::Device& dev, int64_t global_rows) {
-  int64_t c = chunk_rows(o, dev);
-  if (dev.is_cuda() && o.update_chunk_rows == 0)
-    c = std::max(c, (int64_t(1) << 24) / std::max<int64_t>(1, global_rows));
-  return std::max<int64_t>(4, c / 4 * 4);
+// The chunks of the chunked passes for a forward over `global_rows` logits rows
+// (chunk_policy.h).
+ChunkSizes chunks_for(const PartialFCOptions& o, const torch::Device& dev, int64_t global_rows) {
+  ChunkInputs in;
+  in.cuda = dev.is_cuda();
+  in.policy = o.chunking;
+  in.fixed_rows = o.update_chunk_rows;
+  in.budget_bytes = o.chunk_budget_bytes;
+  in.embedding_size = o.embedding_size;
+  in.global_rows = global_rows;
+  in.fused_update = o.optimizer.kind == "sgd" && o.optimizer.fused_cpu_rows;
+  return chunk_sizes(in);
 }
 
 const PartialFCOptions& checked(const PartialFCOptions& o) {
@@ -61,6 +56,8 @@ const PartialFCOptions& checked(const PartialFCOptions& o) {
   if (o.embedding_size < 1) throw option_error("embedding_size", "must be positive, got ", o.embedding_size);
   if (o.update_chunk_rows < 0)
     throw option_error("update_chunk_rows", "must be positive (or 0: chosen for the device), got ", o.update_chunk_rows);
+  if (o.chunk_budget_bytes < 0)
+    throw option_error("fc_chunk_budget", "must be positive (or 0: 2 GiB), got ", o.chunk_budget_bytes);
   if (o.optimizer.state_dtype != at::kFloat && o.optimizer.state_dtype != at::kBFloat16)
     throw option_error("fc_state_dtype", "the classifier's optimiser state must be fp32 or bf16, got ",
                        o.optimizer.state_dtype);
@@ -72,7 +69,7 @@ const PartialFCOptions& checked(const PartialFCOptions& o) {
 }  // namespace
 
 ClassifierMemoryPlan classifier_memory_plan(const PartialFCOptions& o, int world_size, int rank,
-                                            int64_t batch_per_rank) {
+                                            int64_t batch_per_rank, bool cuda) {
   const ClassShard shard = ClassShard::of(checked(o).num_classes, world_size, rank);
   ClassifierMemoryPlan p;
   p.rows = shard.count;
@@ -94,6 +91,19 @@ ClassifierMemoryPlan classifier_memory_plan(const PartialFCOptions& o, int world
   const double k = static_cast<double>(std::max<int64_t>(1, o.grad_accumulation));
   if (k > 1) p.gradient_bytes += sampling ? 2 * k * s * row + std::min(k * s, n) * row : n * row;
   p.logits_bytes = o.streamed_logits ? s * 4.0 : static_cast<double>(p.global_batch) * s * 4.0;
+  ChunkInputs ci;
+  ci.cuda = cuda;
+  ci.policy = o.chunking;
+  ci.fixed_rows = o.update_chunk_rows;
+  ci.budget_bytes = o.chunk_budget_bytes;
+  ci.embedding_size = o.embedding_size;
+  ci.global_rows = p.global_batch;
+  ci.fused_update = o.optimizer.kind == "sgd";
+  const ChunkSizes cs = chunk_sizes(ci);
+  // A shard smaller than a chunk brings its own rows' temporaries only.
+  const double rows_at_once = std::max(1.0, s);
+  p.chunk_bytes = std::max(std::min<double>(cs.update_rows, rows_at_once) * update_row_bytes(o.embedding_size, ci.fused_update),
+                           std::min<double>(cs.logits_columns, rows_at_once) * column_bytes(o.embedding_size, p.global_batch));
   return p;
 }
 
@@ -129,6 +139,7 @@ PartialFC::PartialFC(Distributed& dist, const PartialFCOptions& opts, torch::Dev
       optimizer_(weight_, opts.optimizer, opts.initialise_rows),
       head_(make_margin_head(opts.head, opts.margin)),
       rows_ready_(opts.initialise_rows) {
+  chunks_ = chunks_for(opts_, device, 1);
   if (opts.weight_dtype != at::kFloat) lost_ = torch::zeros({2}, torch::TensorOptions(device).dtype(at::kLong));
   if (!opts.initialise_rows) return;
   // Drawn in blocks of classes straight into the storage: no fp32 copy of a bf16 shard, and
@@ -155,6 +166,7 @@ PartialFCOutput PartialFC::forward(const at::Tensor& local_emb, const at::Tensor
   std::vector<int64_t> counts;
   at::Tensor labels = dist_.all_gather(local_labels.reshape({-1}).to(torch::kCPU, torch::kLong).contiguous(), &counts);
   TORCH_CHECK(labels.size(0) == emb.size(0), "PartialFC: ", emb.size(0), " embeddings but ", labels.size(0), " labels");
+  chunks_ = chunk_sizes_for(emb.size(0));
 
   // Every rank sees every label: all of them reject a bad one in the same step.
   at::Tensor bad = ((labels < 0) | (labels >= opts_.num_classes)).nonzero();
@@ -201,10 +213,10 @@ PartialFCOutput PartialFC::forward(const at::Tensor& local_emb, const at::Tensor
   mo.gemm_dtype = opts_.gemm_dtype;
   // The sampled rows are read from the weight in chunks, and the weight's gradient stays
   // deferred: backward fills grad_ and step() updates chunk by chunk.
-  // The streamed pass and bf16 centres read every column a chunk at a time as well.
-  if (dev.is_cuda() || samples() || opts_.streamed_logits || weight_.scalar_type() != at::kFloat)
-    mo.chunk_classes = logits_chunk(opts_, dev, emb.size(0));
-  logits_chunk_ = mo.chunk_classes;
+  // The streamed pass and bf16 centres read every column a chunk at a time as well, and
+  // reduced-precision GEMMs convert their operands a chunk at a time: every chunked pass
+  // takes the policy's chunk (chunk_policy.h).
+  mo.chunk_classes = chunks_.logits_columns;
   if (samples()) mo.rows = index_;
   grad_ = std::make_shared<DeferredWeightGrad>();
   mo.deferred = grad_;
@@ -234,9 +246,13 @@ PartialFCOutput PartialFC::forward(const at::Tensor& local_emb, const at::Tensor
   return out;
 }
 
+ChunkSizes PartialFC::chunk_sizes_for(int64_t global_rows) const {
+  return chunks_for(opts_, weight_.device(), global_rows);
+}
+
 at::Tensor PartialFC::materialise() const {
   torch::NoGradGuard ng;
-  const int64_t rows = samples() ? index_.size(0) : shard_.count, step = chunk_rows(opts_, weight_.device());
+  const int64_t rows = samples() ? index_.size(0) : shard_.count, step = chunks_.update_rows;
   at::Tensor out = at::empty({rows, opts_.embedding_size}, weight_.options().dtype(at::kFloat).requires_grad(false));
   for (int64_t j = 0; j < rows; j += step) {
     const int64_t n = std::min(step, rows - j);
@@ -270,7 +286,7 @@ void PartialFC::accumulate() {
     pending_index_.push_back(at::Tensor());
     pending_grad_.push_back(materialise());
   } else {
-    const int64_t step = chunk_rows(opts_, weight_.device());
+    const int64_t step = chunks_.update_rows;
     for (int64_t j = 0; j < shard_.count; j += step) {
       const int64_t n = std::min(step, shard_.count - j);
       pending_grad_[0].narrow(0, j, n).add_(grad_->rows(j, n, weight_.narrow(0, j, n).to(at::kFloat)));
@@ -357,7 +373,7 @@ std::pair<double, int64_t> PartialFC::take_lost_updates() {
 }
 
 void PartialFC::update_columns(int64_t first, int64_t n, const at::Tensor& g, double lr) {
-  const int64_t step = chunk_rows(opts_, weight_.device());
+  const int64_t step = chunks_.update_rows;
   for (int64_t j = 0; j < n; j += step) {
     const int64_t m = std::min(step, n - j);
     update_chunk(first + j, m, grad_->raw_of(m == n ? g : g.narrow(1, j, m)), lr);
@@ -365,10 +381,10 @@ void PartialFC::update_columns(int64_t first, int64_t n, const at::Tensor& g, do
 }
 
 void PartialFC::chunked_step(double lr) {
-  const int64_t rows = samples() ? index_.size(0) : shard_.count, step = chunk_rows(opts_, weight_.device());
+  const int64_t rows = samples() ? index_.size(0) : shard_.count, step = chunks_.update_rows;
   // Streamed logits: G' is recomputed a chunk of the forward's columns at a time (a GEMM
   // each), and each chunk's rows updated in the update's pieces.
-  const int64_t outer = grad_->g.defined() ? step : std::max(step, logits_chunk_);
+  const int64_t outer = grad_->g.defined() ? step : std::max(step, chunks_.logits_columns);
   for (int64_t j = 0; j < rows; j += outer) {
     const int64_t n = std::min(outer, rows - j);
     if (grad_->g.defined()) update_chunk(j, n, grad_->raw_rows(j, n), lr);

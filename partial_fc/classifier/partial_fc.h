@@ -33,6 +33,7 @@
 
 #include <torch/torch.h>
 
+#include "partial_fc/classifier/chunk_policy.h"
 #include "partial_fc/classifier/class_shard.h"
 #include "partial_fc/classifier/margin.h"
 #include "partial_fc/classifier/margin_head.h"
@@ -59,11 +60,18 @@ struct PartialFCOptions {
   bool step_all_rows = false;
   // Rows per chunk of the step's update (the only gradient that exists at once is
   // [update_chunk_rows, d]; with sampling also the chunk in which forward and backward read
-  // the sampled rows). 0 = chosen for the device: 8192 on a GPU; on the CPU about 2 MiB of
-  // fp32 rows (1024 at d = 512), so that a chunk's temporaries stay below glibc's mmap
-  // threshold and reuse heap memory instead of faulting fresh pages in for every chunk.
-  // Negative values are an "update_chunk_rows" option error.
+  // the sampled rows). 0 = chosen by `chunking` (chunk_policy.h): on a GPU from a memory
+  // budget (chunk_budget_bytes of temporaries, so that a step is a bounded number of kernel
+  // launches whatever the class count); on the CPU about 2 MiB of fp32 rows (1024 at d =
+  // 512), so that a chunk's temporaries stay below glibc's mmap threshold and reuse heap
+  // memory instead of faulting fresh pages in for every chunk. Negative values are an
+  // "update_chunk_rows" option error.
   int64_t update_chunk_rows = 0;
+  // optim.fc_chunking: auto (budget on a GPU, cache on the CPU), cache or budget; budget on
+  // the CPU runs the GPU's chunking there (faceshard-bench --chunking budget counts its
+  // operators). chunk_budget_bytes: the budget policy's temporaries (0: 2 GiB).
+  ChunkPolicy chunking = ChunkPolicy::Auto;
+  int64_t chunk_budget_bytes = 0;
   // Micro-batches per optimiser step (optim.grad_accumulation): only classifier_memory_plan
   // reads it, to count the set-aside gradients.
   int64_t grad_accumulation = 1;
@@ -120,7 +128,11 @@ struct ClassifierMemoryPlan {
   int64_t global_batch = 0;  // batch per rank x ranks: the logits' rows
   bool streamed = false;     // the logits are streamed (never held)
   double weight_bytes = 0, state_bytes = 0, gradient_bytes = 0, logits_bytes = 0;
-  double total_bytes() const { return weight_bytes + state_bytes + gradient_bytes + logits_bytes; }
+  // The chunked passes' temporaries (chunk_policy.h): on a GPU a fixed reserve, the budget's
+  // chunk (or the whole step's rows when they are fewer) x chunk_row_bytes; on the CPU a
+  // cache-sized chunk's.
+  double chunk_bytes = 0;
+  double total_bytes() const { return weight_bytes + state_bytes + gradient_bytes + logits_bytes + chunk_bytes; }
 };
 // loss.logits auto: whether streamed logits are the better choice for these options. The
 // streamed pass costs one more GEMM over the (sampled) classes per step (1.2x the
@@ -131,8 +143,9 @@ struct ClassifierMemoryPlan {
 bool streamed_logits_pay(const PartialFCOptions& opts, int world_size, int64_t batch_per_rank);
 
 // Option errors as PartialFC's ("num_classes" when there are fewer classes than ranks).
+// `cuda`: the shard's device is a GPU (the chunk temporaries of its policy are counted).
 ClassifierMemoryPlan classifier_memory_plan(const PartialFCOptions& opts, int world_size, int rank,
-                                            int64_t batch_per_rank);
+                                            int64_t batch_per_rank, bool cuda = true);
 
 class PartialFC {
  public:
@@ -186,6 +199,8 @@ class PartialFC {
   // write all of it (a checkpoint streamed straight into the shard: no second copy of it,
   // no host buffer of its size on a GPU).
   void fill_state(const std::function<void(const std::string& name, const at::Tensor& rows)>& fill);
+  // The chunks the passes take for a global batch of `global_rows` (chunk_policy.h).
+  ChunkSizes chunk_sizes_for(int64_t global_rows) const;
   // Forwards taken: the sampling RNG is a function of seed, rank and this count, so a
   // resumed run samples as the uninterrupted one (micro-batches count one each).
   int64_t forwards() const { return forwards_; }
@@ -255,7 +270,7 @@ class PartialFC {
   at::Tensor merged_;  // the set-aside gradients summed over the union of their rows
   int64_t forwards_ = 0;
   std::optional<double> armed_lr_;
-  int64_t logits_chunk_ = 1;  // the last forward's columns per chunk
+  ChunkSizes chunks_;  // the chunks of the last forward's step (chunk_policy.h)
   at::Tensor lost_;           // [2] int64: RowRounding::lost (bf16 centres)
   bool rows_ready_ = true;  // false from a construction without initialise_rows until filled
 };

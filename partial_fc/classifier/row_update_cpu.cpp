@@ -1,6 +1,7 @@
 #include "partial_fc/classifier/row_update_cpu.h"
 
 #include <ATen/Parallel.h>
+#include <ATen/record_function.h>
 #include <c10/util/BFloat16.h>
 
 #include <atomic>
@@ -127,6 +128,8 @@ void rows_for_state(WT* W, at::Tensor& momentum, const at::Tensor& raw, const at
 
 void sgd_projected_rows_cpu(at::Tensor& weight, at::Tensor& momentum, const at::Tensor& raw, const at::Tensor& inv_norm,
                             int64_t first, const at::Tensor& index, const RowSgd& sgd, const RowRounding& rounding) {
+  // One operator to an observer (op_counter.h), as the GPU's one kernel per chunk is.
+  RECORD_USER_SCOPE("faceshard::sgd_projected_rows");
   TORCH_CHECK(weight.device().is_cpu() && (weight.scalar_type() == at::kFloat || weight.scalar_type() == at::kBFloat16) &&
                   weight.is_contiguous(),
               "sgd_projected_rows_cpu: the weight must be a contiguous fp32 or bf16 CPU tensor");

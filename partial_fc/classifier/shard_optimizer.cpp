@@ -5,6 +5,7 @@
 #include <ATen/ops/_fused_sgd.h>
 
 #include "partial_fc/classifier/row_update_cpu.h"
+#include "partial_fc/classifier/row_update_cuda.h"
 #include "partial_fc/runtime/error.h"
 
 namespace faceshard {
@@ -62,8 +63,14 @@ void ShardOptimizer::step(at::Tensor& W, const at::Tensor& idx, const at::Tensor
 bool ShardOptimizer::update_projected_rows(at::Tensor& weight, const at::Tensor& raw, const at::Tensor& inv_norm,
                                            int64_t first, const at::Tensor& index, double lr,
                                            const RowRounding& rounding) {
-  if (opts_.kind != "sgd" || !opts_.fused_cpu_rows || !weight.device().is_cpu() || !weight.is_contiguous()) return false;
+  if (opts_.kind != "sgd" || !opts_.fused_cpu_rows || !weight.is_contiguous()) return false;
   torch::NoGradGuard ng;
+  if (weight.is_cuda() && sgd_projected_rows_cuda_available()) {  // the same pass as one kernel
+    sgd_projected_rows_cuda(weight, momentum_, raw, inv_norm, first, index, RowSgd{lr, opts_.momentum, opts_.weight_decay},
+                            rounding);
+    return true;
+  }
+  if (!weight.device().is_cpu()) return false;
   sgd_projected_rows_cpu(weight, momentum_, raw.contiguous(), inv_norm.contiguous(), first, index,
                          RowSgd{lr, opts_.momentum, opts_.weight_decay}, rounding);
   return true;

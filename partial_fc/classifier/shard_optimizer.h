@@ -23,8 +23,9 @@ struct ShardOptimizerOptions {
   // The dtype of momentum / exp_avg / exp_avg_sq: kFloat or kBFloat16 (row_steps stays
   // int64). Anything else is an option error naming "fc_state_dtype".
   at::ScalarType state_dtype = at::kFloat;
-  // SGD on the CPU: update_projected_rows runs (one pass per row, row_update_cpu.h). false:
-  // it declines, and the caller takes the generic path a GPU takes (tests run both).
+  // SGD: update_projected_rows runs (one pass per row: row_update_cpu.h on the CPU, one
+  // kernel per chunk on a GPU, row_update_cuda.h). false: it declines, and the caller takes
+  // the generic path (gather, update, scatter; tests run both).
   bool fused_cpu_rows = true;
 };
 
@@ -50,8 +51,8 @@ class ShardOptimizer {
   // `index` (or [first, first + n)) of `weight` is formed from `raw` [n, d] = G'^T E and the
   // rows themselves (less the radial part, with `inv_norm` [n] = 1 / ||w_j||), and applied
   // where the rows live. Returns false, having done nothing, where that pass does not exist
-  // (AdamW, a weight off the CPU, fused_cpu_rows off): the caller forms the gradient and
-  // calls update_rows.
+  // (AdamW, a weight on another device, fused_cpu_rows off): the caller forms the gradient
+  // and calls update_rows.
   // A bf16 weight's rows are written back rounded by `rounding`.
   bool update_projected_rows(at::Tensor& weight, const at::Tensor& raw, const at::Tensor& inv_norm, int64_t first,
                              const at::Tensor& index, double lr, const RowRounding& rounding = RowRounding{});

@@ -23,14 +23,7 @@ namespace faceshard {
 
 // The key of one row's rounding at one step.
 inline uint32_t sr_row_key(uint64_t seed, int64_t step, int64_t global_class) {
-  using sr_detail::mix32;
-  const auto st = static_cast<uint64_t>(step), cl = static_cast<uint64_t>(global_class);
-  uint32_t k = mix32(static_cast<uint32_t>(seed) ^ sr_detail::kGolden);
-  k = mix32(k ^ static_cast<uint32_t>(seed >> 32));
-  k = mix32(k ^ static_cast<uint32_t>(st));
-  k = mix32(k ^ static_cast<uint32_t>(st >> 32));
-  k = mix32(k ^ static_cast<uint32_t>(cl));
-  return mix32(k ^ static_cast<uint32_t>(cl >> 32));
+  return sr_detail::row_key(seed, step, global_class);
 }
 
 // The 16 random bits of element `element` of a row keyed `row_key`.

@@ -144,14 +144,30 @@ struct StreamedSoftmaxFn : public torch::autograd::Function<StreamedSoftmaxFn> {
     // Each row's plain target logit as the pass computes it, for the accuracy: compared with
     // the best of the same values, a target that is the best counts exactly.
     at::Tensor plain_target = torch::full({N}, -INFINITY, fo);
+    // A head that changes only the target logit needs one maximum per chunk (of the other
+    // columns, the targets hidden): the best plain logit and the chunk's final maximum are
+    // each that or the row's own target value (margin_softmax.cpp does the same).
+    const bool target_only = head.interclass_filter() <= 0 && !head.modifies_negatives();
+    const at::Tensor none = torch::full({N}, -INFINITY, fo);
     for (int64_t j = 0; j < S; j += C) {
       const int64_t n = std::min(C, S - j);
       at::Tensor logits = st.plain(j, n);
-      at::maximum_out(best, best, std::get<0>(logits.max(1)));
       const auto [here, local] = st.targets_in(j, n);
-      plain_target = torch::where(here, logits.gather(1, local).squeeze(1), plain_target);
-      st.final_logits(logits, j, n, nullptr, nullptr);
-      const at::Tensor m = at::maximum(run_max, std::get<0>(logits.max(1)));
+      const at::Tensor pt = logits.gather(1, local).squeeze(1);
+      plain_target = torch::where(here, pt, plain_target);
+      at::Tensor chunk_max;
+      if (target_only) {
+        logits.scatter_(1, local, torch::where(here, none, pt).unsqueeze(1));
+        const at::Tensor other = std::get<0>(logits.max(1));
+        at::maximum_out(best, best, at::maximum(other, torch::where(here, pt, none)));
+        logits.scatter_(1, local, torch::where(here, st.t, pt).unsqueeze(1));
+        chunk_max = at::maximum(other, torch::where(here, st.t, none));
+      } else {
+        at::maximum_out(best, best, std::get<0>(logits.max(1)));
+        st.final_logits(logits, j, n, nullptr, nullptr);
+        chunk_max = std::get<0>(logits.max(1));
+      }
+      const at::Tensor m = at::maximum(run_max, chunk_max);
       run_sum.mul_((run_max - m).exp_()).add_(logits.sub_(m.unsqueeze(1)).exp_().sum(1));
       run_max.copy_(m);
     }
