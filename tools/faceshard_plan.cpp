@@ -20,6 +20,7 @@
 #include "app/config/cli.h"
 #include "app/plan/activation_table.h"
 #include "app/plan/job_memory_plan.h"
+#include "app/plan/checkpoint_staging_plan.h"
 #include "app/plan/job_time_plan.h"
 #include "partial_fc/runtime/error.h"
 
@@ -338,6 +339,13 @@ int main(int argc, char** argv) {
                   mib(ck.bytes).c_str(), files.c_str(), static_cast<long long>(keep), static_cast<long long>(keep + 1),
                   faceshard::detail::concat(std::round(ck.disk_bytes() / 1073741824.0 * 100) / 100).c_str());
     }
+    const int per_host = tin.gpus_per_host > 0 ? tin.gpus_per_host : std::min(in.world_size, 8);
+    const CheckpointStagingPlan staging = plan_checkpoint_staging(ck, in, per_host);
+    std::printf("checkpoint staging (train.checkpoint_async, host memory): %s MiB on rank 0 (backbone, optimiser state, "
+                "its shard), %s MiB on each other rank; %s MiB on a host of %d rank%s (rank 0's); the trainer saves "
+                "synchronously where half the host's available memory cannot hold it\n",
+                mib(staging.rank0_bytes).c_str(), mib(staging.other_bytes).c_str(), mib(staging.host_bytes).c_str(),
+                staging.ranks_per_host, staging.ranks_per_host > 1 ? "s" : "");
     std::string lr_line;
     if (ref) lr_line = lr_scaling_reminder(*ref, in.batch_per_rank * in.world_size * in.grad_accumulation, job_lr);
     if (!lr_line.empty()) std::printf("%s\n", lr_line.c_str());
@@ -374,6 +382,8 @@ int main(int argc, char** argv) {
         js << ",\"rate\":\"" << json_escape(t.rate_note) << "\"}";
       }
       js << ",\"checkpoint\":{\"bytes\":" << ck.bytes << ",\"keep\":" << keep << ",\"disk_bytes\":" << ck.disk_bytes()
+         << ",\"staging\":{\"rank0_bytes\":" << staging.rank0_bytes << ",\"other_rank_bytes\":" << staging.other_bytes
+         << ",\"ranks_per_host\":" << staging.ranks_per_host << ",\"host_bytes\":" << staging.host_bytes << "}"
          << ",\"model_bytes\":" << ck.model_bytes << ",\"files\":[";
       for (size_t i = 0; i < ck.files.size(); ++i)
         js << (i ? "," : "") << "{\"name\":\"" << json_escape(ck.files[i].name) << "\",\"bytes\":" << ck.files[i].bytes

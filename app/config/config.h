@@ -187,6 +187,10 @@ struct TrainConfig {
   // Checkpoints that fail to save (a full disk, a quota, an I/O error) in a row before the
   // run stops (exit status 3); fewer cost nothing committed and training goes on.
   int64_t max_failed_checkpoints = 3;
+  // auto | on | off. Checkpoints staged in host memory at their step and written by a
+  // background thread while training goes on (app/train/checkpoint_writer.h); auto: on where
+  // the host's available memory holds the staging of all of its ranks, off elsewhere.
+  std::string checkpoint_async = "auto";
   std::optional<int64_t> max_steps;  // stop early (demo, tests); default: run the schedule
   // Dynamic loss scaling: "auto" = on exactly for fp16; "on" also scales fp32/bf16 losses
   // (useful to test the scaler without half-precision arithmetic).
@@ -214,8 +218,9 @@ struct DistConfig {
   // 5 s (at least this, at most timeout_s) for a rank that has stopped beating ends the run
   // naming that rank and its host.
   double hang_floor_s = 5;
-  // Steps per window of the straggler monitor (0: off): a rank whose compute or data wait is
-  // below 0.75 of the fastest rank's pace in two consecutive windows is reported.
+  // Steps per window of the straggler monitor (0: off; a window also closes once its steps
+  // add up to StragglerMonitor::kWindowSeconds): a rank whose compute or data wait is below
+  // 0.75 of the fastest rank's pace in two consecutive windows is reported.
   int64_t straggler_window = 50;
   double bucket_mb = 25;
   bool find_unused_parameters = false;

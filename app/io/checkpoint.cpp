@@ -170,8 +170,17 @@ void check_checkpoint_values(const at::Tensor& t, const std::string& source, con
 CheckpointManager::CheckpointManager(std::string root, Distributed& dist, int64_t keep)
     : root_(std::move(root)), dist_(dist), keep_(std::max<int64_t>(1, keep)) {}
 
+std::string CollectiveAgreement::agree(const std::string& mine) { return agree_on_problem(mine, dist_); }
+void CollectiveAgreement::barrier() { dist_.barrier(); }
+
 bool CheckpointManager::save(int64_t step, int64_t num_classes, const StateDict& backbone,
                              const StateDict& train_state, const StateDict& shard) {
+  CollectiveAgreement collectives(dist_);
+  return save(step, num_classes, backbone, train_state, shard, collectives);
+}
+
+bool CheckpointManager::save(int64_t step, int64_t num_classes, const StateDict& backbone,
+                             const StateDict& train_state, const StateDict& shard, SaveAgreement& agreement) {
   const std::string dir = step_dir(root_, step);
   const std::string shard_path = dir + "/fc_shard_" + std::to_string(dist_.rank()) + ".pt";
   const std::string tmp = shard_path + ".tmp." + std::to_string(::getpid());
@@ -184,7 +193,7 @@ bool CheckpointManager::save(int64_t step, int64_t num_classes, const StateDict&
     fs::create_directories(dir, ec);
     if (ec) problem = "cannot create checkpoint folder '" + dir + "': " + ec.message();
   }
-  problem = agree_on_problem(problem, dist_);
+  problem = agreement.agree(problem);
   const auto t0 = std::chrono::steady_clock::now();
   std::vector<std::string> written;
   if (problem.empty()) {
@@ -207,13 +216,15 @@ bool CheckpointManager::save(int64_t step, int64_t num_classes, const StateDict&
     } catch (const std::exception& e) {
       problem = "rank " + std::to_string(dist_.rank()) + ": " + describe_write_error(e, dir);
     }
-    problem = agree_on_problem(problem, dist_);
+    problem = agreement.agree(problem);
   }
   if (problem.empty()) {
     const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     std::error_code ec;
     double gb = 0;
     for (const auto& f : written) gb += static_cast<double>(fs::file_size(f, ec)) / 1e9;
+    last_bytes_ = gb * 1e9;
+    last_write_s_ = s;
     log_info("checkpoint step ", step, ": this rank wrote ", format_bytes(gb * 1e9), " in ", format_sig(s), " s (",
              format_bytes(gb * 1e9 / std::max(s, 1e-9)), "/s, fsync and read-back included)");
     // Every rank has its files in place and read back: rank 0 commits.
@@ -226,21 +237,21 @@ bool CheckpointManager::save(int64_t step, int64_t num_classes, const StateDict&
         problem = "rank 0: " + describe_write_error(e, dir);
       }
     }
-    problem = agree_on_problem(problem, dist_);
+    problem = agreement.agree(problem);
   }
   if (!problem.empty()) {
     // Nothing of this save stays: the previous committed checkpoint is the newest.
     std::error_code ec;
     fs::remove(tmp, ec);
     if (dist_.rank() == 0) fs::remove_all(dir, ec);
-    dist_.barrier();
+    agreement.barrier();
     failed_in_a_row_++;
     last_problem_ = problem;
     return false;
   }
   failed_in_a_row_ = 0;
   if (dist_.rank() == 0) prune(dir);
-  dist_.barrier();
+  agreement.barrier();
   return true;
 }
 

@@ -7,6 +7,7 @@
 // ranks the classifier rows are resharded by class range (resharded_rows.h).
 #pragma once
 #include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -23,6 +24,30 @@ struct CheckpointInfo {
   int64_t num_classes = 0;
 };
 
+// How the ranks of a save agree at each of its stages: every rank gives its problem ("" for
+// none) and gets the same verdict back (rank 0's unless empty, else the first other rank's).
+// A save at a checkpoint step agrees over the training's collectives; a save written in the
+// background agrees through the rendezvous store (app/io/store_agreement.h), never over the
+// training's process group, so that it cannot interleave with a training collective.
+class SaveAgreement {
+ public:
+  virtual ~SaveAgreement() = default;
+  virtual std::string agree(const std::string& mine) = 0;
+  // Every rank has reached this point.
+  virtual void barrier() { agree(""); }
+};
+
+// The training's collectives (agree_on_problem, Distributed::barrier).
+class CollectiveAgreement : public SaveAgreement {
+ public:
+  explicit CollectiveAgreement(Distributed& dist) : dist_(dist) {}
+  std::string agree(const std::string& mine) override;
+  void barrier() override;
+
+ private:
+  Distributed& dist_;
+};
+
 class CheckpointManager {
  public:
   CheckpointManager(std::string root, Distributed& dist, int64_t keep);
@@ -36,6 +61,14 @@ class CheckpointManager {
   // committed checkpoint is untouched, and it returns false (last_problem() says why).
   bool save(int64_t step, int64_t num_classes, const StateDict& backbone, const StateDict& train_state,
             const StateDict& shard);
+  // The same protocol (temporary files, fsync, rename, read-back, COMMITTED by rank 0 only
+  // once every rank's part verified), its stages agreed through `agreement`: what a save
+  // written by a background thread calls (every rank's thread, with the same step).
+  bool save(int64_t step, int64_t num_classes, const StateDict& backbone, const StateDict& train_state,
+            const StateDict& shard, SaveAgreement& agreement);
+  // This rank's bytes and seconds (fsync and read-back included) of the last save that committed.
+  double last_bytes() const { return last_bytes_; }
+  double last_write_seconds() const { return last_write_s_; }
   // Saves that failed since the last one that committed, and the last one's reason.
   int64_t failed_in_a_row() const { return failed_in_a_row_; }
   const std::string& last_problem() const { return last_problem_; }
@@ -56,6 +89,7 @@ class CheckpointManager {
   std::function<void(int64_t)> mid_save_hook_;
   int64_t failed_in_a_row_ = 0;
   std::string last_problem_;
+  double last_bytes_ = 0, last_write_s_ = 0;
 };
 
 // The newest committed checkpoint (step folder) under root, "" when none; folders with an

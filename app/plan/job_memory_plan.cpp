@@ -170,6 +170,10 @@ JobMemoryPlan plan_job_memory(const JobPlanInputs& in, const ActivationTable& ta
     add("classifier", "logits buffer", c.logits_bytes,
         num(double(c.global_batch)) + " x " + num(double(c.sampled_rows)) + " x 4 B (fp32)");
 
+  add("classifier", "chunk temporaries", c.chunk_bytes,
+      "the larger of the update's chunk (rows x " + num(d) + " x " + (fc_opt == "sgd" ? "4" : "16") +
+          " B) and the logits passes' (columns x (6 x " + num(d) + " + 12 x " + num(double(c.global_batch)) +
+          ") B), each at most " + num(double(kDefaultChunkBudget >> 20)) + " MiB (chunk_policy.h)");
   add("communication", "DDP gradient buckets", 4 * P, params + " x 4 B (flat all-reduce buckets)");
   add("communication", "embedding all-gather", 4 * B * W * d * 4 + (mixed ? B * W * d * 2 : 0.0),
       num(B * W) + " x " + num(d) + ": gathered, normalised and their two gradients x 4 B" +

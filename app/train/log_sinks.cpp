@@ -93,6 +93,18 @@ void MetricsSink::write(const std::vector<std::pair<std::string, double>>& field
   }
 }
 
+void MetricsSink::checkpoint(const CheckpointRecord& r) {
+  write({{"step", static_cast<double>(r.step)},
+         {"checkpoint/wait_s", r.wait_s},
+         {"checkpoint/stage_s", r.stage_s},
+         {"checkpoint/previous_wait_s", r.previous_s},
+         {"checkpoint/write_s", r.write_s},
+         {"checkpoint/bytes", r.bytes},
+         {"checkpoint/background", r.background ? 1.0 : 0.0},
+         {"checkpoint/committed", r.committed ? 1.0 : 0.0}},
+        r.step);
+}
+
 void MetricsSink::validation(const ValidationRecord& r) {
   write({{"step", static_cast<double>(r.step)},
          {"val/" + r.set + "/accuracy", r.accuracy},

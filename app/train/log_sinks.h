@@ -30,12 +30,20 @@ struct ValidationRecord {
   double accuracy = 0, accuracy_std = 0, best_accuracy = 0, xnorm = 0, threshold = 0;
 };
 
+// One checkpoint: how long the training stopped for it beside how long its write took.
+struct CheckpointRecord {
+  int64_t step = 0;
+  double wait_s = 0, stage_s = 0, previous_s = 0, write_s = 0, bytes = 0;
+  bool background = false, committed = false;
+};
+
 class LogSink {
  public:
   virtual ~LogSink() = default;
   virtual void progress(int64_t step, int64_t last_step) {}
   virtual void train(const TrainRecord& r) {}
   virtual void validation(const ValidationRecord& r) {}
+  virtual void checkpoint(const CheckpointRecord& r) {}
 };
 
 // A learning rate as the log line prints it: 4 significant digits, in exponent form when
@@ -62,6 +70,7 @@ class MetricsSink : public LogSink {
   ~MetricsSink() override;
   void train(const TrainRecord& r) override;
   void validation(const ValidationRecord& r) override;
+  void checkpoint(const CheckpointRecord& r) override;
 
  private:
   void write(const std::vector<std::pair<std::string, double>>& fields, int64_t step);
@@ -98,6 +107,9 @@ class LogSinks {
   }
   void validation(const ValidationRecord& r) {
     for (auto& s : sinks_) s->validation(r);
+  }
+  void checkpoint(const CheckpointRecord& r) {
+    for (auto& s : sinks_) s->checkpoint(r);
   }
 
  private:

@@ -268,7 +268,7 @@ void build_model(TrainJob& j, ClassifierStart start) {
   j.fc = with_config_keys(cfg, keys, [&] {
     // Before anything of the classifier is allocated: a shard that cannot fit is a config
     // error naming the keys that size it, not the allocator's message deep in training.
-    const ClassifierMemoryPlan plan = classifier_memory_plan(po, d.world_size(), d.rank(), cfg.data.batch_size);
+    const ClassifierMemoryPlan plan = classifier_memory_plan(po, d.world_size(), d.rank(), cfg.data.batch_size, j.device.is_cuda());
     if (const auto available = device_available_memory(j.device))
       check_classifier_fits(cfg, plan, d.world_size(), d.rank(), *available, j.device);
     return std::make_unique<PartialFC>(d, po, j.device);
@@ -356,7 +356,7 @@ void check_classifier_fits(const Config& cfg, const ClassifierMemoryPlan& p, int
      << bytes(p.total_bytes()) << " bytes (" << p.rows << " rows x " << p.embedding_size << " fp32: weight "
      << bytes(p.weight_bytes) << ", optimiser state " << bytes(p.state_bytes) << ", gradient " << bytes(p.gradient_bytes)
      << ", logits " << p.global_batch << " x " << p.sampled_rows << " x 4 B = " << bytes(p.logits_bytes)
-     << ") with loss.sample_rate " << cfg.loss.sample_rate << ", data.batch_size " << cfg.data.batch_size
+     << ", chunk temporaries " << bytes(p.chunk_bytes) << ") with loss.sample_rate " << cfg.loss.sample_rate << ", data.batch_size " << cfg.data.batch_size
      << " and world size " << world_size << ", but " << device.str() << " has " << bytes(available.bytes)
      << " bytes available (" << available.what << ")";
   throw_config_error(cfg, "data.num_classes", os.str());

@@ -53,6 +53,13 @@ void restore_generator(at::Generator& gen, const TensorSource& file, size_t i, c
 }  // namespace
 
 bool TrainState::save(CheckpointManager& checkpoints) const {
+  const CheckpointContents c = contents();
+  if (!checkpoints.save(c.step, c.num_classes, c.backbone, c.train_state, c.shard)) return false;
+  log_info("checkpoint saved: ", checkpoints.root(), " step ", c.step);
+  return true;
+}
+
+CheckpointContents TrainState::contents() const {
   const TrainJob& j = job_;
   const TrainProgress& p = progress_;
   StateDict ts;
@@ -86,9 +93,13 @@ bool TrainState::save(CheckpointManager& checkpoints) const {
   shard.emplace_back("rng.cpu", at::detail::getDefaultCPUGenerator().get_state());
   if (j.device.is_cuda()) shard.emplace_back("rng.cuda", at::globalContext().defaultGenerator(j.device).get_state());
 
-  if (!checkpoints.save(p.step, *j.cfg.data.num_classes, j.backbone->state_dict(), ts, shard)) return false;
-  log_info("checkpoint saved: ", checkpoints.root(), " step ", p.step);
-  return true;
+  CheckpointContents c;
+  c.step = p.step;
+  c.num_classes = *j.cfg.data.num_classes;
+  c.backbone = j.backbone->state_dict();
+  c.train_state = std::move(ts);
+  c.shard = std::move(shard);
+  return c;
 }
 
 namespace {

@@ -30,6 +30,14 @@ struct TrainProgress {
   std::map<std::string, double> best_accuracy;  // per verification set
 };
 
+// What a checkpoint of the state holds, as the three files' entries (rank 0's backbone and
+// train state, this rank's shard). Its tensors are the live ones: a copy of them taken before
+// the next step (checkpoint_writer.h) can be written while training goes on.
+struct CheckpointContents {
+  int64_t step = 0, num_classes = 0;
+  StateDict backbone, train_state, shard;
+};
+
 class TrainState {
  public:
   explicit TrainState(TrainJob& job) : job_(job) {}
@@ -40,6 +48,8 @@ class TrainState {
   // Collective: every rank writes its shard, rank 0 the rest.
   // False when the save failed on some rank (nothing of it stays; checkpoints.last_problem()).
   bool save(CheckpointManager& checkpoints) const;
+  // The entries save() writes, taken now.
+  CheckpointContents contents() const;
   // Restores everything from a committed checkpoint folder (errors name its files).
   void load(const std::string& dir);
 

@@ -13,6 +13,7 @@
 
 #include "app/io/checkpoint.h"
 #include "app/io/checkpoint_verify.h"
+#include "app/train/checkpoint_writer.h"
 #include "app/train/device_readout.h"
 #include "app/train/log_sinks.h"
 #include "app/train/run_folder.h"
@@ -127,8 +128,14 @@ int run_training(const TrainRequest& req) {
   // nothing committed: one warning, training goes on, the next interval tries again. After
   // train.max_failed_checkpoints in a row, or when the run's last checkpoint (its end, a
   // stop) fails, the run stops: one line, exit status kCheckpointsFailing.
-  auto save_checkpoint = [&](bool last) -> bool {
-    if (state.save(checkpoints)) return true;
+  // With train.checkpoint_async a save's outcome is known when the next save starts or the
+  // run ends (checkpoint_writer.h): the policy is applied to it then, at the same step on every rank.
+  std::unique_ptr<CheckpointWriter> writer;
+  auto settle = [&](const CheckpointOutcome& o, bool last) -> bool {
+    // How long the training stopped for it beside how long the write took (metrics.jsonl).
+    sinks.checkpoint(CheckpointRecord{o.step, o.wait_s, o.stage_s, o.previous_s, o.write_s, o.bytes, o.background,
+                                      o.committed});
+    if (o.committed) return true;
     const std::string latest = checkpoints.latest();
     const std::string kept = latest.empty() ? "no checkpoint is committed yet"
                                             : "the last committed checkpoint, " + latest + ", is untouched";
@@ -138,17 +145,29 @@ int run_training(const TrainRequest& req) {
         report_fatal("faceshard-train", detail::concat(n, " checkpoint save", n > 1 ? "s" : "", " failed in a row (",
                                                        last ? "the run's last one" : "train.max_failed_checkpoints " +
                                                        std::to_string(cfg.train.max_failed_checkpoints), "), the last at step ",
-                                                       p.step, ": ", checkpoints.last_problem(), "; ", kept));
+                                                       o.step, ": ", o.problem, "; ", kept));
       return false;
     }
     if (n == 1)
-      log_warn("checkpoint step ", p.step, " not saved: ", checkpoints.last_problem(), "; ", kept,
+      log_warn("checkpoint step ", o.step, " not saved: ", o.problem, "; ", kept,
                "; training goes on and the next checkpoint tries again (the run stops after ",
                cfg.train.max_failed_checkpoints, " failures in a row)");
     return true;
   };
+  auto save_checkpoint = [&](bool last) -> bool {
+    if (std::optional<CheckpointOutcome> o = writer->save(state)) {
+      const bool this_one = o->step == p.step && !writer->background();
+      if (!settle(*o, last && this_one)) return false;
+    }
+    // The run's last checkpoint (its end, a stop) is waited for before the process exits.
+    if (last)
+      if (std::optional<CheckpointOutcome> o = writer->finish())
+        if (!settle(*o, true)) return false;
+    return true;
+  };
   if (req.resume && from.empty()) log_info("--resume: no committed checkpoint under ", checkpoints.root(), ", starting fresh");
   if (!from.empty()) state.load(from);
+  writer = make_checkpoint_writer(j, state, checkpoints);
   // (An explicit --resume DIR at its last step still saves at once: resharding a checkpoint.)
   if (!from.empty() && req.resume_from.empty() && p.step >= j.last_step) {
     // A scheduler reran a finished job: nothing to train; the export is written if the

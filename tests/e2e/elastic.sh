@@ -11,8 +11,9 @@
 #                   the kill to the next completed step and the steps lost.
 #   invariance:     SyncBatchNorm, sample rate 1.0, data.global_batch_size 12: the per-step
 #                   losses of 10 steps on 1, 2 and 3 ranks agree to 1e-5 (relative), and a
-#                   run that goes from 3 to 2 ranks at its step-5 checkpoint continues with
-#                   the losses of the run that does not. Then what still differs when the
+#                   run that goes from 3 to 2 ranks at its step-5 checkpoint (written in the
+#                   background, train.checkpoint_async on) continues with the losses of the
+#                   run that does not. Then what still differs when the
 #                   run is not made invariant, measured the same way: per-rank BatchNorm
 #                   (sync_bn false) and sampled classes (sample rate 0.5), on 2 vs 3 ranks;
 #                   and a 2-rank run with 2% larger updates: each must differ by more than
@@ -201,9 +202,13 @@ YAML
       --set output="$work/$name" "$@" > "$work/$name.log" 2>&1 || { cat "$work/$name.log"; fail "run $name on $n ranks"; }
   }
   run w1 1; run w2 2; run w3 3
-  # 3 ranks to the step-5 checkpoint, then the same run continued on 2 ranks.
-  run w3to2 3 --set train.max_steps=5
-  run w3to2 2 --resume auto
+  # 3 ranks to the step-5 checkpoint, then the same run continued on 2 ranks. That checkpoint
+  # is written in the background (train.checkpoint_async on): what a resume at another
+  # number of ranks reads is what the background write committed.
+  run w3to2 3 --set train.max_steps=5 --set train.checkpoint_async=on
+  grep -q "checkpoint step 5: the training waited .* written in the background" "$work/w3to2.log" ||
+    { cat "$work/w3to2.log"; fail "the step-5 checkpoint was not written in the background"; }
+  run w3to2 2 --resume auto --set train.checkpoint_async=on
   grep -q "resharded from 3 to 2 ranks" "$work/w3to2.log" || { cat "$work/w3to2.log"; fail "no 3 -> 2 reshard"; }
   # bf16 centres and state (stochastic rounding keyed by class, not by rank) with streamed
   # logits: the same invariance, on 1 and 3 ranks and across a 3 -> 2 change.

@@ -5,6 +5,9 @@
              one rank dies inside a checkpoint write and the others are killed at once),
              then the job is resumed: every resume must start from the latest committed
              checkpoint, lose at most one checkpoint interval, and train on.
+  kill_in_async_save
+             kill_all's in-save trials with train.checkpoint_async on: the rank dies half-way
+             through a checkpoint written in the background while the training goes on.
   lose_rank  one rank of three is killed (SIGKILL) or frozen (SIGSTOP) at a random moment,
              each rank and each signal in turn (rank 0 hosts the rendezvous store): every
              other rank must exit non-zero within the collective timeout (plus the failure
@@ -37,6 +40,7 @@ The storage cases (storage_faults.py, one rank):
                    too): --resume auto walks back, or refuses in one line
 
 usage: fault_loops.py --source DIR --bin DIR --case CASE [--trials N] [--seed S] [--keep]
+       [--checkpoint-async on|off|auto]
 The seed (printed first) makes the kill times and victims reproducible; the ranks are
 started here, one process each with the variables tools/launch.sh would give them, so
 that every rank's exit status and time are observed on their own.
@@ -164,12 +168,13 @@ data: {{rec: {work}/data, num_classes: 16, batch_size: 4, num_workers: 1}}
 model: {{backbone: mbf, embedding_size: 32}}
 loss: {{margin: [1.0, 0.0, 0.4], scale: 16}}
 optim: {{lr: 0.05, epochs: 1000, warmup_epochs: 0}}
-train: {{log_every: 1, verify_every: 0, checkpoint_every: {k}, keep_checkpoints: 3, tensorboard: false}}
+train: {{log_every: 1, verify_every: 0, checkpoint_every: {k}, keep_checkpoints: 3, tensorboard: false{more}}}
 dist: {{device: cpu, timeout_s: {t}}}
-""".format(root=args.source, work=work, k=CHECKPOINT_EVERY, t=COLLECTIVE_TIMEOUT_S))
+""".format(root=args.source, work=work, k=CHECKPOINT_EVERY, t=COLLECTIVE_TIMEOUT_S,
+           more=", checkpoint_async: " + args.checkpoint_async if args.checkpoint_async else ""))
 
 
-def kill_all(args, work, rng):
+def kill_all(args, work, rng, modes=("random", "in_save")):
     out = os.path.join(work, "out")
     failures = []
     last_logged = 0
@@ -177,7 +182,7 @@ def kill_all(args, work, rng):
     for trial in range(args.trials):
         committed = committed_steps(out)
         start_from = committed[-1] if committed else 0
-        mode = rng.choice(["random", "in_save"])
+        mode = rng.choice(list(modes))
         env = {}
         if mode == "in_save":
             rank = rng.randrange(2)
@@ -200,6 +205,9 @@ def kill_all(args, work, rng):
             what = "rank %d killed inside the save of step %d, then SIGKILL to the other" % (rank, save_step)
             if not died:
                 failures.append("trial %d: the crash in the save of step %d did not happen" % (trial, save_step))
+            elif args.checkpoint_async == "on" and not re.search(
+                    r"checkpoint step %d: the training waited \S+ s .*written in the background" % save_step, job.log(0)):
+                failures.append("trial %d: the save of step %d was not written in the background" % (trial, save_step))
             else:
                 in_save += 1
         job.kill_all()
@@ -572,6 +580,11 @@ def straggler(args, work, rng):
             done = job.wait_for(lambda: not job.running(), 180, "the end")
             job.kill_all()
             codes = [p.returncode for p in job.procs]
+            # Every straggler line of the run, not only the first after the fault: the healthy
+            # rank must never be named (before the fault that is a false flag, counted above).
+            healthy = sorted({int(r) for r in re.findall(r"straggler: rank (\d)", job.log(0))} - {victim})
+            if healthy and not flagged_clean:
+                failures.append("trial %d: rank %d slowed, but rank(s) %s named as well" % (trial, victim, healthy))
             if not done:
                 failures.append("trial %d: HANG" % trial)
             elif codes != [0, 0]:
@@ -603,6 +616,13 @@ def straggler(args, work, rng):
 
 # --- the storage cases: storage_faults.py's loops, with this script's seed and trials ---------
 
+def kill_in_async_save(args, work, rng):
+    """kill_all's in-save trials with checkpoints written in the background: one rank is
+    killed (SIGKILL) half-way through a background write while the training goes on, then the
+    other; the resume must start from the checkpoint committed before it."""
+    return kill_all(args, work, rng, modes=("in_save",))
+
+
 def storage_case(name):
     def run_case(args, work, rng):
         sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -622,7 +642,7 @@ def stranger(args, work, rng):
 
 CASES = {"kill_all": kill_all, "lose_rank": lose_rank, "throttle": throttle, "partition": partition, "straggler": straggler,
          "enospc": storage_case("enospc"), "eio": storage_case("eio"), "corrupt_latest": storage_case("corrupt_latest"),
-         "stranger": stranger}
+         "stranger": stranger, "kill_in_async_save": kill_in_async_save}
 
 
 def main():
@@ -633,7 +653,11 @@ def main():
     ap.add_argument("--trials", type=int, default=10)
     ap.add_argument("--seed", type=int, default=None)
     ap.add_argument("--keep", action="store_true", help="keep the work folder (logs of every rank)")
+    ap.add_argument("--checkpoint-async", dest="checkpoint_async", default=None, choices=["on", "off", "auto"],
+                    help="train.checkpoint_async of every run (kill_in_async_save: on)")
     args = ap.parse_args()
+    if args.case == "kill_in_async_save":
+        args.checkpoint_async = "on"
     args.source, args.bin = os.path.abspath(args.source), os.path.abspath(args.bin)
     seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(4), "little")
     print("fault loop %s: seed %d (replay with --seed %d)" % (args.case, seed, seed), flush=True)

@@ -27,12 +27,17 @@
 After every trial: no crash (exit 0; 3 when a checkpoint that had to be saved was not; 1
 when the export failed), one warning or error line naming the file and the cause when
 the fault fired, no temporary file left, every committed checkpoint verifying (zipfile's
-CRC check and torch.load, independent of faceshard's reader) and the newest one resuming
-(a run of one more step), metrics.jsonl's every line JSON, the TensorBoard file whole
-records to its end, model.pt absent or loadable.
+CRC check and torch.load, independent of faceshard's reader), every checkpoint committed
+before the fault that train.keep_checkpoints keeps still there byte for byte, the newest
+committed one resuming ("resumed from ...step_N at step N", then steps N+1..9 logging the
+losses of one uninterrupted faultless run), metrics.jsonl's every line JSON, the
+TensorBoard file whole records to its end, model.pt absent or loadable.
+
+--checkpoint-async on|off|auto sets train.checkpoint_async of every run (unset: the
+default, auto, which writes checkpoints in the background where the host's memory allows).
 
 usage: storage_faults.py --source DIR --bin DIR --case matrix|full_fs|corrupt_latest|enospc|eio
-       [--ordinals K] [--trials N] [--seed S] [--keep]
+       [--ordinals K] [--trials N] [--seed S] [--keep] [--checkpoint-async on|off|auto]
 """
 import argparse
 import glob
@@ -66,6 +71,8 @@ KINDS = {
     "index_cache": ".fsidx.tmp",  # the cache file, written under a temporary name
 }
 CHECKPOINT_KINDS = {"fc_shard", "backbone", "train_state", "commit_marker"}
+CHECKPOINT_FILES = ("backbone.pt", "train_state.pt", "fc_shard_0.pt")
+KEEP = 3  # train.keep_checkpoints of the tiny config
 EXPORT_KINDS = {"export_model", "export_json", "export_onnx"}
 
 
@@ -100,14 +107,27 @@ data: {{rec: {work}/data, num_classes: 16, batch_size: 4, num_workers: 1}}
 model: {{backbone: mbf, embedding_size: 32}}
 loss: {{margin: [1.0, 0.0, 0.4], scale: 16}}
 optim: {{lr: 0.05, epochs: 1000, warmup_epochs: 0}}
-train: {{log_every: 1, verify_every: 0, checkpoint_every: 2, keep_checkpoints: 3, tensorboard: true}}
+train: {{log_every: 1, verify_every: 0, checkpoint_every: 2, keep_checkpoints: {keep}, tensorboard: true{more}}}
 dist: {{device: cpu}}
-""".format(root=args.source, work=work))
+""".format(root=args.source, work=work, keep=KEEP,
+           more=", checkpoint_async: " + args.checkpoint_async if args.checkpoint_async else ""))
         # The starting point of every trial: committed checkpoints at steps 2 and 4.
         self.base = os.path.join(work, "base")
         code, out = self.train_run(self.base, ["--set", "train.max_steps=4"])
         if code != 0:
             sys.exit("the base run failed:\n" + out[-3000:])
+        # What every trial starts from: the steps committed before its fault, and their bytes.
+        self.base_steps = committed_steps(self.base)
+        if self.base_steps != [2, 4]:
+            sys.exit("the base run committed steps %s, expected [2, 4]" % self.base_steps)
+        self.base_digests = {step: checkpoint_digests(self.base, step) for step in self.base_steps}
+        # The losses of one uninterrupted faultless run to step 9 (no resume in it): what every
+        # resume from a committed checkpoint must log again for the steps after it.
+        self.reference = os.path.join(work, "reference")
+        code, out = self.train_run(self.reference, ["--set", "train.max_steps=9"])
+        self.reference_losses = logged_losses(out)
+        if code != 0 or sorted(self.reference_losses) != list(range(1, 10)):
+            sys.exit("the reference run failed (steps %s logged):\n%s" % (sorted(self.reference_losses), out[-3000:]))
 
     def train_run(self, output, extra, env_extra=None, timeout=300):
         env = dict(os.environ, OMP_NUM_THREADS="1")
@@ -235,12 +255,81 @@ dist: {{device: cpu}}
         return problems
 
     def resumes(self, output, kind=None):
-        """The newest committed checkpoint loads and trains one step (an index_cache trial's
-        with whatever the trial left in the cache folder)."""
+        """The newest committed checkpoint loads and trains on to step 9 (an index_cache
+        trial's with whatever the trial left in the cache folder): the resume names that
+        checkpoint's step, and the losses of the steps after it are the faultless
+        reference's (a resume that started afresh, or from an older checkpoint or state,
+        logs others)."""
+        newest = committed_steps(output)
+        if not newest:
+            return "resume: no committed checkpoint to resume from"
+        n = newest[-1]
         code, out = self.train_run(output, ["--resume", "--set", "train.max_steps=9"], self.cache_env(kind))
         if code != 0:
-            return "resume: exit %d: %s" % (code, out.strip().splitlines()[-1][:200])
-        return None
+            return "resume: exit %d: %s" % (code, (out.strip().splitlines() or [""])[-1][:200])
+        if not re.search(r"resumed from \S*step_%08d at step %d\b" % (n, n), out):
+            said = [l for l in out.splitlines() if "resumed from" in l or "starting fresh" in l]
+            return "resume: did not name the newest committed checkpoint, step %d: %s" % (n, said[:1])
+        return losses_continue(logged_losses(out), self.reference_losses, n)
+
+
+def committed_steps(output):
+    """The steps of the committed checkpoints under output/checkpoints, ascending."""
+    steps = []
+    for c in glob.glob(os.path.join(output, "checkpoints", "step_*", "COMMITTED")):
+        m = re.search(r"step_(\d+)$", os.path.dirname(c))
+        if m:
+            steps.append(int(m.group(1)))
+    return sorted(steps)
+
+
+def checkpoint_digests(output, step):
+    """The SHA-256 of each file of the checkpoint at step (its marker included)."""
+    import hashlib
+    d = os.path.join(output, "checkpoints", "step_%08d" % step)
+    got = {}
+    for f in CHECKPOINT_FILES + ("COMMITTED",):
+        p = os.path.join(d, f)
+        got[f] = hashlib.sha256(open(p, "rb").read()).hexdigest() if os.path.exists(p) else None
+    return got
+
+
+def logged_losses(out):
+    """{step: loss} of the log lines a run printed ("step 5/9 ... loss 12.34 ...")."""
+    losses = {}
+    for m in re.finditer(r"step (\d+)/\d+\b.*?\bloss ([-+0-9.eE]+|nan|inf)", out):
+        losses[int(m.group(1))] = float(m.group(2))
+    return losses
+
+
+def losses_continue(got, reference, start):
+    """Problems (None: none) of a resume from the checkpoint at `start` that logged `got`:
+    exactly the steps after it, each loss the faultless reference's."""
+    want = [k for k in sorted(reference) if k > start]
+    if sorted(got) != want:
+        return "resume from step %d logged steps %s, expected %s" % (start, sorted(got), want)
+    for k in want:
+        # The log line's 4 decimals: the same value prints the same; one last-digit step at most.
+        if not abs(got[k] - reference[k]) <= 1.01e-4 + 1e-6 * abs(reference[k]):
+            return "resume from step %d: the loss at step %d is %r, the faultless run's %r" % (start, k, got[k], reference[k])
+    return None
+
+
+def committed_kept(before, digests, after, keep=KEEP):
+    """Problems with the checkpoints committed before a trial: every one of them that the
+    run's keep_checkpoints keeps (among the newest `keep` of those and the ones the trial
+    committed) must still be there, byte for byte as it was."""
+    problems = []
+    kept = sorted(set(before) | set(after))[-keep:]
+    for step in before:
+        if step not in kept:
+            continue  # pruned by keep_checkpoints, as it should be
+        if step not in after:
+            problems.append("the checkpoint committed at step %d before the fault is gone" % step)
+        elif digests[step] != digests.get(("after", step)):
+            changed = [f for f in digests[step] if digests[step][f] != digests[("after", step)][f]]
+            problems.append("the checkpoint committed at step %d before the fault changed: %s" % (step, changed))
+    return problems
 
 
 def judge(s, kind, op, err, n, code, out, fired, output, full_check):
@@ -266,6 +355,11 @@ def judge(s, kind, op, err, n, code, out, fired, output, full_check):
     if len(errors) > 1:
         problems.append("%d error lines" % len(errors))
     problems += s.check_output(output, load=full_check)
+    after = committed_steps(output)
+    digests = dict(s.base_digests)
+    for step in after:
+        digests[("after", step)] = checkpoint_digests(output, step)
+    problems += committed_kept(s.base_steps, digests, after)
     if kind == "export_onnx":
         onnx = os.path.join(output, "model.onnx")
         if code != 0 and os.path.exists(onnx):
@@ -310,7 +404,7 @@ def matrix(args, s, rng):
                 for n in walked:
                     out_dir = os.path.join(s.work, "trial")
                     code, out, fired = s.faulted(out_dir, "%s:%d:%s:%s" % (op, n, err, text), kind)
-                    problems, line = judge(s, kind, op, err, n, code, out, fired, out_dir, full_check=(n == walked[-1]))
+                    problems, line = judge(s, kind, op, err, n, code, out, fired, out_dir, full_check=True)
                     outcomes[code] = outcomes.get(code, 0) + 1
                     if fired and line and not said:
                         said = re.sub(r"^\[rank \d+/\d+\] ", "", line)[:160]
@@ -436,6 +530,8 @@ def full_fs(args, s, rng):
         used = sum(os.path.getsize(p) for p in glob.glob(os.path.join(out_dir, "**"), recursive=True) if os.path.isfile(p))
         st = os.statvfs(mnt)
         free = st.f_bavail * st.f_frsize
+        before = committed_steps(out_dir)
+        before_digests = {step: checkpoint_digests(out_dir, step) for step in before}
         with open(os.path.join(mnt, "filler"), "wb") as f:
             f.write(b"\0" * max(0, free - used // 3 // 2))
         code, out = s.train_run(out_dir, ["--resume", "--set", "train.max_steps=20", "--set", "train.keep_checkpoints=10"])
@@ -450,6 +546,13 @@ def full_fs(args, s, rng):
             failures.append("%d 'not saved' warnings, expected one" % len(warns))
         os.remove(os.path.join(mnt, "filler"))
         failures += s.check_output(out_dir)
+        after = committed_steps(out_dir)
+        digests = dict(before_digests)
+        for step in after:
+            digests[("after", step)] = checkpoint_digests(out_dir, step)
+        failures += committed_kept(before, digests, after, keep=10)
+        if after and before and after[-1] < before[-1]:
+            failures.append("the newest committed checkpoint went back from step %d to %d" % (before[-1], after[-1]))
         r = s.resumes(out_dir)
         if r:
             failures.append(r)
@@ -471,6 +574,8 @@ def main():
     ap.add_argument("--kinds", default="", help="matrix: only these kinds of file (comma-separated)")
     ap.add_argument("--seed", type=int, default=None)
     ap.add_argument("--keep", action="store_true")
+    ap.add_argument("--checkpoint-async", dest="checkpoint_async", default=None, choices=["on", "off", "auto"],
+                    help="train.checkpoint_async of every run (written in the background with on)")
     args = ap.parse_args()
     args.source, args.bin = os.path.abspath(args.source), os.path.abspath(args.bin)
     seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(4), "little")

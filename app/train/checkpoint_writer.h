@@ -1,0 +1,129 @@
+// How the trainer saves a checkpoint. SyncCheckpointWriter: every rank stops while its part
+// is written (CheckpointManager::save over the training's collectives). AsyncCheckpointWriter
+// (train.checkpoint_async): at the checkpoint step each rank copies what it saves into staging
+// buffers (host memory kept across checkpoints, pinned for a GPU's tensors, copied on a side
+// stream that the training stream waits for before its next kernel), then one background
+// thread writes them with the same protocol (temporary files, fsync, rename, read-back,
+// COMMITTED once every rank's part verified), the ranks agreeing through the rendezvous store
+// (store_agreement.h), never over the training's process group. One save is in flight at a
+// time: the next one waits for it. Outcomes are taken at the same step on every rank (the
+// next save, or finish()), so that every rank applies the failure policy at the same point.
+#pragma once
+#include <atomic>
+#include <chrono>
+#include <functional>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <thread>
+
+#include "app/io/checkpoint.h"
+#include "app/train/train_state.h"
+
+namespace faceshard {
+
+// One checkpoint as the training saw it.
+struct CheckpointOutcome {
+  int64_t step = 0;
+  bool committed = false;
+  std::string problem;     // why not, when not committed
+  double wait_s = 0;       // the training's stop at the step: staging plus the wait for the previous write
+  double stage_s = 0;      // of which the copy into staging buffers
+  double previous_s = 0;   // of which the wait for the previous save still being written
+  double write_s = 0;      // this rank's write (fsync and read-back included; the sync save's whole time)
+  double bytes = 0;        // this rank's bytes written
+  bool background = false;
+};
+
+class CheckpointWriter {
+ public:
+  virtual ~CheckpointWriter() = default;
+  // Saves the state as it is now (collective: every rank at the same step). Returns the
+  // outcome of a save that ended during the call: this one (synchronous), or the previous one
+  // that was still being written (asynchronous); nothing when none did.
+  virtual std::optional<CheckpointOutcome> save(const TrainState& state) = 0;
+  // Waits for the save in flight (at the run's end, at a stop); its outcome, nothing when none.
+  virtual std::optional<CheckpointOutcome> finish() = 0;
+  virtual bool background() const = 0;
+};
+
+class SyncCheckpointWriter : public CheckpointWriter {
+ public:
+  explicit SyncCheckpointWriter(CheckpointManager& checkpoints) : checkpoints_(checkpoints) {}
+  std::optional<CheckpointOutcome> save(const TrainState& state) override;
+  std::optional<CheckpointOutcome> finish() override { return std::nullopt; }
+  bool background() const override { return false; }
+
+ private:
+  CheckpointManager& checkpoints_;
+};
+
+// Host copies of a checkpoint's tensors, kept from one checkpoint to the next (allocated
+// again only where an entry's shape or type changed).
+class StagingBuffers {
+ public:
+  // `live`'s entries copied into the buffers of `file`; on a GPU the copies are queued on
+  // a side stream (ready() waits for them).
+  StateDict stage(const StateDict& live, const std::string& file);
+  // Blocks until the copies queued by stage() are done (from any thread).
+  void ready();
+  // Called after the last stage() of a checkpoint: on a GPU, the training stream waits (on
+  // the device, not the host) for the copies before its next kernel can change what they read.
+  void fence();
+  double bytes() const;
+
+ private:
+  std::map<std::string, at::Tensor> buffers_;
+  struct Device;
+  std::shared_ptr<Device> device_;  // the side stream and its event (GPU only)
+};
+
+// The bytes one checkpoint of `c` stages on `rank` (what its StagingBuffers hold): rank 0
+// the backbone, the train state and its shard; the others their shard.
+double staging_bytes(const CheckpointContents& c, int rank);
+
+class AsyncCheckpointWriter : public CheckpointWriter {
+ public:
+  // `store`: a connection of its own to the rendezvous store (unused with one rank);
+  // `run_id`: the same on every rank, unique to this run; `timeout`: how long a stage of the
+  // save waits for the other ranks, and finish() for the write.
+  AsyncCheckpointWriter(CheckpointManager& checkpoints, int rank, int world_size, c10::intrusive_ptr<c10d::Store> store,
+                        std::string run_id, std::chrono::milliseconds timeout);
+  ~AsyncCheckpointWriter() override;
+  std::optional<CheckpointOutcome> save(const TrainState& state) override;
+  std::optional<CheckpointOutcome> finish() override;
+  bool background() const override { return true; }
+
+  // Called on the background thread before it writes a checkpoint: where tests hold the
+  // write back until the training has taken its next step.
+  void set_before_write_hook(std::function<void(int64_t step)> hook) { before_write_ = std::move(hook); }
+  // Called by finish() (every rank at the same point) before it waits for the write in
+  // flight: a collective of the training's (a barrier) whose hang detection ends the run when
+  // a peer is frozen or gone, instead of the wait lasting the agreement's whole timeout (the
+  // store, on rank 0's host, may be the one frozen).
+  void set_before_wait(std::function<void()> check) { before_wait_ = std::move(check); }
+
+ private:
+  CheckpointManager& checkpoints_;
+  int rank_, world_;
+  c10::intrusive_ptr<c10d::Store> store_;
+  std::string run_id_;
+  std::chrono::milliseconds timeout_;
+  StagingBuffers staging_;
+  std::thread thread_;
+  CheckpointOutcome in_flight_;  // the thread's, read after it is joined
+  std::function<void(int64_t)> before_write_;
+  std::function<void()> before_wait_;
+  std::atomic<bool> abort_{false};
+};
+
+// The writer train.checkpoint_async picks for this job, the same on every rank (collective:
+// one all-reduce at the start), with one line saying which and why. auto: in the background
+// where this host's ranks' staging (local_world_size x this rank's) fits in half the host's
+// available memory; on: in the background wherever that staging fits in the available
+// memory at all; off (or not enough memory): synchronous.
+std::unique_ptr<CheckpointWriter> make_checkpoint_writer(const TrainJob& job, const TrainState& state,
+                                                         CheckpointManager& checkpoints);
+
+}  // namespace faceshard
