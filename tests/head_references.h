@@ -4,8 +4,11 @@
 // the heads' distributed equivalence (test_margin_heads.cpp) and the GPU's sampled classifier
 // (test_cuda.cpp). Every head of the catalogue must have one
 // (MarginHeads.EveryRegisteredHeadHasAFloat64Reference): a reference is a function and the
-// line that registers it, below, with the head's parameters as the catalogue resolves them.
+// line that registers it, below. Its parameters are the head's published defaults, written
+// here from the authors' code (published_head_defaults), with the test's own settings over
+// them: never the catalogue's defaults, so that a default that drifts there fails the tests.
 #pragma once
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <functional>
@@ -34,6 +37,7 @@ struct RefOutput {
 struct RefState {  // what a head carries from one forward to the next
   double batch_mean = 20, batch_std = 100;  // AdaFace's initial norm statistics
   double t = 0;                             // CurricularFace's
+  double iteration = 0;                     // SphereFace's forward count
 };
 using RefFn = std::function<RefOutput(const RefInput&, RefState&)>;
 
@@ -44,6 +48,46 @@ inline std::map<std::string, RefFn>& head_references() {
 struct Reference {
   Reference(const std::string& head, RefFn fn) { head_references()[head] = std::move(fn); }
 };
+
+// Each head's defaults as its authors publish them, written here and not read from the head
+// catalogue under test:
+//   combined        arcface_torch's configs: margin_list (1.0, 0.5, 0.0), s 64
+//   arcface         insightface / arcface_torch ArcFace: m 0.5, s 64
+//   cosface         arcface_torch CosFace: m 0.4, s 64
+//   adaface         mk-minchul/AdaFace head.py and its training config: m 0.4, h 0.333, s 64, t_alpha 0.01
+//   curricularface  HuangYG123/CurricularFace head/metrics.py: m 0.5, s 64
+//   magface         IrvingMeng/MagFace MagLinear/MagLoss: l_a 10, u_a 110, l_m 0.45, u_m 0.8, lambda_g 35,
+//                   s 64, easy margin on
+//   elasticface_arc fdbtrs/ElasticFace utils/losses.py ElasticArcFace: m 0.5, std 0.0125, s 64 (plus off)
+//   elasticface_cos fdbtrs/ElasticFace config/config_ElasticCosFace.py: m 0.35, std 0.05, s 64 (plus off)
+//   sphereface      wy1iu/sphereface (A-Softmax): m 4; on normalised features with the scale s 64 that
+//                   every head here shares (the authors scale by the feature's norm instead); the
+//                   annealing of train/code/sphereface_model.prototxt's MarginInnerProduct layer:
+//                   base 1000, gamma 0.12, power 1, lambda_min 5
+inline const std::map<std::string, std::map<std::string, double>>& published_head_defaults() {
+  static const std::map<std::string, std::map<std::string, double>> d = {
+      {"combined", {{"m1", 1.0}, {"m2", 0.5}, {"m3", 0.0}, {"s", 64.0}}},
+      {"arcface", {{"m", 0.5}, {"s", 64.0}}},
+      {"cosface", {{"m", 0.4}, {"s", 64.0}}},
+      {"adaface", {{"m", 0.4}, {"h", 0.333}, {"s", 64.0}, {"t_alpha", 0.01}}},
+      {"curricularface", {{"m", 0.5}, {"s", 64.0}}},
+      {"magface",
+       {{"l_a", 10.0}, {"u_a", 110.0}, {"l_m", 0.45}, {"u_m", 0.8}, {"lambda_g", 35.0}, {"s", 64.0}, {"easy_margin", 1.0}}},
+      {"elasticface_arc", {{"m", 0.5}, {"sigma", 0.0125}, {"s", 64.0}, {"plus", 0.0}}},
+      {"elasticface_cos", {{"m", 0.35}, {"sigma", 0.05}, {"s", 64.0}, {"plus", 0.0}}},
+      {"sphereface", {{"m", 4.0}, {"s", 64.0}, {"base", 1000.0}, {"gamma", 0.12}, {"power", 1.0}, {"lambda_min", 5.0}}},
+  };
+  return d;
+}
+// The reference's parameters: the published defaults with the test's settings over them (a
+// head without published defaults here gets the settings alone: its reference then fails,
+// naming the parameter it misses).
+inline std::map<std::string, double> reference_params(const std::string& head, const std::map<std::string, double>& set) {
+  const auto it = published_head_defaults().find(head);
+  std::map<std::string, double> p = it == published_head_defaults().end() ? std::map<std::string, double>{} : it->second;
+  for (const auto& [k, v] : set) p[k] = v;
+  return p;
+}
 
 // The combined margin in exact mode (margin.h): s (cos(m1 theta + m2) - m3), continued with
 // slope 1 in c beyond theta_max = (pi - m2) / m1.
@@ -56,8 +100,7 @@ inline RefOutput combined_margin(const RefInput& in, double m1, double m2, doubl
 }
 
 inline const Reference kCombined("combined", [](const RefInput& in, RefState&) -> RefOutput {
-  const CombinedMargin m;  // PartialFCOptions' default margin
-  return combined_margin(in, m.m1, m.m2, m.m3, m.scale);
+  return combined_margin(in, in.p.at("m1"), in.p.at("m2"), in.p.at("m3"), in.p.at("s"));
 });
 inline const Reference kArcFace("arcface", [](const RefInput& in, RefState&) -> RefOutput {
   return combined_margin(in, 1, in.p.at("m"), 0, in.p.at("s"));
@@ -148,17 +191,26 @@ inline const Reference kElasticCos("elasticface_cos", [](const RefInput& in, Ref
   return {(in.cos - in.onehot * mg) * in.p.at("s"), {}};
 });
 
-inline const Reference kSphereFace("sphereface", [](const RefInput& in, RefState&) -> RefOutput {
-  const double m = in.p.at("m");
+// The authors' Caffe layer (wy1iu/sphereface margin_inner_product_layer.cpp, Forward_cpu):
+// iteration += 1 first, lambda = max(lambda_min, base (1 + gamma iteration)^-power), and the
+// target (lambda cos + psi) / (1 + lambda); base 0 or lambda_min 0 leaves psi alone.
+inline const Reference kSphereFace("sphereface", [](const RefInput& in, RefState& st) -> RefOutput {
+  const double m = in.p.at("m"), base = in.p.at("base"), lambda_min = in.p.at("lambda_min");
+  st.iteration += 1;
+  const double lambda =
+      base > 0 && lambda_min > 0
+          ? std::max(lambda_min, base * std::pow(1 + in.p.at("gamma") * st.iteration, -in.p.at("power")))
+          : 0.0;
   const at::Tensor theta = in.cos.clamp(-1, 1).acos();
   const at::Tensor k = (theta.detach() * m / M_PI).floor().clamp_max(std::ceil(m) - 1);
   const at::Tensor psi = (1 - 2 * k.remainder(2)) * (theta * m).cos() - 2 * k;
-  return {torch::where(in.onehot > 0, psi, in.cos) * in.p.at("s"), {}};
+  const at::Tensor f = (in.cos * lambda + psi) / (1 + lambda);
+  return {torch::where(in.onehot > 0, f, in.cos) * in.p.at("s"), {}};
 });
 
 struct HeadReference {
   std::string head;
-  std::map<std::string, double> params;  // resolved against the catalogue
+  std::map<std::string, double> params;  // reference_params(head, the test's settings)
   RefState state;
   uint64_t seed = 0;
   int64_t forward = 0;
@@ -186,7 +238,10 @@ struct HeadReference {
   }
   // The state entry `name` of the head, as the reference holds it.
   double state_value(const std::string& name) const {
-    return name == "t" ? state.t : name == "batch_mean" ? state.batch_mean : state.batch_std;
+    return name == "t"            ? state.t
+           : name == "iteration"  ? state.iteration
+           : name == "batch_mean" ? state.batch_mean
+                                  : state.batch_std;
   }
 };
 

@@ -169,7 +169,7 @@ TEST(PartialFCCuda, MatchesCpu) {
         if (dt == at::kFloat) {
           testing::HeadReference ref;
           ref.head = head;
-          ref.params = resolve_head_params(info, o.head.params);
+          ref.params = testing::reference_params(head, o.head.params);
           ref.seed = o.seed;  // ElasticFace's draws: the run's seed, forward 0
           const at::Tensor E = emb.to(torch::kDouble).requires_grad_();
           const at::Tensor Wt = row_of(before, "weight").to(torch::kDouble).requires_grad_();

@@ -697,4 +697,63 @@ TEST(NetworkPlan, OneHostLoopbackUserVariablesWin) {
   }
 }
 
+// A window closes after `window` steps or once its steps add up to window_s seconds,
+// whichever comes first. At the defaults (50 steps, 10 s), two ranks stepping at 0.1 s close
+// windows by their count; rank 1 slowed to 1.5 s a step (rank 0 waiting for it) for 60 s, 40
+// steps, is named after two windows of 7 steps (10.5 s each), well within the slowdown, with
+// the steps of those two windows, and rank 0 is never named. Counted in steps alone (the
+// control: window_s beyond reach) the same slowdown ends before the first slow window.
+TEST(Stragglers, WindowClosesAfterItsStepsOrItsSecondsWhicheverFirst) {
+  struct Seen {
+    std::vector<StragglerReport> reports;
+    int64_t judged = 0;
+  };
+  // windows: how many the run closes (2 healthy; then 7-step windows to step 145, or one of
+  // 50 steps to step 160).
+  auto run = [](double window_s, int64_t windows) {
+    auto store = c10::make_intrusive<c10d::HashStore>();
+    const int64_t window = 50;
+    std::vector<std::unique_ptr<StragglerMonitor>> m;
+    for (int r = 0; r < 2; ++r)
+      m.push_back(
+          std::make_unique<StragglerMonitor>(store, r, 2, std::vector<std::string>{"a", "b"}, window, window_s));
+    std::mt19937 gen(3);
+    std::uniform_real_distribution<double> jitter(0.95, 1.05);
+    int64_t step = StragglerMonitor::kWarmupSteps;
+    Seen seen;
+    auto steps = [&](int64_t n, double slow_s) {
+      for (int64_t k = 0; k < n; ++k) {
+        ++step;
+        const double fast = 0.1 * jitter(gen), slow = slow_s > 0 ? slow_s * jitter(gen) : fast;
+        m[0]->add_step(step, slow + 0.001, 0.001, slow - fast);  // rank 0 waits for rank 1 in its collectives
+        m[1]->add_step(step, slow + 0.001, 0.001, 0.0);
+      }
+    };
+    steps(100, 0);  // 10 s of healthy steps: two windows of 50
+    EXPECT_TRUE(judged(*m[0], 2));
+    EXPECT_EQ(m[0]->windows_judged(), 2) << "a healthy window closed before its 50 steps";
+    EXPECT_TRUE(m[0]->take_reports().empty());
+    steps(40, 1.5);  // 60 s at 1.5 s a step
+    steps(20, 0);
+    EXPECT_TRUE(judged(*m[0], windows));
+    seen.judged = m[0]->windows_judged();
+    seen.reports = m[0]->take_reports();
+    return seen;
+  };
+  const Seen timed = run(StragglerMonitor::kWindowSeconds, 7);
+  EXPECT_EQ(timed.judged, 7);
+  ASSERT_FALSE(timed.reports.empty()) << "rank 1, slowed to 1.5 s a step for 60 s, was never named";
+  for (const auto& r : timed.reports) EXPECT_EQ(r.rank, 1) << "rank " << r.rank << " named for " << r.phase;
+  const StragglerReport& first = timed.reports.front();
+  EXPECT_EQ(first.phase, "compute");
+  // The slow steps are 111-150: 7-step windows (10.5 s >= 10 s) from step 111, named at the
+  // end of the second, step 124.
+  EXPECT_EQ(first.first_step, 111);
+  EXPECT_EQ(first.last_step, 124);
+  EXPECT_NEAR(first.median_s, 1.5, 0.08);
+  const Seen counted = run(1e9, 3);
+  EXPECT_EQ(counted.judged, 3);
+  EXPECT_TRUE(counted.reports.empty()) << "windows of 50 steps named a 40-step slowdown";
+}
+
 }  // namespace faceshard

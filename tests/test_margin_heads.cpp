@@ -11,6 +11,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <string>
 #include <utility>
 #include <vector>
@@ -46,6 +47,18 @@ TEST(MarginHeads, EveryRegisteredHeadHasAFloat64Reference) {
                                                     << " head has no float64 reference in tests/head_references.h (a "
                                                        "function and its Reference line)";
   for (const auto& [name, fn] : head_references()) EXPECT_NE(find_head_info(name), nullptr) << name << " is no head";
+  // Every head's published defaults are written in tests/head_references.h, one per parameter
+  // of the catalogue (the combined head's come from loss.margin: m1, m2, m3 and s).
+  for (const HeadInfo& h : head_catalogue()) {
+    const auto it = testing::published_head_defaults().find(h.name);
+    ASSERT_NE(it, testing::published_head_defaults().end()) << "no published defaults for " << h.name;
+    if (h.params.empty()) continue;
+    std::set<std::string> names;
+    for (const HeadParam& p : h.params) names.insert(p.name);
+    std::set<std::string> written;
+    for (const auto& kv : it->second) written.insert(kv.first);
+    EXPECT_EQ(names, written) << h.name;
+  }
 }
 
 int64_t rows_of(int r) { return 4 + (r % 2); }
@@ -88,7 +101,7 @@ TEST_P(MarginHeadsDistributed, EqualOneProcessWithTheWholeBatchAndWeight) {
     PartialFC fc(d, o);
     HeadReference ref;
     ref.head = hc.head;
-    ref.params = resolve_head_params(*info, o.head.params);
+    ref.params = testing::reference_params(hc.head, o.head.params);  // the published defaults, not the catalogue's
     ref.seed = o.seed;
     const int64_t s0 = fc.shard().start, n0 = fc.shard().count;
     at::Tensor acc_grad = torch::zeros({C, D}, torch::kDouble);
@@ -352,6 +365,53 @@ TEST(HostWatch, SeesHostReadsDeviceConversionsAndValueSizedOutputs) {
   const at::Tensor leaf = torch::ones({3}).requires_grad_();
   HostMadeInBackward::apply(leaf).sum().backward();
   EXPECT_EQ(watch.take().size(), 1u) << "torch::tensor(values, options) in a backward";
+}
+
+// SphereFace's annealing resumed from a saved forward count: loaded at 1657 forwards, the next
+// three forwards' lambda (5.0013, then lambda_min 5 twice: base (1 + gamma 1659)^-1 = 4.998)
+// crosses the floor, on 2 ranks, against the float64 reference resumed at the same count;
+// the count goes on to 1660 on every rank. A count that restarted at 0 (lambda 893) or a floor
+// that is not applied moves the loss by far more than the tolerance.
+TEST(MarginHeads, SphereFaceAnnealingResumesFromItsForwardCount) {
+  testing::run_ranks(2, [](Distributed& d) {
+    const int64_t C = 301, D = 16;
+    PartialFCOptions o;
+    o.num_classes = C;
+    o.embedding_size = D;
+    o.head.name = "sphereface";
+    o.optimizer = ShardOptimizerOptions{"sgd", 0.9, 0.0};
+    const at::Tensor full = PartialFC::initial_rows(0, C, D, o.seed);
+    PartialFC fc(d, o);
+    fc.head().load_state("iteration", torch::full({1}, 1657.0, torch::kFloat), "test");
+    HeadReference ref;
+    ref.head = "sphereface";
+    ref.params = testing::reference_params("sphereface", {});
+    ref.state.iteration = 1657;
+    for (int k = 0; k < 3; ++k) {
+      Batch b = make_batch(d.world_size(), d.rank(), C, D, full, 40 + k);
+      at::Tensor emb = b.emb.narrow(0, b.offset, b.rows).clone().requires_grad_();
+      auto out = fc.forward(emb, b.labels.narrow(0, b.offset, b.rows));
+      out.loss.backward();
+      at::Tensor E = b.emb.to(torch::kDouble).requires_grad_();
+      at::Tensor Wt = full.to(torch::kDouble).requires_grad_();
+      at::Tensor rl = ref.loss(E, Wt, b.labels, at::Tensor());
+      rl.backward();
+      const std::string at = "forward " + std::to_string(1658 + k);
+      EXPECT_LE(testing::relative_error(out.loss, rl.to(torch::kFloat)), 1e-5) << at;
+      EXPECT_LE(testing::relative_error(emb.grad(), (E.grad().narrow(0, b.offset, b.rows) * d.world_size()).to(torch::kFloat)),
+                5e-5)
+          << at;
+      EXPECT_LE(testing::relative_error(fc.gradient(), Wt.grad().narrow(0, fc.shard().start, fc.shard().count).to(torch::kFloat)),
+                5e-5)
+          << at;
+      fc.zero_grad();
+      ASSERT_EQ(fc.head().state().size(), 1u);
+      EXPECT_EQ(fc.head().state()[0].second.item<double>(), 1658.0 + k) << at;
+    }
+  });
+  // Not a key of the head: named.
+  auto head = make_margin_head(HeadSpec{"sphereface", {}}, CombinedMargin{});
+  EXPECT_THROW(head->load_state("t", torch::zeros({1}), "test"), Error);
 }
 
 // Every head of the catalogue (with its default parameters, and with each yes/no parameter

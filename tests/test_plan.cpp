@@ -145,6 +145,53 @@ TEST(PlanTable, EveryPresetIsPlanned) {
     ++presets;
   }
   EXPECT_GE(presets, 20);
+
+  // One preset's figure worked out here from the plan's formula: the
+  // WebFace42M r50 preset (bf16, batch 128, Partial FC 0.2, SGD) on 8 ranks. Per rank, with
+  // P parameters and A bytes of activations an image (the shipped table's measurements):
+  // 4P (weights) + 4P (gradients) + 4P (momentum) + 2P (bf16 copies) + 128 A + the input
+  // batch + 4P (DDP buckets) + the embeddings' all-gather, fixed; per row of the largest shard
+  // (n = ceil(C / 8)) 512 x 4 B of centre + 512 x 4 B of momentum, and per sampled row
+  // (floor(0.2 n)) a column of 1024 x 4 B logits. The chunk temporaries are the plan's own
+  // figure (chunk_policy.h: a budget, the same for every class count near the answer).
+  JobPlanInputs in = job_plan_inputs(load_config(std::string(FACESHARD_SOURCE_DIR) + "/configs/wf42m_pfc02_r50.yaml"), 8);
+  ASSERT_EQ(in.network, "r50");
+  ASSERT_EQ(in.precision, "bf16");
+  ASSERT_EQ(in.batch_per_rank, 128);
+  ASSERT_EQ(in.sample_rate, 0.2);
+  ASSERT_EQ(in.optimizer, "sgd");
+  ASSERT_NE(in.momentum, 0.0);
+  ASSERT_FALSE(in.fc_update_all);
+  ASSERT_EQ(in.fc_state_dtype, "fp32");
+  ASSERT_EQ(in.fc_weight_dtype, "fp32");
+  ASSERT_EQ(in.grad_accumulation, 1);
+  ASSERT_FALSE(in.cuda_graph);
+  in.num_classes = 1000000;
+  const ActivationEntry& a = t.at("r50", "bf16", plan_job_memory(in, t).checkpointing);
+  const double P = static_cast<double>(a.parameters), B = 128, W = 8, d = 512;
+  const double fixed = 4 * P + 4 * P + 4 * P + 2 * P + B * a.bytes_per_image + B * 3 * 112 * 112 * 4 + 4 * P +
+                       (4 * B * W * d * 4 + B * W * d * 2);
+  auto chunk_at = [&](int64_t classes) {
+    JobPlanInputs c = in;
+    c.num_classes = classes;
+    for (const auto& x : plan_job_memory(c, t).parts)
+      if (x.group + "/" + x.name == "classifier/chunk temporaries") return x.bytes;
+    return -1.0;
+  };
+  const double chunk = chunk_at(100000000);
+  ASSERT_GT(chunk, 0);
+  ASSERT_EQ(chunk_at(140000000), chunk);
+  const double budget = 80e9 - 1073741824.0;
+  auto rank0_bytes = [&](int64_t n) {
+    const auto sampled = static_cast<double>(static_cast<int64_t>(0.2 * static_cast<double>(n)));
+    return fixed + chunk + static_cast<double>(n) * d * 4 * 2 + sampled * B * W * 4;
+  };
+  int64_t n = static_cast<int64_t>((budget - fixed) / (d * 8 + 0.2 * B * W * 4));
+  while (rank0_bytes(n + 1) <= budget) ++n;
+  while (rank0_bytes(n) > budget) --n;
+  const int64_t by_hand = 8 * n;  // C = 8n: rank 0 holds n rows; one more class, n + 1
+  EXPECT_GT(by_hand, 10000000);
+  EXPECT_EQ(max_classes_that_fit(in, t, budget), by_hand) << "fixed " << fixed << " B, rows " << n;
 }
 
 JobPlanInputs r50_job() {
@@ -257,7 +304,7 @@ TEST(PlanVsBench, ClassifierWithinTenPercentAtTwoSizes) {
     PartialFCOptions po;
     po.num_classes = run["classes_per_shard"].as<int64_t>();
     po.sample_rate = run["sample_rate"].as<double>();
-    const double plan = classifier_memory_plan(po, 1, 0, 32).total_bytes();
+    const double plan = classifier_memory_plan(po, 1, 0, 32, /*cuda=*/false).total_bytes();  // the bench ran on the CPU
     const double measured = run["peak_tensor_mb"].as<double>() * 1048576.0;
     planned[po.sample_rate][po.num_classes] = plan;
     EXPECT_LT(relative_error(measured, plan), 0.10)

@@ -61,6 +61,7 @@
 #include "partial_fc/runtime/network.h"
 #include "partial_fc/runtime/log.h"
 #include "partial_fc/classifier/partial_fc.h"
+#include "partial_fc/runtime/op_counter.h"
 
 using namespace faceshard;
 
@@ -70,7 +71,8 @@ const char* kUsage =
     "usage: faceshard-bench --mode classifier [--classes-per-shard LIST] [--sample-rate LIST] [--precision LIST]\n"
     "                       [--batch B] [--dim D] [--steps K] [--windows N] [--warmup K]\n"
     "                       [--heads LIST] [--fc-state-dtype LIST] [--fc-weight-dtype LIST] [--logits LIST]\n"
-    "                       [--row-update LIST] [--device cpu|cuda] [--json FILE]\n"
+    "                       [--row-update LIST] [--chunking LIST] [--chunk-budget-mib M] [--chunk-rows N]\n"
+    "                       [--device cpu|cuda] [--json FILE]\n"
     "       faceshard-bench --mode step [--network NAME] [--batch B] [--classes C] [--sample-rate R]\n"
     "                       [--precision fp32|bf16|fp16] [--device cpu|cuda] [--config FILE] [--set key=value ...]\n"
     "                       [--steps K] [--windows N] [--warmup K] [--json FILE]\n"
@@ -97,7 +99,11 @@ const char* kUsage =
     "  --fc-weight-dtype LIST  the classifier's centres: fp32, bf16 (stochastic rounding; default fp32)\n"
     "  --logits LIST    the margin softmax: buffer (the logits held), streamed (never held); default buffer\n"
     "  --row-update LIST  the step's update of the rows: onepass (SGD on the CPU: one pass over each row\n"
-    "                   where it lives), generic (gather, update, scatter: the path a GPU takes); default onepass\n";
+    "                   where it lives), generic (gather, update, scatter); default onepass\n"
+    "  --chunking LIST  the classifier's chunks: auto (the device's), cache (the CPU's), budget (a GPU's: chunk\n"
+    "                   temporaries of --chunk-budget-mib, default 2048); on the CPU, budget counts the\n"
+    "                   operators (ops_per_step) a GPU would launch\n"
+    "  --chunk-rows N   every chunk N rows whatever the policy (0: the policy's)\n";
 
 struct Args {
   std::string mode = "classifier";
@@ -105,7 +111,8 @@ struct Args {
   double sample_rate = 1.0;
   // --mode classifier: comma-separated lists, every combination is measured
   std::string classes_list = "100000", rates = "1.0", precisions = "fp32", heads = "combined", states = "fp32",
-              updates = "onepass", weights = "fp32", logits = "buffer";
+              updates = "onepass", weights = "fp32", logits = "buffer", chunking = "auto";
+  int64_t chunk_budget_mib = 0, chunk_rows = 0;
   std::string device = "cpu", json, seeds = "1,2,3";
   // --mode data
   std::string data, workers = "1,2,all";
@@ -256,6 +263,20 @@ int run_storage(const Args& a) {
   return 0;
 }
 
+// The bytes a classifier step must move with S sampled rows of d, a global batch of N, centres
+// of wb bytes an element and optimiser state (SGD momentum) of sb (docs/performance.md, "The
+// classifier's floor"): the centres are read by the forward's GEMM and by backward's dL/dE
+// GEMM, and read and written by the update (4 wb), the momentum read and written (2 sb), the
+// raw gradient G'^T E written and read (8); the fp32 logits [N, S] are written by the GEMM,
+// read and written by the softmax, read and written into the gradient G' and read by the two
+// backward GEMMs (6 passes of 4 B), one more write and read where they are streamed (the
+// recomputation). The embeddings and the per-row vectors are small beside them.
+double classifier_step_bytes(int64_t S, int64_t N, int64_t d, int wb, int sb, bool streamed) {
+  const double rows = static_cast<double>(S) * static_cast<double>(d) * (4.0 * wb + 2.0 * sb + 8.0);
+  const double logits = static_cast<double>(N) * static_cast<double>(S) * 4.0 * (streamed ? 8.0 : 6.0);
+  return rows + logits;
+}
+
 // The classifier step alone, at every shard size x sample rate x precision asked for: median
 // time per step, the three GEMMs alone for comparison, and peak memory. Peak memory at two
 // shard sizes gives the bytes per class (the slope).
@@ -264,9 +285,11 @@ int run_classifier(const Args& a, Distributed& dist) {
   const torch::Device dev = cuda ? torch::Device(torch::kCUDA, dist.local_rank()) : torch::Device(torch::kCPU);
   const auto opts = torch::TensorOptions().device(dev);
   struct Row {
-    std::string head, precision, state, update, weight, logits;
+    std::string head, precision, state, update, weight, logits, chunking;
     int64_t classes;
     double rate, step_ms, gemm_ms, peak_mb, tensor_mb;
+    int64_t ops = 0;                 // ATen operators of one step (op_counter.h)
+    double bytes = 0, floor_ms = 0;  // the step's memory traffic and its floor
   };
   std::vector<Row> rows;
   auto time_windows = [&](const std::function<void()>& step) {
@@ -283,15 +306,26 @@ int run_classifier(const Args& a, Distributed& dist) {
     std::sort(per_step.begin(), per_step.end());
     return per_step[per_step.size() / 2] * 1e3;
   };
+  // The device's memory bandwidth in this run: a device-to-device copy of 256 MiB (read and
+  // written), timed as the steps are.
+  double bandwidth = 0;
+  {
+    at::Tensor src = torch::ones({int64_t(64) << 20}, opts.dtype(at::kFloat)), dst = torch::empty_like(src);
+    const double ms = time_windows([&] { dst.copy_(src); });
+    bandwidth = 2.0 * static_cast<double>(src.numel()) * 4.0 / (ms * 1e-3);
+    log_info("classifier: memory bandwidth ", bandwidth / 1e9, " GB/s (a 256 MiB copy on ", a.device, ")");
+  }
   // The storage and pass settings, every combination.
   struct Variant {
-    std::string state, update, weight, logits;
+    std::string state, update, weight, logits, chunking;
   };
   std::vector<Variant> variants;
   for (const std::string& state : split_list(a.states))
     for (const std::string& update : split_list(a.updates))
       for (const std::string& weight : split_list(a.weights))
-        for (const std::string& logits : split_list(a.logits)) {
+        for (const std::string& logits : split_list(a.logits))
+        for (const std::string& chunking : split_list(a.chunking)) {
+          parse_chunk_policy(chunking);  // a usage error naming the policy
           if (state != "fp32" && state != "bf16")
             throw usage_error("--fc-state-dtype entries must be fp32 or bf16, got '", state, "'");
           if (weight != "fp32" && weight != "bf16")
@@ -300,7 +334,7 @@ int run_classifier(const Args& a, Distributed& dist) {
             throw usage_error("--row-update entries must be onepass or generic, got '", update, "'");
           if (logits != "buffer" && logits != "streamed")
             throw usage_error("--logits entries must be buffer or streamed, got '", logits, "'");
-          variants.push_back({state, update, weight, logits});
+          variants.push_back({state, update, weight, logits, chunking});
         }
   for (const std::string& head : split_list(a.heads))
   for (const std::string& cps : split_list(a.classes_list)) {
@@ -332,14 +366,25 @@ int run_classifier(const Args& a, Distributed& dist) {
         o.optimizer.fused_cpu_rows = update == "onepass";
         o.weight_dtype = v.weight == "bf16" ? at::kBFloat16 : at::kFloat;
         o.streamed_logits = v.logits == "streamed";
+        o.chunking = parse_chunk_policy(v.chunking);
+        o.chunk_budget_bytes = a.chunk_budget_mib << 20;
+        o.update_chunk_rows = a.chunk_rows;
         PartialFC fc(dist, o, dev);
         const int64_t sampled = fc.num_sample();
-        const double step_ms = time_windows([&] {
+        auto one_step = [&] {
           fc.arm_step(0.1);  // as the trainer steps (used by streamed logits)
           fc.forward(emb, labels).loss.backward();
           fc.step(0.1);
           emb.mutable_grad().reset();
-        });
+        };
+        const double step_ms = time_windows(one_step);
+        int64_t ops = 0;
+        {
+          sync_device(cuda);
+          OpCounter counter;
+          one_step();
+          ops = counter.count();
+        }
         const double peak = peak_bytes(cuda) / 1048576.0;
         // CPU: the peak of the tensors the classifier allocated (what faceshard-plan plans).
         const double tensor_peak =
@@ -357,12 +402,16 @@ int run_classifier(const Args& a, Distributed& dist) {
           at::mm(g.t(), e);
           at::mm(g, w);
         });
-        rows.push_back({head, prec, state, update, v.weight, v.logits, classes / dist.world_size(), rate, step_ms,
-                        gemm_ms, peak, tensor_peak});
+        const double bytes = classifier_step_bytes(S, N, a.dim, v.weight == "bf16" ? 2 : 4, state == "bf16" ? 2 : 4,
+                                                   streamed);
+        const double floor_ms = std::max(gemm_ms, bytes / bandwidth * 1e3);
+        rows.push_back({head, prec, state, update, v.weight, v.logits, v.chunking, classes / dist.world_size(), rate,
+                        step_ms, gemm_ms, peak, tensor_peak, ops, bytes, floor_ms});
         log_info("classifier: ", head, ", ", classes / dist.world_size(), " classes/shard, rate ", rate, " (", S,
                  " per step), ", prec, ", weight ", v.weight, ", state ", state, ", ", update, ", logits ", v.logits,
                  ", batch ", a.batch, "x", dist.world_size(), ", dim ", a.dim, ": ", step_ms,
-                 " ms/step, GEMMs alone ", gemm_ms, " ms (x", step_ms / gemm_ms, "), peak ", peak, " MB (",
+                 " ms/step, GEMMs alone ", gemm_ms, " ms (x", step_ms / gemm_ms, "), floor ", floor_ms, " ms (x",
+                 step_ms / floor_ms, "), ", ops, " operators a step (chunking ", v.chunking, "), peak ", peak, " MB (",
                  cuda ? "GPU allocated" : "process RSS", ")", cuda ? "" : ", tensors ",
                  cuda ? "" : std::to_string(tensor_peak), cuda ? "" : " MB");
       }
@@ -371,6 +420,7 @@ int run_classifier(const Args& a, Distributed& dist) {
   // Bytes per class: the slope of peak memory between the smallest and the largest shard of
   // each rate and precision.
   std::ostringstream js;
+  js << std::setprecision(17);  // the floor's figures as computed (a reader recomputes them)
   js << "{\"mode\":\"classifier\",\"device\":\"" << a.device << "\",\"world_size\":" << dist.world_size()
      << ",\"batch_per_rank\":" << a.batch << ",\"dim\":" << a.dim << ",\"runs\":[";
   for (size_t i = 0; i < rows.size(); ++i)
@@ -378,6 +428,9 @@ int run_classifier(const Args& a, Distributed& dist) {
        << "\",\"fc_state_dtype\":\"" << rows[i].state << "\",\"fc_weight_dtype\":\"" << rows[i].weight
        << "\",\"logits\":\"" << rows[i].logits << "\",\"row_update\":\"" << rows[i].update
        << "\",\"classes_per_shard\":" << rows[i].classes << ",\"sample_rate\":" << rows[i].rate
+       << ",\"chunking\":\"" << rows[i].chunking << "\",\"ops_per_step\":" << rows[i].ops
+       << ",\"bytes_per_step\":" << rows[i].bytes << ",\"bandwidth_gbs\":" << bandwidth / 1e9
+       << ",\"floor_ms\":" << rows[i].floor_ms << ",\"step_over_floor\":" << rows[i].step_ms / rows[i].floor_ms
        << ",\"step_ms\":" << rows[i].step_ms << ",\"gemm_ms\":" << rows[i].gemm_ms
        << ",\"peak_memory_mb\":" << rows[i].peak_mb << ",\"peak_tensor_mb\":" << rows[i].tensor_mb << "}";
   js << "],\"bytes_per_class\":[";
@@ -386,7 +439,8 @@ int run_classifier(const Args& a, Distributed& dist) {
     for (size_t k = i + 1; k < rows.size(); ++k) {
       const Row &lo = rows[i], &hi = rows[k];
       if (lo.head != hi.head || lo.precision != hi.precision || lo.state != hi.state || lo.update != hi.update ||
-          lo.weight != hi.weight || lo.logits != hi.logits || lo.rate != hi.rate || hi.classes == lo.classes)
+          lo.weight != hi.weight || lo.logits != hi.logits || lo.chunking != hi.chunking || lo.rate != hi.rate ||
+          hi.classes == lo.classes)
         continue;
       const double slope = (hi.peak_mb - lo.peak_mb) * 1048576.0 / static_cast<double>(hi.classes - lo.classes);
       const double tensor_slope =
@@ -427,12 +481,15 @@ int run_step(const Args& a) {
   // into phases from one window of timed steps after them.
   TrainStep step(job);
   uint64_t epoch = 0, in_epoch = 0;
+  int64_t taken = 0;  // images this rank's steps took from the loader
   const uint64_t per_epoch = uint64_t(job.steps_per_epoch * job.micro);
   job.loader->start_epoch(0);
   BatchSource next = [&]() -> Batch {
     if (in_epoch == per_epoch) job.loader->start_epoch(++epoch), in_epoch = 0;
     in_epoch++;
-    return std::move(*job.loader->next());
+    Batch b = std::move(*job.loader->next());
+    taken += b.images.size(0);
+    return b;
   };
   job.backbone->train();
   int64_t k = 0;
@@ -449,15 +506,20 @@ int run_step(const Args& a) {
   reset_peak(cuda);
   AllocationMeter::reset_peak();
   std::vector<double> rate;
+  // Each timed window's images (counted from the batches its steps took, times the ranks)
+  // and seconds: the JSON's images_per_s is the median window's images / seconds.
+  std::vector<std::pair<int64_t, double>> timed;
   StepTimes sum;
   const int64_t hits0 = CpuBlockCache::hits(), misses0 = CpuBlockCache::misses();
   for (int64_t w = 0; w < a.windows; ++w) {
     dist.barrier();
+    const int64_t taken0 = taken;
     auto t0 = std::chrono::steady_clock::now();
     for (int64_t i = 0; i < a.steps; ++i) run_one();
     sync_device(cuda);
     const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    rate.push_back(double(a.steps * job.global_batch()) / s);
+    timed.emplace_back((taken - taken0) * dist.world_size(), s);
+    rate.push_back(double(timed.back().first) / s);
   }
   step.set_timing(true);  // one window more
   for (int64_t i = 0; i < a.steps; ++i) {
@@ -497,7 +559,10 @@ int run_step(const Args& a) {
      << job.cfg.train.precision << "\",\"sample_rate\":" << cfg.loss.sample_rate
      << ",\"channels_last\":"
      << (cfg.model.channels_last.value_or(backbone_default_channels_last(cfg.model.backbone)) ? "true" : "false")
-     << ",\"images_per_s\":" << median << ",\"peak_memory_mb\":" << peak
+     << ",\"images_per_s\":" << median << ",\"steps_per_window\":" << a.steps << ",\"windows\":[";
+  for (size_t w = 0; w < timed.size(); ++w)
+    js << (w ? "," : "") << "{\"images\":" << timed[w].first << ",\"seconds\":" << timed[w].second << "}";
+  js << "],\"peak_memory_mb\":" << peak
      << ",\"peak_tensor_mb\":" << tensor_peak << ",\"cpu_cache\":{\"installed\":"
      << (CpuBlockCache::installed() ? "true" : "false") << ",\"limit_bytes\":" << CpuBlockCache::limit()
      << ",\"reused\":" << hits << ",\"from_system\":" << misses << "}"
@@ -760,6 +825,9 @@ int main(int argc, char** argv) {
       else if (s == "--set") a.overrides.push_back(value());
       else if (s == "--json") a.json = value();
       else if (s == "--row-update") a.updates = value();
+      else if (s == "--chunking") a.chunking = value();
+      else if (s == "--chunk-budget-mib") a.chunk_budget_mib = parse_int(s, value());
+      else if (s == "--chunk-rows") a.chunk_rows = parse_int(s, value());
       else if (s == "--seeds") a.seeds = value();
       else throw usage_error("unknown argument '", s, "' (see --help)");
     }

@@ -45,6 +45,8 @@ struct GuardStoreServer::Impl {
   std::list<Conn> conns;
   Clock::time_point listen_paused_until{};
   int64_t next_report = 10;
+  Clock::time_point last_refusal{};
+  int64_t summed_up = 0;  // refusals the last "in all" line counted
 
   void refuse(std::list<Conn>::iterator it, const char* why) {
     int64_t n = 0;
@@ -60,6 +62,7 @@ struct GuardStoreServer::Impl {
     else if (n == next_report)
       log_warn("network: the rendezvous store has closed ", n, " connections that did not present the job's token");
     if (n >= next_report) next_report *= 10;
+    last_refusal = Clock::now();
     ::close(it->fd);
     conns.erase(it);
   }
@@ -393,6 +396,13 @@ struct GuardStoreServer::Impl {
     std::vector<std::list<Conn>::iterator> of;
     while (!stop) {
       const auto now = Clock::now();
+      // A burst of refusals is summed up once it has been quiet for a second: the lines above
+      // come at the 1st, 10th, 100th...; this one says how many in all, once per burst.
+      if (st.refused != summed_up && now - last_refusal >= std::chrono::seconds(1)) {
+        summed_up = st.refused;  // (written by this thread alone)
+        log_warn("network: the rendezvous store has refused ", summed_up, summed_up == 1 ? " connection" : " connections",
+                 " in all that did not present the job's token");
+      }
       // Pending connections past their deadline are refused.
       for (auto it = conns.begin(); it != conns.end();) {
         auto next = std::next(it);

@@ -74,8 +74,13 @@ double round_trip_figure(std::vector<double> v) {
 }
 
 StragglerMonitor::StragglerMonitor(c10::intrusive_ptr<c10d::Store> store, int rank, int world_size,
-                                   std::vector<std::string> hosts, int64_t window)
-    : store_(std::move(store)), rank_(rank), world_(world_size), hosts_(std::move(hosts)), window_(std::max<int64_t>(2, window)) {
+                                   std::vector<std::string> hosts, int64_t window, double window_s)
+    : store_(std::move(store)),
+      rank_(rank),
+      world_(world_size),
+      hosts_(std::move(hosts)),
+      window_(std::max<int64_t>(2, window)),
+      window_s_(window_s > 0 ? window_s : kWindowSeconds) {
   below_.assign(world_, std::vector<char>(kPhases, 0));
   slow_link_.assign(world_, 0);
   hosts_.resize(world_);
@@ -94,22 +99,28 @@ StragglerMonitor::~StragglerMonitor() {
 void StragglerMonitor::add_step(int64_t step, double step_s, double data_s, double blocked_s,
                                 const std::vector<double>& round_trips_ms, const StepPhases& phases) {
   if (step <= kWarmupSteps) return;  // first allocations, caches and loaders warming: not a pace
+  if (first_step_ < 0) first_step_ = step;
+  elapsed_s_ += std::max(0.0, step_s);
   compute_.push_back(std::max(0.0, step_s - data_s - blocked_s));
   data_.push_back(std::max(0.0, data_s));
   round_trip_.insert(round_trip_.end(), round_trips_ms.begin(), round_trips_ms.end());
   const double own[3] = {phases.forward, phases.backward, phases.optimizer};
   for (int k = 0; k < 3; ++k) phase_[k].push_back(own[k] < 0 ? -1.0 : own[k]);
-  if (static_cast<int64_t>(compute_.size()) < window_) return;
+  const auto steps = static_cast<int64_t>(compute_.size());
+  if (steps < window_ && !(elapsed_s_ >= window_s_ && steps >= std::min(window_, kMinWindowSteps))) return;
   // Published: compute, data, round trip (the figure judged), forward, backward, optimizer
   // (-1: not measured in every step of the window), the median round trip (the fastest
-  // rank's is the slow-link baseline), and the last step.
+  // rank's is the slow-link baseline); kept here: the window's first and last step.
   std::vector<double> v{median(compute_), median(data_), round_trip_figure(round_trip_)};
   for (auto& ph : phase_) {
     v.push_back(*std::min_element(ph.begin(), ph.end()) < 0 ? -1.0 : median(ph));
     ph.clear();
   }
   v.push_back(round_trip_.empty() ? -1.0 : median(round_trip_));
+  v.push_back(static_cast<double>(first_step_));
   v.push_back(static_cast<double>(step));
+  first_step_ = -1;
+  elapsed_s_ = 0;
   compute_.clear();
   data_.clear();
   round_trip_.clear();
@@ -150,10 +161,12 @@ void StragglerMonitor::run() {
     try {
       std::ostringstream os;
       os.precision(9);
-      for (size_t k = 0; k + 1 < item.second.size(); ++k) os << (k ? " " : "") << item.second[k];
+      const size_t n = item.second.size();
+      for (size_t k = 0; k + 2 < n; ++k) os << (k ? " " : "") << item.second[k];
       const std::string s = os.str();
       store_->set(key_of(item.first, rank_), std::vector<uint8_t>(s.begin(), s.end()));
-      if (rank_ == 0) judge(item.first, static_cast<int64_t>(item.second.back()));
+      if (rank_ == 0)
+        judge(item.first, static_cast<int64_t>(item.second[n - 2]), static_cast<int64_t>(item.second[n - 1]));
     } catch (const std::exception& e) {
       // The store is gone: the collectives say why; the monitor has nothing to add.
       log_debug("straggler monitor: ", one_line(e));
@@ -162,7 +175,10 @@ void StragglerMonitor::run() {
   }
 }
 
-void StragglerMonitor::judge(int64_t window_index, int64_t last_step) {
+void StragglerMonitor::judge(int64_t window_index, int64_t first_step, int64_t last_step) {
+  // The reports name the steps of both windows judged: from the previous one's first step.
+  const int64_t previous_first = judged_first_ < 0 ? first_step : judged_first_;
+  judged_first_ = first_step;
   std::vector<std::string> keys;
   for (int r = 0; r < world_; ++r) keys.push_back(key_of(window_index, r));
   // Every rank reaches the same step: its window's figures come within moments; a rank
@@ -229,7 +245,7 @@ void StragglerMonitor::judge(int64_t window_index, int64_t last_step) {
         for (const auto& m : medians) fastest = std::min(fastest, m[p]);
         rep.fastest_s = fastest;
         rep.last_step = last_step;
-        rep.first_step = last_step - 2 * window_ + 1;
+        rep.first_step = previous_first;
         reports_.push_back(rep);
       }
       below_[r][p] = below;
@@ -243,7 +259,7 @@ void StragglerMonitor::judge(int64_t window_index, int64_t last_step) {
       rep.fastest_s = fastest_rt / 1000;
       rep.score = (fastest_rt + 1.0) / (round_trips[r] + 1.0);
       rep.last_step = last_step;
-      rep.first_step = last_step - 2 * window_ + 1;
+      rep.first_step = previous_first;
       reports_.push_back(rep);
     }
     slow_link_[r] = slow[r];

@@ -1,7 +1,9 @@
 // Slow ranks, found without a collective on the step path. Each rank times its steps on
 // the host: the time it waited for its batch ("data") and the time it worked ("compute":
 // the step less its data wait and less the time it was blocked in collectives, where a fast
-// rank waits for a slow one). Every `window` steps its medians go into the rendezvous store
+// rank waits for a slow one). Every `window` steps, or sooner once the window's steps add up
+// to `window_s` seconds (whichever comes first: a slow rank's windows last no longer than
+// a fast one's), its medians go into the rendezvous store
 // from a thread of the monitor's own; rank 0 reads every rank's, scores each rank per phase
 // as the fastest rank's median over this rank's (1: as fast as the fastest), and a rank
 // below 0.75 in two consecutive windows is reported (the trainer logs it and writes
@@ -60,12 +62,19 @@ class StragglerMonitor {
   static constexpr double kThreshold = 0.75;
   // Steps 1..kWarmupSteps are not timed (the same warm-up the hang detection waits out).
   static constexpr int64_t kWarmupSteps = 10;
+  // A window also closes once its steps' wall times add up to this many seconds (and it holds
+  // at least kMinWindowSteps steps): counted in steps alone, a window of a rank slowed to
+  // 1.5 s a step would last 75 s at 50 steps, and a slowdown shorter than two windows would
+  // go unnamed. The ranks step together (each waits for the slowest in its collectives), so
+  // their windows close at the same step or one apart.
+  static constexpr double kWindowSeconds = 10;
+  static constexpr int64_t kMinWindowSteps = 3;
 
   // `store`: a connection of the monitor's own (its thread's operations should time out
   // within seconds: Distributed::connect_side_store). `hosts[r]`: rank r's host (for the
-  // reports). window >= 2 steps.
+  // reports). window >= 2 steps; window_s: the seconds that close a window sooner.
   StragglerMonitor(c10::intrusive_ptr<c10d::Store> store, int rank, int world_size, std::vector<std::string> hosts,
-                   int64_t window);
+                   int64_t window, double window_s = kWindowSeconds);
   ~StragglerMonitor();
   StragglerMonitor(const StragglerMonitor&) = delete;
   StragglerMonitor& operator=(const StragglerMonitor&) = delete;
@@ -85,12 +94,16 @@ class StragglerMonitor {
 
  private:
   void run();
-  void judge(int64_t window_index, int64_t last_step);
+  void judge(int64_t window_index, int64_t first_step, int64_t last_step);
 
   c10::intrusive_ptr<c10d::Store> store_;
   int rank_, world_;
   std::vector<std::string> hosts_;
   int64_t window_;
+  double window_s_;
+  double elapsed_s_ = 0;      // this window's steps' wall time so far
+  int64_t first_step_ = -1;   // this window's first step (-1: none yet)
+  int64_t judged_first_ = -1; // rank 0's thread: the first step of the window judged last
   std::vector<double> compute_, data_, round_trip_;  // this window's steps
   std::vector<double> phase_[3];                      // forward, backward, optimizer
   std::mutex m_;

@@ -1,8 +1,8 @@
 """Every margin head of faceshard-head against its authors' definition, written here in
 float64 with plain torch ops after the authors' code (AdaFace head.py, CurricularFace
 head/metrics.py, MagFace models/magface.py, ElasticFace utils/losses.py, arcface_torch's
-CombinedMarginLoss): loss of every step, the gradients of the last one with respect to the
-raw embeddings and raw centres, and the head's state, after 1 and 3 steps; each with the
+CombinedMarginLoss, SphereFace's A-Softmax): loss of every step, the gradients of the last
+one with respect to the raw embeddings and raw centres, and the head's state, after 1 and 3 steps; each with the
 logits buffered, streamed (loss.logits), and streamed with bf16 centres
 (optim.fc_weight_dtype: the reference then takes the centres rounded to bf16).
 
@@ -177,8 +177,48 @@ class ElasticFace:  # fdbtrs/ElasticFace utils/losses.py, margins given (sigma =
         return {}
 
 
-CASES = [
+class SphereFace:  # wy1iu/sphereface A-Softmax: Caffe's MarginInnerProduct layer, QUADRUPLE (m = 4)
+    """As the authors' layer (tools/caffe-sphereface/src/caffe/layers/margin_inner_product_layer.cpp,
+    Forward_cpu) computes it, with their train/code/sphereface_model.prototxt's base 1000, gamma 0.12,
+    power 1, lambda_min 5, iteration 0: iter_ += 1 first, lambda = max(lambda_min, base (1 + gamma
+    iter_)^-power); cos(4 theta) by its Chebyshev polynomial 8 c^4 - 8 c^2 + 1 with the layer's signs
+    sign_3 = sign(c) sign(2 c^2 - 1), sign_4 = 2 sign(c) + sign_3 - 3 (psi = sign_3 cos(4 theta) + sign_4);
+    every logit gets + lambda x'w and all are divided by (1 + lambda), the target's psi added before.
+    On normalised features with the scale s (the layer multiplies by the feature's norm); the exact
+    gradient of this forward (the layer's backward rescales it). base 0 or lambda_min 0 is
+    faceshard's switch for no annealing: lambda = 0, the target psi itself."""
+
+    def __init__(self, s=64.0, base=1000.0, gamma=0.12, power=1.0, lambda_min=5.0):
+        self.s, self.base, self.gamma, self.power, self.lambda_min = s, base, gamma, power, lambda_min
+        self.iter = 0.0
+
+    def __call__(self, e, y, k):
+        self.iter += 1.0
+        if self.base == 0 or self.lambda_min == 0:
+            lamb = 0.0
+        else:
+            lamb = max(self.base * (1.0 + self.gamma * self.iter) ** (-self.power), self.lambda_min)
+        cos = torch.mm(l2n(e, 1), l2n(k, 0)).clamp(-1, 1)
+        c = cos.detach()
+        sign_0 = torch.sign(c)
+        sign_3 = sign_0 * torch.sign(2 * c ** 2 - 1)
+        sign_4 = 2 * sign_0 + sign_3 - 3
+        psi = sign_3 * (8 * cos ** 4 - 8 * cos ** 2 + 1) + sign_4
+        onehot = F.one_hot(y, cos.size(1)).double()
+        top = onehot * psi + (1 - onehot) * cos  # the target replaced by psi
+        top = (top + lamb * cos) / (1 + lamb)
+        return top * self.s, None
+
+    def state(self):
+        return {"iteration": self.iter}
+
+
+# Reference cases by head (a head may have several: its defaults, then other parameters).
+# The test runs them in the catalogue's order, and fails when a head of the catalogue has
+# none here (or a case names a head the catalogue lacks).
+REFERENCES = [
     ("arcface", [], ArcFace),
+    ("combined", [], ArcFace),  # its default loss.margin (1, 0.5, 0) is ArcFace's
     ("cosface", [], CosFace),
     ("adaface", [], AdaFace),
     ("adaface", ["loss.adaface.m=0.5", "loss.adaface.h=0.5", "loss.adaface.t_alpha=0.5"],
@@ -189,7 +229,37 @@ CASES = [
     ("elasticface_arc", ["loss.elasticface_arc.sigma=0"], lambda: ElasticFace(True, 0.5)),
     ("elasticface_cos", ["loss.elasticface_cos.sigma=0", "loss.elasticface_cos.plus=true"],
      lambda: ElasticFace(False, 0.35)),
+    # The published schedule (lambda 893, 806, 735 at steps 1-3); one that reaches its floor with
+    # power 2 (lambda 3, then lambda_min 2 twice); lambda_min 0: no annealing (psi alone).
+    ("sphereface", [], SphereFace),
+    ("sphereface", ["loss.sphereface.base=12", "loss.sphereface.gamma=1", "loss.sphereface.power=2",
+                    "loss.sphereface.lambda_min=2"], lambda: SphereFace(base=12, gamma=1, power=2, lambda_min=2)),
+    ("sphereface", ["loss.sphereface.lambda_min=0"], lambda: SphereFace(lambda_min=0)),
 ]
+
+
+
+def catalogue_heads():
+    """The heads faceshard-head --list prints: one 'name: summary' line each, the parameters indented."""
+    out = subprocess.run([os.path.join(BIN, "faceshard-head"), "--list"], capture_output=True, text=True, check=True)
+    return [line.split(":", 1)[0] for line in out.stdout.splitlines() if line and not line[0].isspace()]
+
+
+def cases_from_catalogue():
+    heads = catalogue_heads()
+    missing = [h for h in heads if not any(c[0] == h for c in REFERENCES)]
+    unknown = sorted({c[0] for c in REFERENCES} - set(heads))
+    if not heads:
+        print("FAIL: faceshard-head --list printed no heads")
+        sys.exit(1)
+    if missing or unknown:
+        print("FAIL: heads without a reference case in %s: %s; cases for heads faceshard-head --list lacks: %s"
+              % (os.path.basename(__file__), ", ".join(missing) or "none", ", ".join(unknown) or "none"))
+        sys.exit(1)
+    return [c for h in heads for c in REFERENCES if c[0] == h]
+
+
+CASES = cases_from_catalogue()
 
 
 def rel(a, b):

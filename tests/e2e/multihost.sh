@@ -169,26 +169,48 @@ print(round(t / 1000 - float(sys.argv[1]), 1))" "$t0")
   echo "$verdict"
   echo "PASS" ;;
 straggler_cpu_quota)
-  # Training on 2 hosts x 1 rank, straggler windows of 4 steps: after step 12 host 1's rank
-  # gets a quarter of a CPU (a cgroup-v1 CPU quota). The straggler monitor names rank 1 on
-  # host 0's log and in metrics.jsonl (straggler/1), and names nobody before the quota.
-  cg=/sys/fs/cgroup/cpu/"$id"
-  mkdir "$cg" 2> /dev/null || { echo "SKIP: no cgroup-v1 CPU controller here"; exit 77; }
-  trap 'cleanup; rmdir "$cg" 2> /dev/null' EXIT
-  echo 100000 > "$cg/cpu.cfs_period_us"; echo 25000 > "$cg/cpu.cfs_quota_us"
+  # Training on 2 hosts x 1 rank at the default straggler windows (dist.straggler_window: 50
+  # steps, or 10 s of steps, whichever comes first). After two healthy windows host 1's rank
+  # gets 15% of a CPU (a cgroup CPU quota: v1's cfs_quota_us or v2's cpu.max) for 60 s at
+  # most: the monitor names rank 1 within those 60 s (host 0's log, straggler/1 in
+  # metrics.jsonl), names nobody before the quota, and never names rank 0. Then the quota is
+  # lifted and both hosts are stopped (SIGTERM: a checkpoint and exit 0 on each).
+  source "$root/tests/e2e/cpu_quota.sh"
+  quota_make 15 || { echo "SKIP: no CPU quota can be made here: $quota_why"; exit 77; }
+  trap 'quota_remove; cleanup' EXIT
   rm -rf "$work/out"
-  args=("${train_args[@]}" --set optim.total_steps=36 --set dist.straggler_window=4 --set dist.timeout_s=120)
-  launch "$h1" 1 1 "$work/s1.log" "${args[@]}"
-  launch "$h0" 0 1 "$work/s0.log" "${args[@]}"
-  for _ in $(seq 1200); do grep -q "step 12/" "$work/s0.log" && break; sleep 0.1; done
-  grep -q "step 12/" "$work/s0.log" || { cat "$work/s0.log" "$work/s1.log"; fail "the job did not reach step 12"; }
-  grep -q "straggler:" "$work/s0.log" && { cat "$work/s0.log"; fail "a straggler named before any was made"; }
-  for pid in $(alive "$h1"); do echo "$pid" > "$cg/cgroup.procs"; done
-  wait
-  grep -q "straggler: rank 1 (host .*) is slow in [a-z]*:" "$work/s0.log" || { cat "$work/s0.log"; fail "rank 1 not named"; }
+  args=("${train_args[@]}" --set optim.total_steps=1000000 --set dist.timeout_s=120)
+  # Debug lines: rank 0 logs every window it judges ("straggler window N (to step S)").
+  export FACESHARD_LOG_LEVEL=debug
+  launch "$h1" 1 1 "$work/s1.log" "${args[@]}"; p1=$!
+  launch "$h0" 0 1 "$work/s0.log" "${args[@]}"; p0=$!
+  show() { echo "--- host 0:"; grep -v "debug:.*heartbeat\|debug: collective" "$work/s0.log" | tail -40; echo "--- host 1:"; tail -20 "$work/s1.log"; }
+  wait_for_line "$work/s0.log" "straggler window 1 " 300 || { show; fail "rank 0 judged no two windows"; }
+  grep -q "straggler:" "$work/s0.log" && { show; fail "a straggler named before any was made"; }
+  step0=$(grep -o "step [0-9]*/" "$work/s0.log" | tail -1 | tr -dc 0-9)
+  t0=$(now)
+  quota_add $(alive "$h1") || { show; fail "could not move host 1's processes into $quota_dir"; }
+  wait_for_line "$work/s0.log" "straggler: rank 1 " 60; named=$?
+  t1=$(now)
+  quota_lift
+  step1=$(grep -o "step [0-9]*/" "$work/s0.log" | tail -1 | tr -dc 0-9)
+  # SIGTERM to each host's launch.sh (it forwards it to its ranks; $p0 and $p1 are the
+  # `ip netns exec` around it, which would die of it instead).
+  for ns in "$h0" "$h1"; do
+    for p in $(alive "$ns"); do grep -q "tools/launch.sh" "/proc/$p/cmdline" 2> /dev/null && kill -TERM "$p"; done
+  done
+  wait "$p0"; rc0=$?
+  wait "$p1"; rc1=$?
+  [ "$rc0" -eq 0 ] && [ "$rc1" -eq 0 ] || { show; fail "exit $rc0 / $rc1 after the quota and SIGTERM"; }
+  [ "$named" -eq 0 ] || { show; fail "rank 1, at 15% of a CPU for 60 s (steps $step0-$step1), was not named"; }
+  grep -q "straggler: rank 1 (host .*) is slow in [a-z]*:" "$work/s0.log" || { show; fail "rank 1 named without its host and phase"; }
+  # Every straggler line, not only the first: none names the healthy rank.
+  others=$(grep "straggler: rank" "$work/s0.log" | grep -v "straggler: rank 1 ")
+  [ -z "$others" ] || { echo "$others"; fail "a rank other than the throttled one was named"; }
   grep -q '"straggler/1"' "$work/out/metrics.jsonl" || fail "no straggler/1 in metrics.jsonl"
-  grep -q "straggler: rank 0" "$work/s0.log" && fail "rank 0 named"
-  grep -m1 "straggler:" "$work/s0.log" | sed 's/.*straggler:/straggler:/'
+  grep -q '"straggler/0"' "$work/out/metrics.jsonl" && fail "straggler/0 in metrics.jsonl"
+  echo "$quota_kind quota 15% from step $step0: $(grep -m1 "straggler: rank 1" "$work/s0.log" | sed 's/.*straggler:/straggler:/')"
+  echo "named after $("$py" -c "import sys; print(round(float(sys.argv[2]) - float(sys.argv[1]), 1))" "$t0" "$t1") s of the quota"
   echo "PASS" ;;
 listeners)
   # Every socket a job listens on, per host, while faceshard-dist-check runs: on one host

@@ -11,15 +11,22 @@ listener. What they do:
   replay  a real member's first messages replayed from another process: for the store, the
           handshake answer a faceshard process sent (recorded by a fake store here); for
           Gloo, the 8-byte sequence numbers a rank opens its pairs with
-Every stranger's connection must be closed by the job within CLOSE_LIMIT_S, the job must
-train on (steps keep coming, no error, no rank lost) and stop cleanly on SIGTERM with its
-checkpoint committed, and each rank's RSS may grow by at most 16 MiB.
+Every stranger's connection must be refused: closed by the job within the store's handshake
+deadline (the guard's own figure, read from its first refusal line) plus a slack: two of the
+store's poll periods (0.25 s) and ten times a reaction measured on this machine under its
+present load (how long a wrong greeting answer takes to be refused),
+with nothing sent back beyond the store's greeting (a stranger let in would get the store's
+proof, a replayed handshake included; Gloo's ports send nothing), and the store must count
+every one of its strangers as refused (its last line). The job must train on (steps keep
+coming, no error, no rank lost) and stop cleanly on SIGTERM with its checkpoint committed,
+and each rank's RSS may grow by at most 16 MiB.
 
 usage: strangers.py --source DIR --bin DIR [--attacks idle,random,...] [--idle N]
        strangers.py --source DIR --bin DIR --loop --trials N [--seed S]   (one attack per job)
 """
 import argparse
 import os
+import re
 import random
 import resource
 import selectors
@@ -36,10 +43,10 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import fault_loops  # noqa: E402  (Job, write_setup, steps_logged, committed_steps)
 
-CLOSE_LIMIT_S = 2.0
 RSS_LIMIT_MIB = 16.0
 ATTACKS = ["idle", "random", "huge", "drip", "replay"]
 GREETING = 37   # "FSGS", version, 32-byte nonce
+MAGIC = b"FSGS\x01"
 ANSWER = 69     # "FSGS", version, 32-byte proof, 32-byte nonce
 
 
@@ -77,12 +84,14 @@ def listening_ports(pid):
 
 
 def watch_closes(socks, opened, limit):
-    """Waits until the far end closes each socket; returns the seconds each took (None: still open at `limit`)."""
+    """Waits until the far end closes each socket; returns the seconds each took (None: still open at `limit`)
+    and the bytes each received meanwhile."""
     sel = selectors.DefaultSelector()
     for i, s in enumerate(socks):
         s.setblocking(False)
         sel.register(s, selectors.EVENT_READ, i)
     took = [None] * len(socks)
+    got = [b""] * len(socks)
     left = len(socks)
     deadline = time.monotonic() + limit
     while left and time.monotonic() < deadline:
@@ -95,14 +104,58 @@ def watch_closes(socks, opened, limit):
             except BlockingIOError:
                 continue
             if data:
-                continue  # the greeting: read on
+                got[i] += data  # the greeting (or what a stranger let in would get): read on
+                continue
             took[i] = time.monotonic() - opened[i]
             sel.unregister(key.fileobj)
             left -= 1
     sel.close()
     for s in socks:
         s.close()
-    return took
+    return took, got
+
+
+def beyond_greeting(data, is_store):
+    """What came back to a stranger beyond the store's greeting (Gloo's ports send nothing)."""
+    if not is_store:
+        return data
+    head = min(len(data), len(MAGIC))
+    if data[:head] != MAGIC[:head]:
+        return data  # not the greeting at all
+    return data[GREETING:]
+
+
+def guard_limit(t, store_port):
+    """The store's handshake deadline (s), from the guard's first refusal line, and the slack of
+    this machine now: how long a wrong greeting answer takes to be refused (sent at once, refused
+    on arrival). Returns (deadline_s, slack_s, probe_s), or None when the line never came."""
+    s = connect(store_port)
+    s.settimeout(10)
+    t0 = time.monotonic()
+    s.sendall(b"XXXX" + os.urandom(ANSWER - 4))
+    try:
+        while s.recv(4096):
+            pass
+    except OSError:
+        pass
+    probe_s = time.monotonic() - t0
+    s.close()
+    pattern = re.compile(r"does not present the job's token within (\d+) ms")
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        m = pattern.search(t.job.log(0))
+        if m:
+            # The slack: two of the server's poll periods (it looks at its pending connections
+            # every 0.25 s at the latest) and ten reaction times.
+            return int(m.group(1)) / 1000.0, 2 * 0.25 + 10 * probe_s, probe_s
+        time.sleep(0.05)
+    return None
+
+
+def refused_in_all(text):
+    """The store's count of refused connections from its last line (None: no such line)."""
+    m = re.findall(r"the rendezvous store has refused (\d+) connections? in all", text)
+    return int(m[-1]) if m else None
 
 
 def connect(port):
@@ -141,8 +194,8 @@ def record_member_answer(args, work, token):
     return answer
 
 
-def attack(kind, port, is_store, rng, replay_answer, idle_count):
-    """Runs one attack on one port; returns (connections, seconds to close each)."""
+def attack(kind, port, is_store, rng, replay_answer, idle_count, limit):
+    """Runs one attack on one port; returns (connections, seconds to close each, bytes each received)."""
     socks, opened = [], []
 
     def open_one():
@@ -201,8 +254,8 @@ def attack(kind, port, is_store, rng, replay_answer, idle_count):
                     s.sendall(struct.pack("<Q", seq))
                 except OSError:
                     pass
-    took = watch_closes(socks, opened, CLOSE_LIMIT_S + 3.0)
-    return len(socks), took
+    took, got = watch_closes(socks, opened, limit + 3.0)
+    return len(socks), took, got
 
 
 class Trainer:
@@ -250,13 +303,26 @@ def run_job(args, work, tag, plan, rng, token, replay_answer):
         t.wait_step(20, 60)
         rss0 = [rss_mib(p) for p in pids]
         step0 = t.step()
+        limits = guard_limit(t, store_port)
+        if limits is None:
+            failures.append("%s: the store refused a wrong greeting answer without its refusal line:\n%s" %
+                            (tag, t.job.log(0)[-1500:]))
+            return failures, report
+        deadline_s, slack_s, probe_s = limits
+        close_limit = deadline_s + slack_s
+        report.append("close limit %.2f s: the store's handshake deadline %.2f s + slack %.2f s (a wrong answer "
+                      "refused in %.3f s)" % (close_limit, deadline_s, slack_s, probe_s))
+        store_strangers = 1  # the probe
         for kind, target in plan:
             if target not in targets:
                 continue
             port, is_store, owner = targets[target]
-            n, took = attack(kind, port, is_store, rng, replay_answer, args.idle)
+            n, took, got = attack(kind, port, is_store, rng, replay_answer, args.idle, close_limit)
+            store_strangers += n if is_store else 0
             closed = [x for x in took if x is not None]
-            slow = [x for x in closed if x > CLOSE_LIMIT_S]
+            slow = [x for x in closed if x > close_limit]
+            answered = [beyond_greeting(g, is_store) for g in got]
+            answered = [a for a in answered if a]
             still = len(took) - len(closed)
             line = "%-6s on %-5s (port %5d): %3d connections, closed after median %.2f s, max %.2f s%s" % (
                 kind, target, port, n, sorted(closed)[len(closed) // 2] if closed else 0, max(closed or [0]),
@@ -265,13 +331,27 @@ def run_job(args, work, tag, plan, rng, token, replay_answer):
             print("  " + line, flush=True)
             if still:
                 failures.append("%s: %s on %s: %d of %d connections still open after %.1f s" %
-                                (tag, kind, target, still, n, CLOSE_LIMIT_S + 3))
+                                (tag, kind, target, still, n, close_limit + 3))
             if slow:
-                failures.append("%s: %s on %s: %d connections closed only after %.2f s (limit %.1f s)" %
-                                (tag, kind, target, len(slow), max(slow), CLOSE_LIMIT_S))
+                failures.append("%s: %s on %s: %d connections closed only after %.2f s (limit %.2f s)" %
+                                (tag, kind, target, len(slow), max(slow), close_limit))
+            if answered:
+                failures.append("%s: %s on %s: %d connections got more than the greeting back (%d bytes, first %r): "
+                                "let in" % (tag, kind, target, len(answered), len(answered[0]), answered[0][:16]))
             if t.job.running() != [0, 1]:
                 failures.append("%s: a rank exited during %s on %s" % (tag, kind, target))
                 break
+        # Every stranger on the store was refused, by the store's own count (its line once a
+        # burst of refusals has been quiet for a second).
+        quiet = time.monotonic() + 10
+        while refused_in_all(t.job.log(0)) != store_strangers and time.monotonic() < quiet:
+            time.sleep(0.1)
+        refused = refused_in_all(t.job.log(0))
+        if refused != store_strangers:
+            failures.append("%s: the store counts %s refused connections; %d strangers came to it" %
+                            (tag, refused, store_strangers))
+        else:
+            report.append("the store refused %d connections in all: its %d strangers" % (refused, store_strangers))
         rss1 = [rss_mib(p) if t.job.procs[r].poll() is None else 0 for r, p in enumerate(pids)]
         # Training went on: more steps after the attacks, within the usual pace.
         step1 = t.step()
@@ -311,6 +391,10 @@ def run_job(args, work, tag, plan, rng, token, replay_answer):
 def setup(args):
     resource.setrlimit(resource.RLIMIT_NOFILE, (resource.getrlimit(resource.RLIMIT_NOFILE)[1],) * 2)
     work = tempfile.mkdtemp(prefix="faceshard_strangers_")
+    # fault_loops' settings this script has no flag for: their defaults.
+    for name in ("checkpoint_async",):
+        if not hasattr(args, name):
+            setattr(args, name, None)
     fault_loops.write_setup(args, work)
     token = os.urandom(16).hex()
     replay = record_member_answer(args, work, token)
