@@ -6,6 +6,7 @@
 #include "models/prelu.h"
 #include "models/checkpoint.h"
 #include "models/model_stats.h"
+#include "partial_fc/runtime/error.h"
 
 namespace faceshard {
 namespace {
@@ -44,18 +45,39 @@ torch::Tensor IBasicBlockImpl::forward(const torch::Tensor& x) {
   return out.add_(x);
 }
 
+namespace {
+const std::vector<std::pair<std::string, std::vector<int64_t>>>& iresnet_depths() {
+  static const std::vector<std::pair<std::string, std::vector<int64_t>>> depths = {
+      {"r18", {2, 2, 2, 2}},     {"r34", {3, 4, 6, 3}},      {"r50", {3, 4, 14, 3}},
+      {"r100", {3, 13, 30, 3}}, {"r200", {6, 26, 60, 6}}, {"r2060", {3, 128, 1024 - 128, 3}}};
+  return depths;
+}
+
+std::string known_depths() {
+  std::string known;
+  for (const auto& d : iresnet_depths()) known += (known.empty() ? "" : ", ") + d.first;
+  return known;
+}
+}  // namespace
+
 std::vector<int64_t> iresnet_layers(const std::string& name) {
-  if (name == "r18") return {2, 2, 2, 2};
-  if (name == "r34") return {3, 4, 6, 3};
-  if (name == "r50") return {3, 4, 14, 3};
-  if (name == "r100") return {3, 13, 30, 3};
-  if (name == "r200") return {6, 26, 60, 6};
-  if (name == "r2060") return {3, 128, 1024 - 128, 3};
-  return {};
+  for (const auto& [n, layers] : iresnet_depths())
+    if (n == name) return layers;
+  throw usage_error("iresnet depth '", name, "' is unknown; known: ", known_depths());
 }
 
 IResNet::IResNet(std::vector<int64_t> layers, BackboneOptions options)
     : Backbone("IResNet", std::move(options)) {
+  // Four stages of at least one block each: with fewer, the network has no stage to reach
+  // 512 channels at 7 x 7 and would fail only at its first forward.
+  const bool four_stages =
+      layers.size() == 4 && std::all_of(layers.begin(), layers.end(), [](int64_t n) { return n >= 1; });
+  if (!four_stages) {
+    std::string given;
+    for (int64_t n : layers) given += (given.empty() ? "" : ", ") + std::to_string(n);
+    throw usage_error("iresnet '", options_.name, "': blocks per stage {", given,
+                      "} are not four stages of at least one block; known depths: ", known_depths());
+  }
   conv1_ = register_module("conv1", conv(3, 64, 3, 1));
   bn1_ = register_module("bn1", bn2d(64));
   prelu_ = register_module("prelu", prelu(64));

@@ -4,6 +4,7 @@
 #pragma once
 #include <torch/torch.h>
 
+#include <string>
 #include <vector>
 
 #include "models/backbone.h"
@@ -33,7 +34,8 @@ TORCH_MODULE(IBasicBlock);
 
 class IResNet : public Backbone {
  public:
-  // blocks per stage, e.g. {3, 4, 14, 3} for r50.
+  // blocks per stage, e.g. {3, 4, 14, 3} for r50: four stages of at least one block each,
+  // else usage_error naming options.name, the stages given and the known depths.
   IResNet(std::vector<int64_t> layers, BackboneOptions options);
   torch::Tensor forward(torch::Tensor images) override;
 
@@ -54,8 +56,8 @@ class IResNet : public Backbone {
   NormLayer features_{nullptr};
 };
 
-// Blocks per stage of a named iresnet ("r18", "r34", "r50", "r100", "r200", "r2060"); empty
-// if the name is not an iresnet.
+// Blocks per stage of a named iresnet ("r18", "r34", "r50", "r100", "r200", "r2060");
+// usage_error naming the depth and the known ones for any other name.
 std::vector<int64_t> iresnet_layers(const std::string& name);
 
 }  // namespace faceshard

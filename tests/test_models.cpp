@@ -291,6 +291,25 @@ TEST(ModelsRegistry, NamesOptionsAndErrors) {
   EXPECT_EQ(iresnet_layers("r2060"), (std::vector<int64_t>{3, 128, 1024 - 128, 3}));
 }
 
+// An unknown depth is refused where the network is built, naming it and the known depths,
+// not at the first forward with a BatchNorm shape error.
+TEST(ModelsRegistry, IresnetUnknownDepthFailsAtConstruction) {
+  std::string msg = error_of([] { iresnet_layers("r51"); });
+  EXPECT_NE(msg.find("iresnet depth 'r51' is unknown; known: r18, r34, r50, r100, r200, r2060"), std::string::npos)
+      << msg;
+  for (const std::vector<int64_t>& layers : std::vector<std::vector<int64_t>>{{}, {2, 2, 2}, {2, 0, 2, 2}}) {
+    msg = error_of([&] { IResNet(layers, opts("r51")); });
+    EXPECT_NE(msg.find("iresnet 'r51': blocks per stage {"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("known depths: r18, r34, r50, r100, r200, r2060"), std::string::npos) << msg;
+    EXPECT_EQ(msg.find('\n'), std::string::npos) << msg;
+  }
+  // The smallest layout the check lets through still runs its forward.
+  auto tiny = std::make_shared<IResNet>(std::vector<int64_t>{1, 1, 1, 1}, opts("r_tiny", 8));
+  tiny->eval();
+  torch::NoGradGuard no_grad;
+  EXPECT_EQ(tiny->forward(torch::randn({1, 3, 112, 112})).sizes(), (std::vector<int64_t>{1, 8}));
+}
+
 // ---- sizes -----------------------------------------------------------------------------
 
 TEST(ModelsStats, IresnetParameterCountsMatchClosedForm) {

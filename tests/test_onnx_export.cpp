@@ -11,6 +11,7 @@
 #include "app/export/onnx_export.h"
 #include "app/io/protobuf_writer.h"
 #include "models/backbone_registry.h"
+#include "models/norm_layer.h"
 #include "tests/test_errors.h"
 #include "tests/test_files.h"
 
@@ -254,6 +255,81 @@ TEST(OnnxExport, ExternalDataIsAlignedAndAFailedWriteLeavesNothing) {
   EXPECT_NE(testing::error_of([&] { export_onnx(*model, {}, missing); }).find("cannot write"), std::string::npos);
   for (const auto& e : std::filesystem::directory_iterator(dir.path))
     EXPECT_EQ(e.path().filename().string().find(".tmp."), std::string::npos) << e.path();
+}
+
+// ---- the export refuses what it did not lower ----------------------------------------------
+
+// Each NormLayer carries one buffer that needs no lowering (num_batches_tracked), a ViT its
+// mask_token: counted from the module tree, apart from the export's own list.
+size_t expected_exempt(const Backbone& model) {
+  size_t n = 0;
+  for (const auto& m : model.modules()) n += m->as<NormLayerImpl>() != nullptr;
+  return n + (model.named_parameters(/*recurse=*/false).contains("mask_token") ? 1 : 0);
+}
+
+// One case per registered network: a network added to the registry is checked here without
+// an edit.
+class OnnxExportEveryBackbone : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(OnnxExportEveryBackbone, LowersEveryTensor) {
+  const std::string name = GetParam();
+  // r2060 (1.1 G parameters) and vit_h (756 M) take minutes and over 10 GB to build and lower
+  // on the CPU; they are r18..r200 and vit_t..vit_l with more blocks of the same modules,
+  // under the same lowering.
+  if (name == "r2060" || name == "vit_h") GTEST_SKIP() << name << ": too large for a CPU test";
+  // The fp16 graph: which tensors the lowering reads does not depend on the precision.
+  OnnxExportOptions o;
+  o.dtype = at::kHalf;
+  BackboneOptions bo;
+  bo.name = name;
+  bo.embedding_size = 64;
+  auto model = make_backbone(bo);
+  model->eval();
+  OnnxTensorUse use;
+  ASSERT_NO_THROW(build_onnx_graph(*model, o, &use));
+  const size_t total = model->named_parameters().size() + model->named_buffers().size();
+  EXPECT_EQ(use.total, total);
+  EXPECT_EQ(use.exempt, expected_exempt(*model));
+  EXPECT_EQ(use.read + use.exempt, total) << "tensors neither lowered nor exempt";
+}
+
+INSTANTIATE_TEST_SUITE_P(OnnxExport, OnnxExportEveryBackbone, ::testing::ValuesIn(backbone_names()),
+                         [](const auto& info) { return info.param; });
+
+TEST(OnnxExport, RefusesAModuleTheLoweringDoesNotKnow) {
+  // r18 with a squeeze-and-excitation-like 1x1 convolution registered on its first block:
+  // the iresnet lowering looks blocks up by the names it knows and would leave it out.
+  testing::TempDir dir;
+  auto model = random_backbone("r18", 64);
+  std::shared_ptr<torch::nn::Module> block;
+  for (const auto& m : model->named_modules())
+    if (m.key() == "layer1.0") block = m.value();
+  ASSERT_NE(block, nullptr);
+  block->register_module("se", torch::nn::Conv2d(torch::nn::Conv2dOptions(64, 64, 1)));
+  const std::string out = dir / "r18_se.onnx";
+  const std::string msg = testing::error_of([&] { export_onnx(*model, {}, out); });
+  EXPECT_NE(msg.find("does not use the parameter 'layer1.0.se.weight' of module 'layer1.0.se' (torch::nn::Conv2dImpl)"),
+            std::string::npos)
+      << msg;
+  EXPECT_NE(msg.find("and 1 more"), std::string::npos) << msg;  // its bias
+  EXPECT_EQ(msg.find('\n'), std::string::npos) << msg;
+  EXPECT_TRUE(std::filesystem::is_empty(dir.path)) << "a refused export left files";
+
+  // A parameter or buffer of the network itself, not only a module's, is counted too.
+  auto plain = random_backbone("mbf_small", 64);
+  plain->register_buffer("calibration", torch::ones({64}));
+  const std::string buffer_msg = testing::error_of([&] { build_onnx_graph(*plain, {}); });
+  EXPECT_NE(buffer_msg.find("the buffer 'calibration' of module '(the backbone itself)'"), std::string::npos)
+      << buffer_msg;
+}
+
+TEST(OnnxExport, TensorsWithoutLoweringSayWhy) {
+  const auto& list = onnx_tensors_without_lowering();
+  ASSERT_FALSE(list.empty());
+  for (const auto& e : list) {
+    EXPECT_NE(std::string(e.tensor), "weight") << e.module_type;  // never a layer's own weights
+    EXPECT_GT(std::string(e.reason).size(), 20u) << e.module_type << "." << e.tensor;
+  }
 }
 
 }  // namespace

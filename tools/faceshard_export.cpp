@@ -29,7 +29,8 @@ const char* kUsage =
     "                        folder, or a state_dict file such as insightface's backbone.pth\n"
     "  --network NAME        backbone when the model has no metadata (r50, mbf, vit_t, ...: faceshard-flops lists all)\n"
     "  --embedding-size N    embedding size when the model has no metadata (default 512)\n"
-    "  --onnx FILE           the ONNX model to write (atomically: nothing is left there on failure)\n"
+    "  --onnx FILE           the ONNX model to write (atomically: nothing is left there on failure;\n"
+    "                        a model with a tensor the export does not lower is refused, exit 1)\n"
     "  --opset N             ONNX opset, 13 to 21 (default 17)\n"
     "  --batch B             dynamic (default; the dimension is named 'batch') or a fixed batch size\n"
     "  --precision P         fp32 (default) | fp16: fp16 weights and compute, float32 input and output\n"
@@ -111,7 +112,8 @@ int main(int argc, char** argv) {
              r.files.data_path.empty() ? "" : " + " + r.files.data_path + " (" + megabytes(r.files.data_bytes) + ")",
              ": ", model.backbone->options().name, ", ", model.backbone->embedding_size(), "-d, opset ", o.opset,
              ", batch ", o.batch > 0 ? std::to_string(o.batch) : "dynamic", ", ", o.dtype == at::kHalf ? "fp16" : "fp32",
-             ", ", r.nodes, " nodes, ", r.initializers, " weights, in ", seconds, " s");
+             ", ", r.nodes, " nodes, ", r.initializers, " weights (from ", r.tensors.read, " of the model's ",
+             r.tensors.total, " tensors; ", r.tensors.exempt, " need none), in ", seconds, " s");
     return 0;
   });
 }

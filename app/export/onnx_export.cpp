@@ -141,7 +141,7 @@ std::string lower_vit(OnnxLayers& l, const ModuleTree& t, const VisionTransforme
   x = l.conv("patch_embed.proj", t.get<Conv>("patch_embed.proj"), nullptr, x);
   x = l.transpose("patch_embed/tokens", l.reshape("patch_embed/flatten", x, {0, 0, -1}), {0, 2, 1});
   const at::Tensor pos_embed = vit.named_parameters(/*recurse=*/false)["pos_embed"];
-  x = l.add("pos_embed/add", x, l.weight("pos_embed", pos_embed));
+  x = l.add("pos_embed/add", x, l.weight("pos_embed", l.read(pos_embed)));
   for (int i = 0; t.has("blocks." + std::to_string(i)); ++i) {
     const std::string p = "blocks." + std::to_string(i);
     std::string h = l.layer_norm(p + ".norm1", t.get<LayerNorm>(p + ".norm1"), x);
@@ -157,7 +157,76 @@ std::string lower_vit(OnnxLayers& l, const ModuleTree& t, const VisionTransforme
 
 std::string precision_name(at::ScalarType dtype) { return dtype == at::kHalf ? "fp16" : "fp32"; }
 
+bool is_norm_layer(const torch::nn::Module& m) { return dynamic_cast<const NormLayerImpl*>(&m) != nullptr; }
+bool is_vit(const torch::nn::Module& m) { return dynamic_cast<const VisionTransformer*>(&m) != nullptr; }
+
+struct NotLoweredRule {
+  OnnxNotLowered entry;
+  bool (*applies)(const torch::nn::Module&);
+};
+
+const std::vector<NotLoweredRule>& not_lowered_rules() {
+  static const std::vector<NotLoweredRule> rules = {
+      {{"NormLayer", "num_batches_tracked",
+        "counts the training batches (the averaging factor of a BatchNorm without momentum; faceshard's "
+        "have one); an inference BatchNorm computes with running_mean and running_var alone"},
+       is_norm_layer},
+      {{"VisionTransformer", "mask_token",
+        "stands in for the tokens that training masks; the eval forward masks none, so the graph never reads it"},
+       is_vit},
+  };
+  return rules;
+}
+
+bool needs_no_lowering(const torch::nn::Module& module, const std::string& tensor) {
+  for (const auto& r : not_lowered_rules())
+    if (tensor == r.entry.tensor && r.applies(module)) return true;
+  return false;
+}
+
+// Every parameter and buffer of the model, in state_dict order (a module's own tensors, then
+// its children's), read by the lowering or exempt; else the first one that is neither is
+// named with its module, and the export stops before anything is written.
+OnnxTensorUse check_tensors_used(const Backbone& model, const OnnxLayers& l) {
+  OnnxTensorUse use;
+  std::string first, first_module, first_type, first_kind;
+  size_t unused = 0;
+  for (const auto& m : model.named_modules()) {
+    auto visit = [&](const auto& tensors, const char* kind) {
+      for (const auto& t : tensors) {
+        ++use.total;
+        if (l.was_read(t.value())) ++use.read;
+        else if (needs_no_lowering(*m.value(), t.key())) ++use.exempt;
+        else if (unused++ == 0) {
+          first = m.key().empty() ? t.key() : m.key() + "." + t.key();
+          first_module = m.key().empty() ? "(the backbone itself)" : m.key();
+          first_type = m.value()->name();
+          first_kind = kind;
+        }
+      }
+    };
+    visit(m.value()->named_parameters(/*recurse=*/false), "parameter");
+    visit(m.value()->named_buffers(/*recurse=*/false), "buffer");
+  }
+  if (unused > 0)
+    throw runtime_error("ONNX export: the ", model.options().name, " lowering does not use the ", first_kind, " '", first,
+                        "' of module '", first_module, "' (", first_type, ")",
+                        unused > 1 ? " and " + std::to_string(unused - 1) + (unused > 2 ? " more tensors" : " more tensor")
+                                   : std::string(),
+                        "; a graph without it would compute other embeddings, so nothing is written");
+  return use;
+}
+
 }  // namespace
+
+const std::vector<OnnxNotLowered>& onnx_tensors_without_lowering() {
+  static const std::vector<OnnxNotLowered> entries = [] {
+    std::vector<OnnxNotLowered> e;
+    for (const auto& r : not_lowered_rules()) e.push_back(r.entry);
+    return e;
+  }();
+  return entries;
+}
 
 void check_onnx_export_options(const OnnxExportOptions& o) {
   if (o.opset < kMinOnnxOpset || o.opset > kMaxOnnxOpset)
@@ -167,7 +236,7 @@ void check_onnx_export_options(const OnnxExportOptions& o) {
     throw usage_error("--precision ", o.dtype, ": expected fp32 or fp16");
 }
 
-OnnxGraph build_onnx_graph(const Backbone& model, const OnnxExportOptions& options) {
+OnnxGraph build_onnx_graph(const Backbone& model, const OnnxExportOptions& options, OnnxTensorUse* use) {
   check_onnx_export_options(options);
   torch::NoGradGuard no_grad;
   const BackboneOptions& bo = model.options();
@@ -182,6 +251,8 @@ OnnxGraph build_onnx_graph(const Backbone& model, const OnnxExportOptions& optio
   else if (dynamic_cast<const MobileFaceNet*>(&model)) x = lower_mobilefacenet(l, tree, x);
   else if (const auto* vit = dynamic_cast<const VisionTransformer*>(&model)) x = lower_vit(l, tree, *vit, x);
   else throw runtime_error("ONNX export: backbone '", bo.name, "' has no ONNX lowering");
+  const OnnxTensorUse counted = check_tensors_used(model, l);
+  if (use) *use = counted;
   // The output keeps its name whatever the last layer: a float32 cast of an fp16 graph, else
   // an Identity (which onnxruntime removes).
   if (half) l.cast(kOutput, x, at::kFloat);
@@ -191,7 +262,8 @@ OnnxGraph build_onnx_graph(const Backbone& model, const OnnxExportOptions& optio
 }
 
 OnnxExportResult export_onnx(const Backbone& model, const OnnxExportOptions& options, const std::string& path) {
-  const OnnxGraph graph = build_onnx_graph(model, options);
+  OnnxTensorUse use;
+  const OnnxGraph graph = build_onnx_graph(model, options, &use);
   const BackboneOptions& bo = model.options();
   OnnxModelInfo info;
   info.opset = options.opset;
@@ -212,6 +284,7 @@ OnnxExportResult export_onnx(const Backbone& model, const OnnxExportOptions& opt
   OnnxExportResult r;
   r.nodes = graph.nodes().size();
   r.initializers = graph.initializers().size();
+  r.tensors = use;
   r.files = write_onnx_model(graph, info, path, options.external_data);
   return r;
 }

@@ -28,15 +28,38 @@ struct OnnxExportOptions {
 // usage_error naming the option when an option is out of range.
 void check_onnx_export_options(const OnnxExportOptions& options);
 
+// How the lowering used the model's parameters and buffers (state_dict entries).
+struct OnnxTensorUse {
+  size_t total = 0;  // parameters and buffers of the model
+  size_t read = 0;   // whose values the lowering took
+  size_t exempt = 0; // that need no lowering (onnx_tensors_without_lowering)
+};
+
+// The tensors an inference graph needs no value of, each with the reason: a module type's
+// own parameter or buffer by its local name ("num_batches_tracked" of a BatchNorm).
+struct OnnxNotLowered {
+  const char* module_type;
+  const char* tensor;
+  const char* reason;
+};
+const std::vector<OnnxNotLowered>& onnx_tensors_without_lowering();
+
 // The graph of `model` (its eval-mode forward) with the options' precision and batch.
-OnnxGraph build_onnx_graph(const Backbone& model, const OnnxExportOptions& options);
+// Refuses (runtime_error naming the first one, its module and the module's type) a model
+// with a parameter or buffer that the lowering did not read and that is not one of
+// onnx_tensors_without_lowering(): a module the lowering does not know (an extra block, a
+// squeeze-and-excitation branch) would otherwise be left out of the graph without a word.
+// `use`, when given, receives the counts.
+OnnxGraph build_onnx_graph(const Backbone& model, const OnnxExportOptions& options, OnnxTensorUse* use = nullptr);
 
 struct OnnxExportResult {
   size_t nodes = 0, initializers = 0;
+  OnnxTensorUse tensors;
   OnnxWriteResult files;
 };
 
-// Builds the graph and writes it to `path` atomically (write_onnx_model), with the metadata
+// Builds the graph (nothing is written when build_onnx_graph refuses the model) and writes
+// it to `path` atomically (write_onnx_model), with the metadata
 // props network, embedding_size, input, input_normalization, input_mean, input_std, output,
 // precision, batch, faceshard_version, then the options' own.
 OnnxExportResult export_onnx(const Backbone& model, const OnnxExportOptions& options, const std::string& path);

@@ -15,9 +15,9 @@ at::Tensor f64(const at::Tensor& t) { return t.detach().to(at::kCPU, at::kDouble
 struct Affine {
   at::Tensor scale, shift;
 };
-Affine bn_affine(const NormLayerImpl& bn) {
-  const at::Tensor scale = f64(bn.weight) / (f64(bn.running_var) + bn.eps).sqrt();
-  return {scale, f64(bn.bias) - f64(bn.running_mean) * scale};
+Affine bn_affine(OnnxLayers& l, const NormLayerImpl& bn) {
+  const at::Tensor scale = f64(l.read(bn.weight)) / (f64(l.read(bn.running_var)) + bn.eps).sqrt();
+  return {scale, f64(l.read(bn.bias)) - f64(l.read(bn.running_mean)) * scale};
 }
 
 std::vector<int64_t> pair(const torch::ExpandingArray<2>& a) { return {(*a)[0], (*a)[1]}; }
@@ -29,6 +29,11 @@ OnnxLayers::OnnxLayers(OnnxGraph& graph, int64_t opset, at::ScalarType dtype)
 
 std::string OnnxLayers::weight(const std::string& name, const at::Tensor& value) { return weight(name, value, dtype_); }
 
+const at::Tensor& OnnxLayers::read(const at::Tensor& t) {
+  read_.insert(t.unsafeGetTensorImpl());
+  return t;
+}
+
 std::string OnnxLayers::weight(const std::string& name, const at::Tensor& value, at::ScalarType type) {
   return graph_.add_initializer(name, value.detach().to(at::kCPU, type));
 }
@@ -39,10 +44,10 @@ std::string OnnxLayers::conv(const std::string& name, const torch::nn::Conv2dImp
   const auto* pad = std::get_if<torch::ExpandingArray<2>>(&o.padding());
   if (!pad || !std::holds_alternative<torch::enumtype::kZeros>(o.padding_mode()))
     throw runtime_error("ONNX export: convolution '", name, "' has a padding mode the export does not handle");
-  at::Tensor w = f64(conv.weight);
-  at::Tensor b = conv.bias.defined() ? f64(conv.bias) : at::zeros({w.size(0)}, w.options());
+  at::Tensor w = f64(read(conv.weight));
+  at::Tensor b = conv.bias.defined() ? f64(read(conv.bias)) : at::zeros({w.size(0)}, w.options());
   if (bn) {
-    const Affine a = bn_affine(*bn);
+    const Affine a = bn_affine(*this, *bn);
     w = w * a.scale.view({-1, 1, 1, 1});
     b = b * a.scale + a.shift;
   }
@@ -57,27 +62,28 @@ std::string OnnxLayers::conv(const std::string& name, const torch::nn::Conv2dImp
 
 std::string OnnxLayers::batch_norm(const std::string& name, const NormLayerImpl& bn, const std::string& x) {
   return graph_.add_node("BatchNormalization",
-                         {x, weight(name + ".weight", bn.weight), weight(name + ".bias", bn.bias),
-                          weight(name + ".running_mean", bn.running_mean), weight(name + ".running_var", bn.running_var)},
+                         {x, weight(name + ".weight", read(bn.weight)), weight(name + ".bias", read(bn.bias)),
+                          weight(name + ".running_mean", read(bn.running_mean)),
+                          weight(name + ".running_var", read(bn.running_var))},
                          name, {Attr::real("epsilon", static_cast<float>(bn.eps))});
 }
 
 std::string OnnxLayers::gemm(const std::string& name, const torch::nn::LinearImpl& linear, const NormLayerImpl* before,
                              int64_t positions, const NormLayerImpl* after, const std::string& x) {
-  at::Tensor w = f64(linear.weight);  // [out, in]
-  at::Tensor b = linear.bias.defined() ? f64(linear.bias) : at::zeros({w.size(0)}, w.options());
+  at::Tensor w = f64(read(linear.weight));  // [out, in]
+  at::Tensor b = linear.bias.defined() ? f64(read(linear.bias)) : at::zeros({w.size(0)}, w.options());
   if (before && before->weight.numel() * positions != w.size(1))
     throw runtime_error("ONNX export: BatchNorm of ", before->weight.numel(), " channels x ", positions,
                         " positions before '", name, "', which takes ", w.size(1), " inputs");
   if (before) {
     // Input i belongs to channel i / positions (a [C, H, W] map flattened).
-    const Affine a = bn_affine(*before);
+    const Affine a = bn_affine(*this, *before);
     const at::Tensor scale = a.scale.repeat_interleave(positions), shift = a.shift.repeat_interleave(positions);
     b = b + at::mv(w, shift);
     w = w * scale.view({1, -1});
   }
   if (after) {
-    const Affine a = bn_affine(*after);
+    const Affine a = bn_affine(*this, *after);
     w = w * a.scale.view({-1, 1});
     b = b * a.scale + a.shift;
   }
@@ -86,14 +92,14 @@ std::string OnnxLayers::gemm(const std::string& name, const torch::nn::LinearImp
 }
 
 std::string OnnxLayers::matmul(const std::string& name, const torch::nn::LinearImpl& linear, const std::string& x) {
-  const std::string y = matmul(name + "/matmul", x, weight(name + ".weight_t", linear.weight.t()));
+  const std::string y = matmul(name + "/matmul", x, weight(name + ".weight_t", read(linear.weight).t()));
   if (!linear.bias.defined()) return y;
-  return add(name, y, weight(name + ".bias", linear.bias));
+  return add(name, y, weight(name + ".bias", read(linear.bias)));
 }
 
 std::string OnnxLayers::prelu(const std::string& name, const torch::nn::PReLUImpl& prelu, const std::string& x) {
   // One slope per channel, broadcast over [C, H, W] from the right: shape [C, 1, 1].
-  const at::Tensor slope = prelu.weight.view({-1, 1, 1});
+  const at::Tensor slope = read(prelu.weight).view({-1, 1, 1});
   return graph_.add_node("PRelu", {x, weight(name + ".weight", slope)}, name);
 }
 
@@ -107,7 +113,7 @@ std::string OnnxLayers::layer_norm(const std::string& name, const torch::nn::Lay
   const auto& o = norm.options;
   if (o.normalized_shape().size() != 1 || !o.elementwise_affine())
     throw runtime_error("ONNX export: LayerNorm '", name, "' is not an affine norm over the last dimension");
-  const std::string w = weight(name + ".weight", norm.weight), b = weight(name + ".bias", norm.bias);
+  const std::string w = weight(name + ".weight", read(norm.weight)), b = weight(name + ".bias", read(norm.bias));
   const auto eps = static_cast<float>(o.eps());
   if (opset_ >= 17)
     return graph_.add_node("LayerNormalization", {x, w, b}, name,

@@ -5,6 +5,7 @@
 #pragma once
 #include <cstdint>
 #include <string>
+#include <unordered_set>
 #include <vector>
 
 #include <torch/torch.h>
@@ -56,10 +57,19 @@ class OnnxLayers {
   std::string weight(const std::string& name, const at::Tensor& value);
   std::string weight(const std::string& name, const at::Tensor& value, at::ScalarType type);
 
+  // Every parameter or buffer of the model whose value the lowering takes passes through
+  // read() (the layers above call it on their modules' tensors), so that the export can
+  // tell a tensor it lowered from one it never looked at. Returns `t`.
+  const at::Tensor& read(const at::Tensor& t);
+  // The tensors read so far, by identity (a parameter and the module field that holds it
+  // share one TensorImpl; a view or copy of it does not).
+  bool was_read(const at::Tensor& t) const { return read_.count(t.unsafeGetTensorImpl()) > 0; }
+
  private:
   OnnxGraph& graph_;
   int64_t opset_;
   at::ScalarType dtype_;
+  std::unordered_set<const c10::TensorImpl*> read_;
 };
 
 }  // namespace faceshard
