@@ -37,12 +37,40 @@ reference computed on every rank from everything gathered (all embeddings, label
 shards and sampled classes): ArcFace-margin cross-entropy (F.cross_entropy) over normalised
 embeddings and weights; it also compares the classifier's weight gradient and the backbone
 output's gradient (PartialFC_V2 scales it by the world size) with the reference's.
+
+--classifier-only times PartialFC_V2 alone, the reference side of `faceshard-bench --mode
+classifier`: random embeddings [batch, 512] per rank (leaves with requires_grad, a few
+batches made before timing and used in turn, labels uniform over all classes), its forward,
+backward and train_v2's SGD (lr 0.1, momentum 0.9, weight decay 5e-4) over its weight, then
+zero_grad and loss.item() as train_v2 does every step. --precision fp16 (the default on
+cuda) is train_v2's cfg.fp16 as the classifier sees it: the loss scaled by GradScaler
+(growth_interval=100), unscaled before the step; the partial fc itself computes in fp32,
+as train_v2 builds it with fp16=False (--pfc-fp16 builds it with fp16=True: its normalise and
+GEMM under fp16 autocast, as partial_fc_v2.py does then). --classes-per-shard and
+--sample-rate take comma-separated lists and one process measures every cell (classes per
+shard x rate, the weight drawn on the device), freeing each cell's memory before the next;
+a cell that runs out of GPU memory is reported as not run, and with --time-limit-s no cell
+starts that would end past that many seconds from the process's start (guessed from the
+cell before it, scaled by the classes). The JSON (rewritten after each cell) is
+{"mode": "classifier", "device", "world_size", "batch_per_rank", "dim": 512, "runs": [{
+"classes_per_shard", "sample_rate", "step_ms" (the median window's ms per step),
+"peak_memory_mb" (GPU: the allocator's peak from the module's creation on; null on the
+CPU), ...}]}; a cell not run has "not_run" (why) and null figures. --dump DIR saves each
+cell's first two steps (weight before, embeddings, labels, sampled classes, loss, weight
+after) for a test to recompute (tests/e2e/arcface_torch_classifier.py). One rank runs
+without torchrun too (plain python sets up its rendezvous):
+  .venv/bin/torchrun --nproc_per_node 1 --master_port 29611 tools/arcface_torch_step.py --classifier-only \
+      --classes-per-shard 100000,1000000 --sample-rate 1.0,0.1 --batch 128 --json arcface_classifier.json
 """
 
+import time
+
+_T0 = time.monotonic()  # --time-limit-s counts from here, before torch's import
+
 import argparse
+import gc
 import json
 import os
-import time
 import warnings
 
 import torch
@@ -259,7 +287,7 @@ class DistCrossEntropyFunc(torch.autograd.Function):
 
 
 class PartialFC_V2(nn.Module):
-    def __init__(self, margin_loss, embedding_size, num_classes, sample_rate=1.0, fp16=False):
+    def __init__(self, margin_loss, embedding_size, num_classes, sample_rate=1.0, fp16=False, device=None):
         super().__init__()
         assert dist.is_initialized()
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
@@ -268,7 +296,9 @@ class PartialFC_V2(nn.Module):
         self.class_start = num_classes // self.world_size * self.rank + min(self.rank, num_classes % self.world_size)
         self.num_sample = int(self.sample_rate * self.num_local)
         self.last_batch_size = 0
-        self.weight = nn.Parameter(torch.normal(0, 0.01, (self.num_local, embedding_size)))
+        # device: where the weight is drawn; arcface_torch draws it on the CPU (device None) and
+        # moves the module, which takes minutes at 10M classes (--classifier-only draws on the GPU)
+        self.weight = nn.Parameter(torch.normal(0, 0.01, (self.num_local, embedding_size), device=device))
         self.margin_softmax = margin_loss
 
     def sample(self, labels, index_positive):
@@ -303,7 +333,10 @@ class PartialFC_V2(nn.Module):
         labels[~index_positive] = -1
         labels[index_positive] -= self.class_start
         weight = self.sample(labels, index_positive) if self.sample_rate < 1 else self.weight
-        logits = F.linear(F.normalize(embeddings), F.normalize(weight))  # fp16 is False in train_v2
+        with torch.autocast("cuda", enabled=self.fp16):  # train_v2 builds it with fp16=False
+            logits = F.linear(F.normalize(embeddings), F.normalize(weight))
+        if self.fp16:
+            logits = logits.float()
         logits = logits.clamp(-1, 1)
         logits = self.margin_softmax(logits, labels)
         return DistCrossEntropyFunc.apply(logits, labels)
@@ -365,6 +398,153 @@ def check_step(backbone, pfc, img, lab, classes, s=64.0, m=0.5):
     return res.item() == 0
 
 
+# ---------------------------------------------------------------- the classifier alone (--classifier-only)
+DUMP_STEPS = 2  # two steps: the second carries the first's momentum
+LR, MOMENTUM, WEIGHT_DECAY = 0.1, 0.9, 5e-4
+
+
+def parse_list(p, flag, text, kind):
+    out = []
+    for word in text.split(","):
+        try:
+            out.append(kind(word.strip()))
+        except ValueError:
+            p.error(f"{flag}: '{word}' is not a{'n integer' if kind is int else ' number'}")
+    return out
+
+
+def classifier_cell(a, dev, cuda, fp16, classes_per_shard, rate, dump_prefix):
+    """One cell: PartialFC_V2 over classes_per_shard x world classes at one sample rate, timed.
+    Everything it allocates is local, so that it is freed when the cell returns."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    classes = classes_per_shard * world
+    torch.manual_seed(2048)  # setup_seed(cfg.seed)
+    # The weight drawn on the device: the same distribution as arcface_torch's CPU draw,
+    # without minutes of it at 10M classes.
+    pfc = PartialFC_V2(CombinedMarginLoss(64, 1.0, 0.5, 0.0, 0), 512, classes, rate, a.pfc_fp16, device=dev)
+    pfc.train()
+    opt = torch.optim.SGD(params=[{"params": pfc.parameters()}], lr=LR, momentum=MOMENTUM, weight_decay=WEIGHT_DECAY)
+    amp = torch.amp.GradScaler(dev.type, growth_interval=100) if fp16 else None
+    gen = torch.Generator().manual_seed(1000 + rank)
+    data = [(torch.randn(a.batch, 512, generator=gen).to(dev).requires_grad_(),
+             torch.randint(0, classes, (a.batch,), generator=gen).to(dev)) for _ in range(max(1, a.batches))]
+    k = 0
+
+    def step():
+        nonlocal k
+        emb, labels = data[k % len(data)]
+        k += 1
+        loss = pfc(emb, labels)
+        if amp is not None:  # train_v2 under cfg.fp16
+            amp.scale(loss).backward()
+            amp.unscale_(opt)
+            amp.step(opt)
+            amp.update()
+        else:
+            loss.backward()
+            opt.step()
+        opt.zero_grad()
+        emb.grad = None  # the backbone's output is a new tensor every step
+        return loss.item()
+
+    if dump_prefix:
+        rec = {"weight": pfc.weight.detach().cpu().clone(), "rank": rank, "world_size": world, "classes": classes,
+               "class_start": pfc.class_start, "num_local": pfc.num_local, "sample_rate": rate, "s": 64.0, "m": 0.5,
+               "lr": LR, "momentum": MOMENTUM, "weight_decay": WEIGHT_DECAY, "fp16": fp16, "steps": []}
+        for i in range(DUMP_STEPS):
+            emb, labels = data[k % len(data)]
+            e, y = emb.detach().cpu().clone(), labels.cpu().clone()
+            loss = step()
+            rec["steps"].append({"embeddings": e, "labels": y, "loss": loss,
+                                 "weight_index": pfc.weight_index.cpu().clone() if rate < 1 else None,
+                                 "weight": pfc.weight.detach().cpu().clone()})
+        torch.save(rec, f"{dump_prefix}_rank{rank}.pt")
+    for _ in range(a.warmup):
+        loss = step()
+    per_step = []
+    for _ in range(a.windows):
+        dist.barrier()
+        if cuda:
+            torch.cuda.synchronize(dev)
+        t0 = time.perf_counter()
+        for _ in range(a.steps):
+            loss = step()
+        if cuda:
+            torch.cuda.synchronize(dev)
+        per_step.append((time.perf_counter() - t0) / a.steps * 1e3)
+    return {"classes_per_shard": classes_per_shard, "sample_rate": rate, "num_sample_per_rank": pfc.num_sample,
+            "step_ms": sorted(per_step)[len(per_step) // 2], "windows_ms": per_step,
+            "peak_memory_mb": torch.cuda.max_memory_allocated(dev) / 2 ** 20 if cuda else None, "last_loss": loss}
+
+
+def classifier_only(a, shards, rates, dev, cuda, fp16):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if not shards:
+        shards = [a.classes // world]
+        if shards[0] < 1:
+            raise SystemExit(f"arcface_torch_step.py: error: --classes {a.classes} over {world} ranks leaves a shard empty")
+    if a.dump:
+        os.makedirs(a.dump, exist_ok=True)
+    precision = "fp16" if fp16 else "fp32"
+    out = {"mode": "classifier", "who": "arcface_torch", "device": a.device,
+           "card": torch.cuda.get_device_name(dev) if cuda else "cpu", "world_size": world, "batch_per_rank": a.batch,
+           "dim": 512, "precision": precision, "pfc_fp16": a.pfc_fp16, "threads": torch.get_num_threads(),
+           "steps_per_window": a.steps, "windows": a.windows, "warmup": a.warmup, "runs": []}
+
+    def write():
+        if rank == 0 and a.json:
+            tmp = a.json + ".tmp"
+            with open(tmp, "w") as f:
+                json.dump(out, f, indent=1)
+                f.write("\n")
+            os.replace(tmp, a.json)
+
+    last = None  # (classes per shard, seconds) of the cell before: the next one's guess
+    for n, (cps, rate) in enumerate((c, r) for c in shards for r in rates):
+        cell = {"classes_per_shard": cps, "sample_rate": rate}
+        go = torch.tensor([1.0], device=dev)
+        if rank == 0 and a.time_limit_s > 0:
+            guess = last[1] * max(1.0, cps / last[0]) if last else 0.0
+            go.fill_(float(time.monotonic() - _T0 + guess <= a.time_limit_s))
+        dist.broadcast(go, 0)  # every rank runs the same cells
+        if go.item() == 0:
+            out["runs"].append({**cell, "step_ms": None, "peak_memory_mb": None,
+                                "not_run": f"time limit ({a.time_limit_s:g} s from the start)"})
+            print(f"arcface_torch classifier: {cps} classes/shard, rate {rate}: not run, the time limit of "
+                  f"{a.time_limit_s:g} s would pass", flush=True)
+            write()
+            continue
+        t_cell = time.monotonic()
+        if cuda:
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(dev)
+        try:
+            run = classifier_cell(a, dev, cuda, fp16, cps, rate, os.path.join(a.dump, f"cell{n}") if a.dump else "")
+        except torch.OutOfMemoryError as e:
+            # Caught per cell: the next (smaller or sampled) cell may fit. The exception's frames
+            # hold the cell's tensors until here; they are freed before the next cell.
+            run = {**cell, "step_ms": None, "peak_memory_mb": None,
+                   "not_run": "out of memory: " + str(e).splitlines()[0][:300]}
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
+        last = (cps, time.monotonic() - t_cell)
+        out["runs"].append(run)
+        if rank == 0:
+            if run.get("not_run"):
+                print(f"arcface_torch classifier: {cps} classes/shard, rate {rate}: not run, {run['not_run']}",
+                      flush=True)
+            else:
+                where = torch.cuda.get_device_name(dev) if cuda else f"cpu, threads {torch.get_num_threads()}"
+                peak = run["peak_memory_mb"]
+                print(f"arcface_torch classifier: {cps} classes/shard x {world}, rate {rate} "
+                      f"({run['num_sample_per_rank']} per rank), batch {a.batch}x{world}, {precision}"
+                      f"{', pfc fp16' if a.pfc_fp16 else ''}, {where}: {run['step_ms']:.3f} ms/step (median of "
+                      f"{a.windows} windows of {a.steps} steps){'' if peak is None else f', peak {peak:.0f} MB'}"
+                      f"; last loss {run['last_loss']:.4f}", flush=True)
+        write()
+
+
 # ---------------------------------------------------------------- the train_v2.py step
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -376,7 +556,7 @@ def main():
                         "default fp16 on cuda, fp32 on cpu")
     p.add_argument("--batch", type=int, default=32, help="images per rank")
     p.add_argument("--classes", type=int, default=100000)
-    p.add_argument("--sample-rate", type=float, default=1.0)
+    p.add_argument("--sample-rate", default="1.0", help="with --classifier-only, a comma-separated list")
     p.add_argument("--steps", type=int, default=5, help="steps per timed window")
     p.add_argument("--windows", type=int, default=3)
     p.add_argument("--warmup", type=int, default=2)
@@ -384,14 +564,57 @@ def main():
     p.add_argument("--no-fp16-compress", action="store_true", help="leave DDP's fp16_compress_hook out")
     p.add_argument("--json", default="", help="write the result as JSON to this file (rank 0)")
     p.add_argument("--check", action="store_true", help="compare one step's loss/gradients with a plain reference")
+    p.add_argument("--classifier-only", action="store_true",
+                   help="time PartialFC_V2 and its SGD update alone on random embeddings (see the top of this file)")
+    p.add_argument("--classes-per-shard", default="",
+                   help="--classifier-only: comma-separated classes per rank (default: --classes / ranks)")
+    p.add_argument("--pfc-fp16", action="store_true",
+                   help="--classifier-only: PartialFC_V2(fp16=True), its GEMM under fp16 autocast (train_v2: False)")
+    p.add_argument("--time-limit-s", type=float, default=0.0,
+                   help="--classifier-only: start no cell that would end past this many seconds (0: no limit)")
+    p.add_argument("--dump", default="", help="--classifier-only: save each cell's first steps in this folder")
     a = p.parse_args()
     cuda = a.device == "cuda"
     fp16 = (a.precision or ("fp16" if cuda else "fp32")) == "fp16"
-    if fp16 and not cuda:
-        p.error("--precision fp16 needs --device cuda (arcface_torch's autocast is CUDA's)")
+    if a.classifier_only:
+        # fp16 is the loss scaling alone here (the backbone's autocast is absent): GradScaler
+        # runs on the CPU too, which is how the CPU test reaches it.
+        if a.pfc_fp16 and not cuda:
+            p.error("--pfc-fp16 needs --device cuda (partial_fc_v2.py's autocast is CUDA's)")
+        if a.check:
+            p.error("--check and --classifier-only are separate runs")
+        if a.time_limit_s < 0:
+            p.error(f"--time-limit-s must be 0 or more, got {a.time_limit_s:g}")
+        shards = parse_list(p, "--classes-per-shard", a.classes_per_shard, int) if a.classes_per_shard else []
+        rates = parse_list(p, "--sample-rate", a.sample_rate, float)
+        if any(c < 1 for c in shards):
+            p.error(f"--classes-per-shard: every entry must be at least 1, got '{a.classes_per_shard}'")
+        if any(not 0 < r <= 1 for r in rates):
+            p.error(f"--sample-rate: every entry must be in (0, 1], got '{a.sample_rate}'")
+    else:
+        for flag, given in (("--classes-per-shard", a.classes_per_shard), ("--pfc-fp16", a.pfc_fp16),
+                            ("--time-limit-s", a.time_limit_s), ("--dump", a.dump)):
+            if given:
+                p.error(f"{flag} needs --classifier-only")
+        try:
+            a.sample_rate = float(a.sample_rate)
+        except ValueError:
+            p.error(f"--sample-rate: one number without --classifier-only, got '{a.sample_rate}'")
+        if fp16 and not cuda:
+            p.error("--precision fp16 needs --device cuda (arcface_torch's autocast is CUDA's)")
     if a.check and cuda:
         p.error("--check runs on the CPU")
+    for flag, v in (("--batch", a.batch), ("--steps", a.steps), ("--windows", a.windows)):
+        if v < 1:
+            p.error(f"{flag} must be at least 1, got {v}")
 
+    # Without torchrun: one rank (the rendezvous torchrun --standalone would set up).
+    if "RANK" not in os.environ and "WORLD_SIZE" not in os.environ:
+        import socket
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     # torch's note that _set_static_graph() makes find_unused_parameters=True redundant (train_v2 sets both)
     warnings.filterwarnings("ignore", message="You passed find_unused_parameters=true")
     if cuda:
@@ -403,6 +626,10 @@ def main():
         dev = torch.device("cpu")
         dist.init_process_group("gloo")  # torchrun's environment: MASTER_ADDR/PORT, RANK, WORLD_SIZE
     rank, world = dist.get_rank(), dist.get_world_size()
+    if a.classifier_only:
+        classifier_only(a, shards, rates, dev, cuda, fp16)
+        dist.destroy_process_group()
+        return
     torch.manual_seed(2048)  # setup_seed(cfg.seed): the same on every rank before building the models
 
     backbone = get_model(a.network, 512, fp16=fp16).to(dev)

@@ -22,7 +22,9 @@
 #               (tools/arcface_torch_step.py); then, as the budget allows, fp16, the unfused
 #               optimiser, ATen's PReLU, a JPEG .rec through the loader, NCHW
 #   classifier  faceshard-bench --mode classifier at 1M and 10M classes: bytes per class from
-#               the CUDA allocator's peak, beside faceshard-plan's figure
+#               the CUDA allocator's peak, beside faceshard-plan's figure; then, as the budget
+#               allows, arcface_torch's PartialFC_V2 alone at the same cells
+#               (tools/arcface_torch_step.py --classifier-only)
 #   capacity    the largest class count faceshard-plan finds for this GPU (r50, bf16, batch
 #               128, bf16 centres and state, streamed) trained for a few steps; the
 #               classifier's storage and passes (optim.fc_weight_dtype, loss.logits) with
@@ -333,6 +335,19 @@ if want classifier; then
         --json "$work/json/plan_${cls}_${rate}.json"
     done
   done
+  report
+  # arcface_torch's classifier alone at the same cells (PartialFC_V2 and train_v2's SGD, fp16
+  # as its configs: the loss scaled, the GEMMs fp32), as the budget allows: the item's limit is
+  # cut to the budget as item() cuts it, and no cell starts that would end within 20 s of that
+  # limit (guessed from the cell before), so the script ends with what it measured. A cell out
+  # of memory (10M classes at rate 1.0 on an 80 GB card) is reported as not run.
+  at_limit=90
+  left=$(budget_left)
+  [ $((left + grace)) -lt "$at_limit" ] && at_limit=$((left + grace))
+  at_cells=$((at_limit - 20)); [ "$at_cells" -ge 1 ] || at_cells=1
+  try_run arcface_classifier "$at_limit" "$py" -m torch.distributed.run --standalone --nproc_per_node 1 \
+    "$here/arcface_torch_step.py" --classifier-only --device "$device" --classes-per-shard "$fc_classes" \
+    --sample-rate 1.0,0.1 "${fc_args[@]}" --time-limit-s "$at_cells" --json "$work/json/arcface_classifier.json"
   report
 fi
 

@@ -12,8 +12,10 @@ of docs/benchmarks/), "graph_checks" (each graph cell's losses against its eager
 "ratios" (faceshard over arcface_torch per cell), "contributions" (each variant cell against
 its base cell: what the fused optimiser, the PReLU kernel, the CUDA graphs and the real input
 pipeline each change), "targets" (the step's targets on a GPU, held or not: reported, not a
-failed check), "classifier" (bytes per class measured and planned), "capacity", "loader",
-"two_ranks" and "problems".
+failed check), "classifier" (bytes per class measured and planned), "classifier_vs_arcface_torch"
+(faceshard's classifier step per cell beside arcface_torch's PartialFC_V2 alone at the same
+classes per shard and rate: GEMMs, bytes, floor, arcface_torch / faceshard), "capacity",
+"loader", "two_ranks" and "problems".
 
 A check that could not fail proves nothing, so each of these is a problem (exit status 1):
 an item that failed or ran past its limit; a required item not started (the budget spent);
@@ -124,6 +126,54 @@ def targets_of(records, raw_variant, ratios_ref, card):
                      t["times_arcface_torch"] >= times and t.get("input_pipeline_slowdown", 0) <= slowdown)
         out.append(t)
     return out
+
+
+def number(x):
+    """x where it is a number (JSON from an older or newer tool may lack a field, or hold null)."""
+    return x if isinstance(x, (int, float)) and not isinstance(x, bool) else None
+
+
+def col(x, form):
+    x = number(x)
+    return "-" if x is None else form.format(x)
+
+
+def classifier_vs_arcface_torch(fs, at):
+    """faceshard-bench's classifier runs (fs: its JSON) beside arcface_torch_step.py
+    --classifier-only's cells (at: its JSON), matched by classes per shard and sample rate at
+    the same batch per rank: one row per faceshard run (weight dtype and logits are
+    faceshard's choices; arcface_torch has one cell for them all), then arcface_torch's cells
+    that no faceshard run matched. A field either side lacks is None."""
+    def runs_of(j):
+        runs = (j or {}).get("runs")
+        return [r for r in runs if isinstance(r, dict)] if isinstance(runs, list) else []
+    rows = []
+    at_runs = runs_of(at)
+    same_batch = not fs or not at or number(fs.get("batch_per_rank")) is None or \
+        number(at.get("batch_per_rank")) is None or fs["batch_per_rank"] == at["batch_per_rank"]
+    used = set()
+    for r in runs_of(fs):
+        row = {k: r.get(k) for k in ("classes_per_shard", "sample_rate", "precision", "fc_weight_dtype", "logits",
+                                     "step_ms", "gemm_ms", "ops_per_step", "bytes_per_step", "bandwidth_gbs",
+                                     "floor_ms", "step_over_floor")}
+        match = [i for i, q in enumerate(at_runs)
+                 if same_batch and q.get("classes_per_shard") == r.get("classes_per_shard")
+                 and number(q.get("sample_rate")) is not None and number(r.get("sample_rate")) is not None
+                 and abs(q["sample_rate"] - r["sample_rate"]) < 1e-9]
+        q = at_runs[match[0]] if match else {}
+        used.update(match[:1])
+        row["arcface_torch_step_ms"] = number(q.get("step_ms"))
+        row["arcface_torch_not_run"] = q.get("not_run")
+        row["arcface_torch_precision"] = (at or {}).get("precision") if q else None
+        a_ms, f_ms = row["arcface_torch_step_ms"], number(row["step_ms"])
+        row["arcface_torch_over_faceshard"] = a_ms / f_ms if a_ms is not None and f_ms else None
+        rows.append(row)
+    for i, q in enumerate(at_runs):
+        if i not in used:
+            rows.append({"classes_per_shard": q.get("classes_per_shard"), "sample_rate": q.get("sample_rate"),
+                         "arcface_torch_step_ms": number(q.get("step_ms")), "arcface_torch_not_run": q.get("not_run"),
+                         "arcface_torch_precision": at.get("precision"), "arcface_torch_over_faceshard": None})
+    return rows
 
 
 def pct(x):
@@ -525,9 +575,16 @@ def main():
             classifier.append(entry)
         for run in c.get("runs", []):
             classifier.append({"sample_rate": run["sample_rate"], "classes_per_shard": run["classes_per_shard"],
-                               "step_ms": run["step_ms"], "gemm_ms": run["gemm_ms"], "peak_memory_mb": run["peak_memory_mb"]})
+                               "step_ms": run["step_ms"], "gemm_ms": run["gemm_ms"], "peak_memory_mb": run["peak_memory_mb"],
+                               **{k: run.get(k) for k in ("fc_weight_dtype", "logits", "ops_per_step", "bytes_per_step",
+                                                          "bandwidth_gbs", "floor_ms", "step_over_floor")}})
     if "classifier" in asked and not any("bytes_per_class" in c for c in classifier):
         problems.append("classifier: no bytes per class measured")
+    # The classifier step beside arcface_torch's PartialFC_V2 alone (an optional item: absent
+    # or partial, its columns are empty).
+    fc_json, at_json = load(os.path.join(d, "classifier.json")), load(os.path.join(d, "arcface_classifier.json"))
+    fc_vs_at = classifier_vs_arcface_torch(fc_json if isinstance(fc_json, dict) else None,
+                                           at_json if isinstance(at_json, dict) else None)
 
     # capacity: the largest class count planned and whether it trained
     capacity = {}
@@ -567,7 +624,8 @@ def main():
     results = {"card": card, "date": date, "device": a.device, "asked": asked, "env": env, "sections": items,
                "skipped": skipped, "tests": tests, "train": train, "records": records, "graph_checks": graph_checks,
                "ratios": ratios, "contributions": contributions, "targets": targets, "classifier": classifier,
-               "capacity": capacity, "loader": loader, "two_ranks": two_ranks, "problems": problems}
+               "classifier_vs_arcface_torch": fc_vs_at, "capacity": capacity, "loader": loader, "two_ranks": two_ranks,
+               "problems": problems}
     tmp = a.results + ".tmp"
     with open(tmp, "w") as f:
         json.dump(results, f, indent=1)
@@ -640,6 +698,27 @@ def main():
             print(f"-- classifier rate {c['sample_rate']}: {c['bytes_per_class']:.0f} B/class measured "
                   f"({c['from']} -> {c['to']} classes), plan {planned:.0f}" if planned else
                   f"-- classifier rate {c['sample_rate']}: {c['bytes_per_class']:.0f} B/class measured, no plan")
+    if fc_vs_at:
+        print("-- classifier step (ms) beside arcface_torch's PartialFC_V2 alone"
+              + (f" ({at_json.get('precision')}, batch {at_json.get('batch_per_rank')})" if isinstance(at_json, dict) else
+                 " (no arcface_classifier.json)"))
+        print(f"   {'classes/shard':>13} {'rate':>5} {'weight':6} {'logits':8} {'faceshard':>9} {'GEMMs':>8} "
+              f"{'GB/step':>8} {'floor':>8} {'step/floor':>10} {'arcface_torch':>13} {'arcface/faceshard':>17}")
+        for q in fc_vs_at:
+            print(f"   {col(q.get('classes_per_shard'), '{:.0f}'):>13} {col(q.get('sample_rate'), '{:g}'):>5} "
+                  f"{str(q.get('fc_weight_dtype') or '-'):6} {str(q.get('logits') or '-'):8} "
+                  f"{col(q.get('step_ms'), '{:.2f}'):>9} "
+                  f"{col(q.get('gemm_ms'), '{:.2f}'):>8} "
+                  f"{col(None if number(q.get('bytes_per_step')) is None else q['bytes_per_step'] / 1e9, '{:.3g}'):>8} "
+                  f"{col(q.get('floor_ms'), '{:.2f}'):>8} {col(q.get('step_over_floor'), '{:.2f}x'):>10} "
+                  f"{col(q.get('arcface_torch_step_ms'), '{:.2f}'):>13} "
+                  f"{col(q.get('arcface_torch_over_faceshard'), '{:.2f}x'):>17}")
+        seen = set()
+        for q in fc_vs_at:
+            key = (q.get("classes_per_shard"), q.get("sample_rate"))
+            if q.get("arcface_torch_not_run") and key not in seen:
+                seen.add(key)
+                print(f"   arcface_torch at {key[0]} classes/shard, rate {key[1]}: not run ({q['arcface_torch_not_run']})")
     for k, v in capacity.items():
         if k.endswith("GiB"):
             print(f"-- capacity, {k} reserve: {v['max_classes']} classes planned, "

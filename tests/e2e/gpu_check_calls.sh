@@ -81,6 +81,9 @@ elif call == "c":
     assert any("bytes_per_class" in c and c.get("planned_bytes_per_class") for c in r["classifier"]), r["classifier"]
     assert r["capacity"]["3GiB"]["trained"], r["capacity"]
     assert r["capacity"].get("cap_storage"), r["capacity"]
+    # arcface_torch's classifier alone beside every faceshard classifier cell (tiny: 2 x 2 cells).
+    fc = r["classifier_vs_arcface_torch"]
+    assert len(fc) == 4 and all(q["arcface_torch_step_ms"] and q["arcface_torch_over_faceshard"] for q in fc), fc
     two = os.path.exists(os.path.join(root, "tools", "gpu_two_ranks.sh"))
     if two:
         assert r["two_ranks"]["ran"] and r["two_ranks"]["ok"], r["two_ranks"]

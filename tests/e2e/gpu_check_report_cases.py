@@ -108,6 +108,9 @@ def write(folder, d):
     for cell, j in folder["step"].items():
         with open(os.path.join(d, cell + ".json"), "w") as out:
             json.dump(j, out)
+    for name, j in folder.get("json", {}).items():
+        with open(os.path.join(d, name), "w") as out:
+            json.dump(j, out)
 
 
 def set_item(f, name, rc, need=None):
@@ -252,6 +255,110 @@ def case_two_ranks_without_json(f):
     return r"tworanks: no two_ranks\.json"
 
 
+# The classifier section: faceshard-bench's classifier runs (classifier.json) beside
+# arcface_torch's PartialFC_V2 alone (arcface_classifier.json) per cell. faceshard's runs:
+# (classes per shard, rate, weight dtype, logits, step ms, and the per-run fields of the
+# bandwidth floor, or None where an older faceshard-bench wrote none).
+FC_RUNS = [(1000000, 1.0, "fp32", "buffer", 23.4, {"gemm_ms": 2.61, "ops_per_step": 1.61e12, "bytes_per_step": 8.4e9,
+                                                   "bandwidth_gbs": 4800.0, "floor_ms": 1.75, "step_over_floor": 13.37}),
+           (1000000, 1.0, "bf16", "streamed", 121.8, {"gemm_ms": 3.4, "ops_per_step": 2.15e12, "bytes_per_step": 5.1e9,
+                                                       "bandwidth_gbs": 4800.0, "floor_ms": 1.06, "step_over_floor": 114.9}),
+           (1000000, 0.1, "fp32", "buffer", 9.1, {"gemm_ms": 0.9, "ops_per_step": 1.6e11, "bytes_per_step": 4.4e9,
+                                                  "bandwidth_gbs": 4800.0, "floor_ms": 0.92, "step_over_floor": 9.89}),
+           (10000000, 1.0, "fp32", "buffer", 697.0, None),
+           (10000000, 0.1, "fp32", "buffer", 74.2, {"gemm_ms": 8.2, "ops_per_step": 1.61e12, "bytes_per_step": 4.4e10,
+                                                    "bandwidth_gbs": 4800.0, "floor_ms": 9.17, "step_over_floor": 8.09})]
+# arcface_torch's cells: step ms, or None with the reason it did not run.
+AT_RUNS = {(1000000, 1.0): 61.0, (1000000, 0.1): 20.5, (10000000, 1.0): None, (10000000, 0.1): 240.0}
+AT_OOM = "out of memory: CUDA out of memory. Tried to allocate 19.07 GiB"
+
+
+def with_classifier(f, arcface):
+    f["check.json"]["sections"] += ",classifier"
+    f["items"] += [("classifier", "0", "required")]
+    f["items"] += [("arcface_classifier", "0" if arcface else "skipped", "optional")]
+    runs = []
+    for cps, rate, weight, logits, ms, extra in FC_RUNS:
+        r = {"head": "combined", "precision": "fp32", "fc_state_dtype": "fp32", "fc_weight_dtype": weight,
+             "logits": logits, "row_update": "onepass", "classes_per_shard": cps, "sample_rate": rate, "step_ms": ms,
+             "gemm_ms": ms / 9, "peak_memory_mb": cps * 4608 / 2 ** 20, "peak_tensor_mb": cps * 4608 / 2 ** 20}
+        r.update(extra or {})
+        runs.append(r)
+    f["json"] = {"classifier.json": {
+        "mode": "classifier", "device": "cuda", "world_size": 1, "batch_per_rank": 128, "dim": 512, "runs": runs,
+        "bytes_per_class": [{"head": "combined", "precision": "fp32", "fc_state_dtype": "fp32", "fc_weight_dtype": "fp32",
+                             "logits": "buffer", "row_update": "onepass", "sample_rate": rate, "from": 1000000,
+                             "to": 10000000, "bytes_per_class": 4619.0, "tensor_bytes_per_class": 4619.0}
+                            for rate in (1.0, 0.1)]}}
+    if arcface:
+        f["json"]["arcface_classifier.json"] = {
+            "mode": "classifier", "who": "arcface_torch", "device": "cuda", "card": "NVIDIA H200", "world_size": 1,
+            "batch_per_rank": 128, "dim": 512, "precision": "fp16", "pfc_fp16": False,
+            "runs": [{"classes_per_shard": c, "sample_rate": r, "step_ms": ms, "peak_memory_mb": 3.0 * c / 1e3}
+                     if ms is not None else {"classes_per_shard": c, "sample_rate": r, "step_ms": None,
+                                             "peak_memory_mb": None, "not_run": AT_OOM}
+                     for (c, r), ms in AT_RUNS.items()]}
+
+
+def table_row(stdout, cps, rate, weight, logits):
+    """The summary's row of one faceshard run, split into its columns."""
+    for line in stdout.splitlines():
+        w = line.split()
+        if len(w) == 11 and w[:4] == [str(cps), f"{rate:g}", weight, logits]:
+            return w
+    return None
+
+
+def check_classifier_table(r, stdout, arcface):
+    rows = r["classifier_vs_arcface_torch"]
+    if len(rows) != len(FC_RUNS):
+        return f"{len(rows)} rows in classifier_vs_arcface_torch, expected one per faceshard run ({len(FC_RUNS)})"
+    for (cps, rate, weight, logits, ms, extra), q in zip(FC_RUNS, rows):
+        at = AT_RUNS[(cps, rate)] if arcface else None
+        want = at / ms if at is not None else None  # arcface_torch's step over faceshard's
+        got = q["arcface_torch_over_faceshard"]
+        if (want is None) != (got is None) or (want is not None and abs(got - want) > 1e-12 * want):
+            return f"{cps} classes/shard, rate {rate}, {weight}, {logits}: ratio {got}, expected {want}"
+        if (q["classes_per_shard"], q["sample_rate"], q["fc_weight_dtype"], q["logits"], q["step_ms"]) != \
+                (cps, rate, weight, logits, ms):
+            return f"row {q} is not faceshard's run {cps} {rate} {weight} {logits}"
+        w = table_row(stdout, cps, rate, weight, logits)
+        if w is None:
+            return f"no table row for {cps} classes/shard, rate {rate}, {weight}, {logits}:\n{stdout}"
+        # faceshard, GEMMs, GB/step, floor, step/floor, arcface_torch, arcface/faceshard
+        expect = [f"{ms:.2f}", f"{extra['gemm_ms']:.2f}" if extra else "-",
+                  f"{extra['bytes_per_step'] / 1e9:.3g}" if extra else "-", f"{extra['floor_ms']:.2f}" if extra else "-",
+                  f"{extra['step_over_floor']:.2f}x" if extra else "-", f"{at:.2f}" if at is not None else "-",
+                  f"{want:.2f}x" if want is not None else "-"]
+        if extra is None:
+            expect[1] = f"{ms / 9:.2f}"  # the GEMMs are an older field: there without the floor's
+        if w[4:] != expect:
+            return f"table row {w}, expected the columns {expect}"
+    oom = "arcface_torch at 10000000 classes/shard, rate 1.0: not run (" + AT_OOM + ")"
+    if arcface and oom not in stdout:
+        return f"no line saying arcface_torch's cell did not run: {oom!r}\n{stdout}"
+    if not arcface and "(no arcface_classifier.json)" not in stdout:
+        return f"the table does not say arcface_classifier.json is missing:\n{stdout}"
+    print(f"table: {len(rows)} rows, ratios {[q['arcface_torch_over_faceshard'] for q in rows]}")
+    return None
+
+
+def case_classifier_beside_arcface_torch(f):
+    # Both JSONs: per cell, arcface_torch's step over faceshard's as computed here; the runs
+    # without the floor's fields and the cell arcface_torch could not run print "-".
+    with_classifier(f, arcface=True)
+    f["check"] = lambda r, out: check_classifier_table(r, out, arcface=True)
+    return None
+
+
+def case_classifier_without_arcface_torch(f):
+    # arcface_torch's item left out by the budget: no arcface_classifier.json, the report
+    # holds and its columns are empty.
+    with_classifier(f, arcface=False)
+    f["check"] = lambda r, out: check_classifier_table(r, out, arcface=False)
+    return None
+
+
 CASES = {k[len("case_"):]: v for k, v in globals().items() if k.startswith("case_")}
 
 
@@ -283,6 +390,8 @@ def run_case(source, name):
             assert [q["variant"] for q in r["contributions"]] == ["graph", "unfused"][:len(r["contributions"])], \
                 r["contributions"]
             assert r["two_ranks"] == {"ran": False, "why": "tools/gpu_two_ranks.sh is not in this build"}, r["two_ranks"]
+            if "check" in folder:
+                return folder["check"](r, p.stdout)
             return None
         if p.returncode != 1:
             print(p.stdout, p.stderr)
