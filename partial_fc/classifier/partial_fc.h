@@ -129,7 +129,7 @@ struct ClassifierMemoryPlan {
   bool streamed = false;     // the logits are streamed (never held)
   double weight_bytes = 0, state_bytes = 0, gradient_bytes = 0, logits_bytes = 0;
   // The chunked passes' temporaries (chunk_policy.h): on a GPU a fixed reserve, the budget's
-  // chunk (or the whole step's rows when they are fewer) x chunk_row_bytes; on the CPU a
+  // chunk (or the whole step's rows when they are fewer) x update_row_bytes or column_bytes; on the CPU a
   // cache-sized chunk's.
   double chunk_bytes = 0;
   double total_bytes() const { return weight_bytes + state_bytes + gradient_bytes + logits_bytes + chunk_bytes; }

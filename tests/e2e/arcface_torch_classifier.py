@@ -18,13 +18,15 @@ needs of an optional item).
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
 
 import torch
 import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from fault_loops import free_port  # noqa: E402
 
 # CASE: ranks, classes per shard, sample rates, --precision (fp16 on the CPU: GradScaler alone)
 CASES = {"one_rank": (1, [300, 1000], [1.0, 0.25], "fp32"),
@@ -36,14 +38,6 @@ LOSS_TOL, UPDATE_TOL = 1e-5, 1e-4
 # alone, about 1e-3 of the largest update, where fp32's rounding of the weight is a few 1e-3
 # of the move; a weight decay or momentum left out changes it by half or all of it.
 ROW_TOL = 2e-2
-
-
-def free_port():
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
 
 
 def reference(ranks):
