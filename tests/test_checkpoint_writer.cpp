@@ -8,6 +8,8 @@
 #include <condition_variable>
 #include <filesystem>
 #include <mutex>
+#include <thread>
+#include <vector>
 
 #include "app/config/config.h"
 #include "app/io/checkpoint.h"
@@ -97,6 +99,100 @@ dist: {device: cpu}
   expect_file_equals(step_dir + "/fc_shard_0.pt", shard, "fc_shard_0.pt");
   EXPECT_EQ(verify_checkpoint(step_dir, *dist), "");
   EXPECT_FALSE(writer.finish().has_value());  // one save, finished once
+}
+
+// train.checkpoint_when_busy skip: a checkpoint due while the previous write is still held
+// back is skipped (no step folder, the training not waiting); one due once it is done is
+// taken; the run's last checkpoint is never skipped. The staging buffers are allocated by
+// reserve() before the first checkpoint, and the first checkpoint then allocates none.
+TEST(AsyncCheckpoint, SkipsACheckpointDueWhileTheLastIsBeingWritten) {
+  const std::string dir = testing::temp_dir("async_ckpt_skip");
+  std::shared_ptr<Distributed> dist = Distributed::init(DistEnv{});
+  const Config cfg = load_config_text("output: " + dir + "/out\n" + R"(data: {rec: synthetic, num_classes: 10, batch_size: 4, num_workers: 1}
+model: {backbone: mbf, embedding_size: 8}
+train: {verify_every: 0, tensorboard: false}
+dist: {device: cpu}
+)", "job.yaml");
+  TrainJob job = build_train_job(cfg, dist);
+  TrainState state(job);
+  CheckpointManager checkpoints(dir + "/ck", *dist, 10);
+  AsyncCheckpointWriter writer(checkpoints, 0, 1, nullptr, "t", std::chrono::seconds(60));
+  std::vector<bool> asked;
+  writer.skip_when_busy([&](bool mine) {
+    asked.push_back(mine);
+    return mine;
+  });
+  std::mutex m;
+  std::condition_variable cv;
+  bool go = false;
+  writer.set_before_write_hook([&](int64_t step) {
+    if (step != 2) return;
+    std::unique_lock<std::mutex> lock(m);
+    cv.wait(lock, [&] { return go; });
+  });
+  EXPECT_GT(writer.reserve(state.contents()), 0.0);
+  state.progress().step = 2;
+  EXPECT_FALSE(writer.save(state).has_value());
+  EXPECT_TRUE(asked.empty());  // nothing was in flight: nobody asked
+  state.progress().step = 4;
+  EXPECT_FALSE(writer.save(state).has_value());  // step 2's write is held: step 4 skipped
+  ASSERT_EQ(asked.size(), 1u);
+  EXPECT_FALSE(asked[0]);
+  {
+    std::lock_guard<std::mutex> lock(m);
+    go = true;
+  }
+  cv.notify_all();
+  // Step 2's write goes on; once it is over, step 6 is taken and returns step 2's outcome.
+  for (int i = 0; i < 6000 && !fs::exists(dir + "/ck/step_00000002/COMMITTED"); ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  state.progress().step = 6;
+  std::optional<CheckpointOutcome> o;
+  // The write's flag is set after COMMITTED: a step may still find it busy (and skip), as
+  // the training would; the test asks again until it is taken.
+  for (int i = 0; i < 6000 && !o; ++i) {
+    o = writer.save(state);
+    if (!o) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  ASSERT_TRUE(o.has_value());
+  EXPECT_EQ(o->step, 2);
+  EXPECT_TRUE(o->committed) << o->problem;
+  // The run's last checkpoint (step 7) waits for step 6's write instead of being skipped.
+  state.progress().step = 7;
+  const size_t asked_before = asked.size();
+  o = writer.save(state, /*last=*/true);
+  EXPECT_EQ(asked.size(), asked_before);
+  ASSERT_TRUE(o.has_value());
+  EXPECT_EQ(o->step, 6);
+  o = writer.finish();
+  ASSERT_TRUE(o.has_value());
+  EXPECT_EQ(o->step, 7);
+  EXPECT_TRUE(o->committed) << o->problem;
+  EXPECT_FALSE(fs::exists(dir + "/ck/step_00000004"));
+  EXPECT_TRUE(fs::exists(dir + "/ck/step_00000006/COMMITTED"));
+  EXPECT_TRUE(fs::exists(dir + "/ck/step_00000007/COMMITTED"));
+}
+
+// reserve() allocates every buffer the first checkpoint stages into: staging afterwards
+// allocates nothing more (the same storages), and the bytes are this rank's part.
+TEST(StagingBuffers, ReservedBeforeTheFirstCheckpoint) {
+  StagingBuffers buffers;
+  const StateDict live = {{"a", torch::randn({64, 8})}, {"b", torch::arange(10)}, {"none", at::Tensor()}};
+  buffers.reserve(live, "shard");
+  EXPECT_EQ(buffers.bytes(), 64 * 8 * 4 + 10 * 8);
+  const StateDict first = buffers.stage(live, "shard");
+  EXPECT_EQ(buffers.bytes(), 64 * 8 * 4 + 10 * 8);
+  const StateDict second = buffers.stage(live, "shard");
+  ASSERT_EQ(first.size(), 3u);
+  for (size_t i = 0; i < 2; ++i) {
+    EXPECT_EQ(first[i].second.data_ptr(), second[i].second.data_ptr()) << first[i].first;
+    EXPECT_TRUE(torch::equal(first[i].second, live[i].second)) << first[i].first;
+  }
+  // A changed shape is staged into a new buffer of the new shape.
+  const StateDict grown = {{"a", torch::randn({65, 8})}, {"b", torch::arange(10)}, {"none", at::Tensor()}};
+  const StateDict third = buffers.stage(grown, "shard");
+  EXPECT_TRUE(torch::equal(third[0].second, grown[0].second));
+  EXPECT_EQ(buffers.bytes(), 65 * 8 * 4 + 10 * 8);
 }
 
 // Two ranks save through the store. Rank 1 holds its shard back (before its rename) until

@@ -12,7 +12,8 @@
 #             LibTorch and CUDA, each with RUNPATH $ORIGIN
 #   env.sh    `source env.sh`: PATH and LD_LIBRARY_PATH for bin/, with LibTorch's and CUDA's
 #             libraries from $FACESHARD_TORCH_LIB or from `python3 -c 'import torch'`
-#   configs/, tools/ (launch.sh, gpu_check.sh + its report, arcface_torch_step.py),
+#   configs/, tools/ (launch.sh, gpu_check.sh + its report, arcface_torch_step.py,
+#             checkpoint_stall.py),
 #             tests/fuzz/regressions (the test binary's inputs)
 #   MANIFEST  what was built from (commit, torch, CUDA) and each file's size
 # Fails when a needed library is found nowhere, or when a packed file holds a path of this
@@ -112,7 +113,7 @@ done
 
 # --- scripts, configs, test inputs
 cp -r "$root/configs" "$dest/configs"
-cp "$root/tools/launch.sh" "$root/tools/gpu_check.sh" "$root/tools/gpu_check_report.py" "$root/tools/arcface_torch_step.py" \
+cp "$root/tools/launch.sh" "$root/tools/gpu_check.sh" "$root/tools/gpu_check_report.py" "$root/tools/arcface_torch_step.py" "$root/tools/checkpoint_stall.py" \
    "$dest/tools/"
 cp "$root/tools/gpu_two_ranks.sh" "$dest/tools/"
 cp -r "$root/tests/fuzz/regressions" "$dest/tests/fuzz/regressions"

@@ -34,6 +34,9 @@
 #   loader      the data loader on a synthetic JPEG .rec with 8 and 16 workers
 #   tworanks    tools/gpu_two_ranks.sh (two ranks: its two_ranks.json must say "ok"), when
 #               the bundle has it; the report says so when it does not
+#   checkpoint  tools/checkpoint_stall.py: one rank, 2M classes, r50, checkpoints written
+#               synchronously and in the background: how long the training waited at each
+#               (staging on a side stream) beside the write, and the step time during a write
 #
 # RESULTS_DIR receives results.json (every figure, and "problems"), summary.txt (the table
 # printed at the end) and logs.tar.gz (each item's log and raw JSON), rewritten after each
@@ -46,7 +49,7 @@
 #
 # Options: --device cuda|cpu (cpu: the plumbing at tiny sizes, for a machine without a GPU),
 # --tiny (small sizes on any device), --sections LIST (comma-separated; default
-# env,tests,train,step,loader,tworanks: classifier and capacity run when named), --budget-s S
+# env,tests,train,step,loader,tworanks: classifier, capacity and checkpoint run when named), --budget-s S
 # (default 420; 0: none): no item starts once S seconds have passed since the check began,
 # or, from the step section on, since the step section began; an item not started is
 # reported as skipped (a problem where the item is required), and no item runs past S + 40
@@ -72,7 +75,7 @@ done
 [ -n "$out" ] || { echo "gpu_check.sh: error: no results folder given (see --help)" >&2; exit 2; }
 case "$device" in cuda|cpu) ;; *) echo "gpu_check.sh: error: --device must be cuda or cpu, got '$device'" >&2; exit 2 ;; esac
 [[ "$budget" =~ ^[0-9]+$ ]] || { echo "gpu_check.sh: error: --budget-s must be a whole number of seconds, got '$budget'" >&2; exit 2; }
-known="env tests train step classifier capacity loader tworanks"
+known="env tests train step classifier capacity loader tworanks checkpoint"
 [ -n "$sections" ] || { echo "gpu_check.sh: error: --sections is empty (known: ${known// /,})" >&2; exit 2; }
 for s in ${sections//,/ }; do
   [[ " $known " == *" $s "* ]] || { echo "gpu_check.sh: error: --sections: unknown section '$s' (known: ${known// /,})" >&2; exit 2; }
@@ -164,6 +167,7 @@ if [ "$tiny" = 1 ]; then
   cap_classes="2000,4000"; cap_gathered="2000,4000"; cap_gathered_batch=64; cap_200k=2000
   cap_args=(--steps 1 --windows 1 --warmup 1); cap_step=(--classes 2000 --steps 2 --windows 1 --warmup 1)
   cap_net=mbf_small; cap_batch=8
+  ck_args=(--classes 2000 --backbone mbf_small --batch 8 --every 3 --steps 9 --set dist.device=cpu)
   tests_filter="*Cuda*:LossScaler.*"; test_limit=120
   item_limit=300
 else
@@ -186,6 +190,10 @@ else
   cap_classes="1000000,2000000"; cap_gathered="500000,1000000"; cap_gathered_batch=8192; cap_200k=200000
   cap_args=(--steps 3 --windows 2 --warmup 1); cap_step=(--classes 1000000 --steps 10 --windows 2 --warmup 3)
   cap_net=r50; cap_batch=128
+  # 2M classes a rank, r50 at batch 128, bf16: about 4 GB a checkpoint; 20 steps between
+  # checkpoints, so that each background write has steps to overlap.
+  ck_args=(--classes 2000000 --backbone r50 --batch 128 --every 20 --steps 60 --set dist.device=cuda
+           --set train.precision=bf16 --set data.num_workers=4)
   # The multi-rank *GlooCuda* tests run in the tworanks section (tools/gpu_two_ranks.sh).
   tests_filter="*Cuda*:-*GlooCuda*"; test_limit=120
   # A step cell takes 10-30 s on an H100/H200: two minutes means it hangs.
@@ -400,6 +408,15 @@ fi
 # ---------------------------------------------------------------- loader
 if want loader; then
   run loader 300 "$bin/faceshard-bench" --mode data "${loader_args[@]}" --json "$work/json/loader.json"
+fi
+
+# ---------------------------------------------------------------- checkpoint
+if want checkpoint; then
+  run checkpoint_stall 400 "$py" "$here/checkpoint_stall.py" --bin "$bin" --config "$configs/base.yaml" \
+    --output "$work/checkpoint" "${ck_args[@]}" --json "$work/json/checkpoint_stall.json"
+  rm -rf "$work/checkpoint"/off "$work/checkpoint"/on  # the checkpoints themselves (GBs)
+  cp "$work/checkpoint"/*.log "$work/logs/" 2>/dev/null
+  report
 fi
 
 # ---------------------------------------------------------------- report

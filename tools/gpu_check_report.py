@@ -417,7 +417,7 @@ def main():
     asked = [s for s in str(check.get("sections", "")).split(",") if s]
     if not asked:  # an older check's folder: the sections its items show
         prefixes = {"env": "env", "tests": "test", "train": "train", "step": "step_", "classifier": "classifier",
-                    "capacity": "cap_", "loader": "loader", "tworanks": "tworanks"}
+                    "capacity": "cap_", "loader": "loader", "tworanks": "tworanks", "checkpoint": "checkpoint_"}
         asked = [k for k, v in prefixes.items() if any(s["name"].startswith(v) for s in items)]
     if not items:
         problems.append("no item ran (status.tsv is empty or missing)")
@@ -602,6 +602,18 @@ def main():
 
     loader = load(os.path.join(d, "loader.json"), {})
 
+    # checkpoints written in the background (tools/checkpoint_stall.py): the training's wait
+    # synchronous against background, and the steps run during a background write
+    checkpoint = {}
+    if "checkpoint" in asked:
+        st = [s for s in items if s["name"] == "checkpoint_stall"]
+        if st and st[0]["exit"] not in ("skipped",):
+            j = load(os.path.join(d, "checkpoint_stall.json"))
+            if not isinstance(j, dict) or not j.get("checkpoints"):
+                problems.append("checkpoint: no checkpoint_stall.json")
+            else:
+                checkpoint = j
+
     # two ranks (tools/gpu_two_ranks.sh)
     two_ranks = {}
     if "tworanks" in asked:
@@ -625,7 +637,7 @@ def main():
                "skipped": skipped, "tests": tests, "train": train, "records": records, "graph_checks": graph_checks,
                "ratios": ratios, "contributions": contributions, "targets": targets, "classifier": classifier,
                "classifier_vs_arcface_torch": fc_vs_at, "capacity": capacity, "loader": loader, "two_ranks": two_ranks,
-               "problems": problems}
+               "checkpoint": checkpoint, "problems": problems}
     tmp = a.results + ".tmp"
     with open(tmp, "w") as f:
         json.dump(results, f, indent=1)
@@ -725,6 +737,14 @@ def main():
                   + (f"trained ({v['peak_memory_mb']:.0f} MB peak)" if v["trained"] else "not trained"))
     for r in loader.get("results", []):
         print(f"-- loader: {r['workers']} workers: {r['images_per_s']:.0f} images/s")
+    for r in checkpoint.get("checkpoints", []):
+        print(f"-- checkpoint step {r['step']} ({r['bytes'] / 1e9:.2f} GB): the training waited {r['sync_wait_s']:.3g} s "
+              f"synchronous, {r['async_wait_s']:.3g} s in the background ({r['wait_ratio']:.1f}x less; the write "
+              f"{r['async_write_s']:.3g} s)")
+    if checkpoint.get("background_steps", {}).get("during_over_away"):
+        b = checkpoint["background_steps"]
+        print(f"-- steps during a background write: {b['during_over_away']:.2f}x the others' time "
+              f"({len(b['during_write_steps'])} steps beside {len(b['away_steps'])})")
     if two_ranks:
         print("-- two ranks: " + ("not run: " + two_ranks["why"] if not two_ranks["ran"] else
                                   "ok" if two_ranks.get("ok") else "NOT ok"))

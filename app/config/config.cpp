@@ -721,6 +721,7 @@ void Config::visit(FieldVisitor& v) {
   v.field("train.keep_checkpoints", train.keep_checkpoints, at_least(1));
   v.field("train.max_failed_checkpoints", train.max_failed_checkpoints, at_least(1));
   v.field("train.checkpoint_async", train.checkpoint_async, choices({"auto", "on", "off"}));
+  v.field("train.checkpoint_when_busy", train.checkpoint_when_busy, choices({"wait", "skip"}));
   v.field("train.max_steps", train.max_steps, at_least(1));
   v.field("train.loss_scaling", train.loss_scaling, choices({"auto", "on", "off"}));
   v.field("train.loss_scale_init", train.loss_scale_init, positive());

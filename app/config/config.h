@@ -191,6 +191,10 @@ struct TrainConfig {
   // background thread while training goes on (app/train/checkpoint_writer.h); auto: on where
   // the host's available memory holds the staging of all of its ranks, off elsewhere.
   std::string checkpoint_async = "auto";
+  // wait | skip. A checkpoint due while the previous one is still being written in the
+  // background: the training waits for that write (wait), or this checkpoint is skipped, said
+  // in one line, and the next interval tries again (skip; the run's last one is always waited for).
+  std::string checkpoint_when_busy = "wait";
   std::optional<int64_t> max_steps;  // stop early (demo, tests); default: run the schedule
   // Dynamic loss scaling: "auto" = on exactly for fp16; "on" also scales fp32/bf16 losses
   // (useful to test the scaler without half-precision arithmetic).

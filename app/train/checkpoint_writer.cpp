@@ -28,7 +28,7 @@ double tensor_bytes(const at::Tensor& t) {
 
 }  // namespace
 
-std::optional<CheckpointOutcome> SyncCheckpointWriter::save(const TrainState& state) {
+std::optional<CheckpointOutcome> SyncCheckpointWriter::save(const TrainState& state, bool /*last*/) {
   CheckpointOutcome o;
   o.step = state.progress().step;
   const auto t0 = Clock::now();
@@ -55,6 +55,32 @@ struct StagingBuffers::Device {
 #endif
 };
 
+namespace {
+
+// The staging buffer of `t` under `key`, (re)allocated where missing or where its shape or
+// type changed: host memory, pinned for a GPU's tensor (an asynchronous copy needs it).
+at::Tensor& staging_buffer(std::map<std::string, at::Tensor>& buffers, const std::string& key, const at::Tensor& t,
+                           bool* allocated = nullptr) {
+  at::Tensor& buf = buffers[key];
+  const bool fresh = !buf.defined() || buf.sizes() != t.sizes() || buf.scalar_type() != t.scalar_type();
+  if (fresh) buf = at::empty(t.sizes(), t.options().device(at::kCPU).pinned_memory(t.is_cuda()));
+  if (allocated) *allocated = fresh;
+  return buf;
+}
+
+}  // namespace
+
+void StagingBuffers::reserve(const StateDict& live, const std::string& file) {
+  at::NoGradGuard no_grad;
+  for (const auto& [name, t] : live) {
+    if (!t.defined()) continue;
+    bool fresh = false;
+    at::Tensor& buf = staging_buffer(buffers_, file + "/" + name, t, &fresh);
+    // Written once now, so that its pages are mapped before the first checkpoint's copy.
+    if (fresh) buf.zero_();
+  }
+}
+
 StateDict StagingBuffers::stage(const StateDict& live, const std::string& file) {
   at::NoGradGuard no_grad;
   StateDict out;
@@ -64,9 +90,7 @@ StateDict StagingBuffers::stage(const StateDict& live, const std::string& file) 
       out.emplace_back(name, t);
       continue;
     }
-    at::Tensor& buf = buffers_[file + "/" + name];
-    if (!buf.defined() || buf.sizes() != t.sizes() || buf.scalar_type() != t.scalar_type())
-      buf = at::empty(t.sizes(), t.options().device(at::kCPU).pinned_memory(t.is_cuda()));
+    at::Tensor& buf = staging_buffer(buffers_, file + "/" + name, t);
 #ifdef FACESHARD_WITH_CUDA
     if (t.is_cuda()) {
       // The copy runs on a side stream that first waits for the training stream's work so
@@ -131,7 +155,24 @@ AsyncCheckpointWriter::~AsyncCheckpointWriter() {
   thread_.join();
 }
 
-std::optional<CheckpointOutcome> AsyncCheckpointWriter::save(const TrainState& state) {
+double AsyncCheckpointWriter::reserve(const CheckpointContents& contents) {
+  const auto t0 = Clock::now();
+  if (rank_ == 0) {
+    staging_.reserve(contents.backbone, "backbone");
+    staging_.reserve(contents.train_state, "train_state");
+  }
+  staging_.reserve(contents.shard, "shard");
+  return seconds_since(t0);
+}
+
+std::optional<CheckpointOutcome> AsyncCheckpointWriter::save(const TrainState& state, bool last) {
+  // train.checkpoint_when_busy skip: while the previous write is in flight on any rank, this
+  // checkpoint is not taken (the same answer on every rank: one collective at this step).
+  if (all_done_ && !last && thread_.joinable() && !all_done_(written_.load())) {
+    log_info("checkpoint step ", state.progress().step, " skipped: the one of step ", in_flight_step_,
+             " is still being written in the background (train.checkpoint_when_busy skip); the next interval tries again");
+    return std::nullopt;
+  }
   const auto t0 = Clock::now();
   // One save in flight: the previous one is finished first (its outcome goes back to the
   // trainer, which applies the failure policy to it at this step on every rank).
@@ -151,7 +192,8 @@ std::optional<CheckpointOutcome> AsyncCheckpointWriter::save(const TrainState& s
   staged->shard = staging_.stage(live.shard, "shard");
   staging_.fence();
   in_flight_ = CheckpointOutcome{};
-  in_flight_.step = live.step;
+  in_flight_.step = in_flight_step_ = live.step;
+  written_ = false;
   in_flight_.background = true;
   in_flight_.stage_s = seconds_since(t_stage);
   in_flight_.previous_s = previous_s;
@@ -177,6 +219,7 @@ std::optional<CheckpointOutcome> AsyncCheckpointWriter::save(const TrainState& s
       o.problem = "rank " + std::to_string(rank_) + ": " + one_line(e);
     }
     o.write_s = seconds_since(t_write);
+    written_ = true;
   });
   return previous;
 }
@@ -240,6 +283,17 @@ std::unique_ptr<CheckpointWriter> make_checkpoint_writer(const TrainJob& job, co
   auto writer = std::make_unique<AsyncCheckpointWriter>(checkpoints, d.rank(), d.world_size(), std::move(store),
                                                         std::to_string(id.item<int64_t>()), timeout);
   if (d.world_size() > 1) writer->set_before_wait([&d] { d.barrier(); });
+  if (job.cfg.train.checkpoint_when_busy == "skip")
+    writer->skip_when_busy([&d](bool mine) {
+      if (d.world_size() == 1) return mine;
+      at::Tensor done = torch::tensor({static_cast<float>(mine)});
+      d.all_reduce(done, ReduceOp::Min);
+      return done.item<float>() > 0;
+    });
+  // The staging buffers now, not at the first checkpoint's step (the plan counted them).
+  const double reserve_s = writer->reserve(state.contents());
+  log_info("checkpoint staging buffers: ", format_bytes(per_rank), " on this rank, allocated in ", format_sig(reserve_s),
+           " s");
   return writer;
 }
 

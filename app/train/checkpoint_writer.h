@@ -41,8 +41,9 @@ class CheckpointWriter {
   virtual ~CheckpointWriter() = default;
   // Saves the state as it is now (collective: every rank at the same step). Returns the
   // outcome of a save that ended during the call: this one (synchronous), or the previous one
-  // that was still being written (asynchronous); nothing when none did.
-  virtual std::optional<CheckpointOutcome> save(const TrainState& state) = 0;
+  // that was still being written (asynchronous); nothing when none did. `last`: the run's
+  // last checkpoint (its end, a stop), never skipped.
+  virtual std::optional<CheckpointOutcome> save(const TrainState& state, bool last = false) = 0;
   // Waits for the save in flight (at the run's end, at a stop); its outcome, nothing when none.
   virtual std::optional<CheckpointOutcome> finish() = 0;
   virtual bool background() const = 0;
@@ -51,7 +52,7 @@ class CheckpointWriter {
 class SyncCheckpointWriter : public CheckpointWriter {
  public:
   explicit SyncCheckpointWriter(CheckpointManager& checkpoints) : checkpoints_(checkpoints) {}
-  std::optional<CheckpointOutcome> save(const TrainState& state) override;
+  std::optional<CheckpointOutcome> save(const TrainState& state, bool last = false) override;
   std::optional<CheckpointOutcome> finish() override { return std::nullopt; }
   bool background() const override { return false; }
 
@@ -66,6 +67,9 @@ class StagingBuffers {
   // `live`'s entries copied into the buffers of `file`; on a GPU the copies are queued on
   // a side stream (ready() waits for them).
   StateDict stage(const StateDict& live, const std::string& file);
+  // Allocates (and first touches) the buffers `live` will be staged into, so that the first
+  // checkpoint does not pay for the allocation and the page faults at its step.
+  void reserve(const StateDict& live, const std::string& file);
   // Blocks until the copies queued by stage() are done (from any thread).
   void ready();
   // Called after the last stage() of a checkpoint: on a GPU, the training stream waits (on
@@ -91,9 +95,17 @@ class AsyncCheckpointWriter : public CheckpointWriter {
   AsyncCheckpointWriter(CheckpointManager& checkpoints, int rank, int world_size, c10::intrusive_ptr<c10d::Store> store,
                         std::string run_id, std::chrono::milliseconds timeout);
   ~AsyncCheckpointWriter() override;
-  std::optional<CheckpointOutcome> save(const TrainState& state) override;
+  std::optional<CheckpointOutcome> save(const TrainState& state, bool last = false) override;
   std::optional<CheckpointOutcome> finish() override;
   bool background() const override { return true; }
+
+  // Allocates the staging buffers for `contents`' tensors (this rank's part) now, at the
+  // run's start, instead of at the first checkpoint step. Returns the seconds it took.
+  double reserve(const CheckpointContents& contents);
+  // train.checkpoint_when_busy skip: a checkpoint due while the previous write is still in
+  // flight is skipped. `all_done(mine)` tells whether every rank's previous write is done
+  // (collective, at the same step on every rank: the same answer everywhere).
+  void skip_when_busy(std::function<bool(bool)> all_done) { all_done_ = std::move(all_done); }
 
   // Called on the background thread before it writes a checkpoint: where tests hold the
   // write back until the training has taken its next step.
@@ -115,7 +127,10 @@ class AsyncCheckpointWriter : public CheckpointWriter {
   CheckpointOutcome in_flight_;  // the thread's, read after it is joined
   std::function<void(int64_t)> before_write_;
   std::function<void()> before_wait_;
+  std::function<bool(bool)> all_done_;
   std::atomic<bool> abort_{false};
+  std::atomic<bool> written_{false};  // the thread's write is over (committed or not)
+  int64_t in_flight_step_ = 0;
 };
 
 // The writer train.checkpoint_async picks for this job, the same on every rank (collective:

@@ -155,7 +155,7 @@ int run_training(const TrainRequest& req) {
     return true;
   };
   auto save_checkpoint = [&](bool last) -> bool {
-    if (std::optional<CheckpointOutcome> o = writer->save(state)) {
+    if (std::optional<CheckpointOutcome> o = writer->save(state, last)) {
       const bool this_one = o->step == p.step && !writer->background();
       if (!settle(*o, last && this_one)) return false;
     }

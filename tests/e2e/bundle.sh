@@ -5,7 +5,8 @@
 # CUDA provide it, and the loader takes it from there; RUNPATH $ORIGIN/../lib and no path of
 # this machine in any file; a test case of the test binary passes from there, and the GPU
 # check's plumbing (tools/gpu_check.sh --device cpu: demo training stopped and resumed,
-# export, verify, step cells beside arcface_torch's, classifier, loader) holds.
+# export, verify, step cells beside arcface_torch's, classifier, loader) holds, with what a
+# GPU lease's calls a and b must show (gpu_check_expect.py).
 # usage: bundle.sh SOURCE_DIR BIN_DIR
 set -u
 root="$1"; bin="$2"
@@ -106,4 +107,9 @@ assert r["tests"]["passed"] > 0 and r["tests"]["failed"] == 0, r["tests"]
 print("gpu_check results.json: sections", len(names), "records", len(r["records"]), "tests", r["tests"]["passed"],
       "passed", r["tests"]["skipped"], "skipped")
 PY
+# The check's calls a (env, tests, train) and b (step) of a GPU lease ran above as sections
+# of one run: what each call's results must show (tests/e2e/gpu_check_expect.py).
+for call in a b; do
+  "$py" "$root/tests/e2e/gpu_check_expect.py" "$work/check/results.json" "$call" "$root" || fail "the check's call $call"
+done
 echo PASS
