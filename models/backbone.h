@@ -31,7 +31,7 @@ bool device_has_bf16(torch::Device device);
 std::string to_string(BodyPrecision precision);
 
 struct BackboneOptions {
-  std::string name = "r50";      // r18 .. r200, r2060, mbf, mbf_large, vit_t .. vit_h
+  std::string name = "r50";      // one of backbone_names() (models/backbone_registry.h)
   int64_t embedding_size = 512;  // num_features in arcface_torch
   double dropout = 0.0;          // iresnet only (before fc); arcface_torch trains with 0
   BodyPrecision precision = BodyPrecision::Float32;

@@ -9,9 +9,36 @@
 
 namespace faceshard {
 
-// Names accepted by make_backbone, in a stable order: r18 r34 r50 r100 r200 r2060 mbf
-// mbf_large, then arcface_torch's ViT variants.
+// Names accepted by make_backbone, in a stable order: r18 r34 r50 r100 r200 r2060, the
+// IR-SE networks, mbf mbf_small mbf_large, then arcface_torch's ViT variants.
 std::vector<std::string> backbone_names();
+
+// What a registered network declares besides how it is built, so that no caller tests a
+// name's prefix: its family, its defaults and what it supports.
+struct BackboneTraits {
+  std::string name;
+  // "iresnet", "mobilefacenet" or "vit": the key of the network's ONNX lowering (the
+  // exporter keeps one per family, app/export/onnx_export.cpp; models/ does not depend on
+  // the exporter) and of its module structure.
+  std::string family;
+  // Activation checkpointing when BackboneOptions::checkpointing is unset (arcface_torch's
+  // choice), and whether the network has it at all.
+  bool default_checkpointing = false;
+  bool supports_checkpointing = true;
+  std::string no_checkpointing_reason;  // the option error's reason when it does not
+  // The training layout when the config leaves it open: NHWC for the convolutional
+  // networks (faster on the CPU, measured with faceshard-bench --mode step; what cuDNN's
+  // tensor-core kernels take), NCHW for the ViTs (one convolution, the patch embedding).
+  bool default_channels_last = true;
+  // Whether BackboneOptions::dropout applies; else why not (the option error's reason).
+  bool dropout = false;
+  std::string no_dropout_reason;
+  // What optim.freeze_stages counts ("stages" or "blocks").
+  std::string stage_word = "stages";
+};
+
+// The traits of a registered network; option_error("backbone") when unknown.
+const BackboneTraits& backbone_traits(const std::string& name);
 
 // The checks make_backbone makes before it builds anything (the name, the embedding size,
 // dropout and checkpointing for that network): option errors naming the option.

@@ -20,7 +20,18 @@ NormLayer bn2d(int64_t c) { return NormLayer(c, 1e-5, 0.1); }
 nn::PReLU prelu(int64_t c) { return nn::PReLU(nn::PReLUOptions().num_parameters(c)); }
 }  // namespace
 
-IBasicBlockImpl::IBasicBlockImpl(int64_t inplanes, int64_t planes, int64_t stride) {
+SqueezeExcitationImpl::SqueezeExcitationImpl(int64_t channels, int64_t reduction) {
+  fc1_ = register_module("fc1", conv(channels, channels / reduction, 1, 1));
+  fc2_ = register_module("fc2", conv(channels / reduction, channels, 1, 1));
+}
+
+torch::Tensor SqueezeExcitationImpl::scale(const torch::Tensor& x) {
+  // The mean over H and W is the global average pool; [B, C, 1, 1] keeps the 1x1 convs.
+  torch::Tensor s = counted_conv(fc1_, x.mean({2, 3}, /*keepdim=*/true));
+  return torch::sigmoid(counted_conv(fc2_, torch::relu(s)));
+}
+
+IBasicBlockImpl::IBasicBlockImpl(int64_t inplanes, int64_t planes, int64_t stride, int64_t se_reduction) {
   // Registration order = PyTorch's state_dict order.
   bn1_ = register_module("bn1", bn2d(inplanes));
   conv1_ = register_module("conv1", conv(inplanes, planes, 3, 1));
@@ -28,6 +39,9 @@ IBasicBlockImpl::IBasicBlockImpl(int64_t inplanes, int64_t planes, int64_t strid
   prelu_ = register_module("prelu", prelu(planes));
   conv2_ = register_module("conv2", conv(planes, planes, 3, stride));
   bn3_ = register_module("bn3", bn2d(planes));
+  // Between bn3 and the shortcut in the state_dict, as in the forward (the IR-SE ports'
+  // order: res_layer's SE last, then the shortcut).
+  if (se_reduction > 0) se_ = register_module("se", SqueezeExcitation(planes, se_reduction));
   if (stride != 1 || inplanes != planes) {
     auto down = register_module("downsample", std::make_shared<nn::Module>("Sequential"));
     down_conv_ = down->register_module("0", conv(inplanes, planes, 1, stride));
@@ -40,6 +54,8 @@ torch::Tensor IBasicBlockImpl::forward(const torch::Tensor& x) {
   out = counted_conv(conv1_, out);
   out = faceshard::prelu(bn2_->forward(out), prelu_->weight);
   out = bn3_->forward(counted_conv(conv2_, out));
+  // SE scales the residual branch before the addition.
+  if (se_) out = out * se_->scale(out);
   // In place: bn3's output is not needed by its backward, so this saves one activation.
   if (down_conv_) return out.add_(down_bn_->forward(counted_conv(down_conv_, x)));
   return out.add_(x);
@@ -49,7 +65,8 @@ namespace {
 const std::vector<std::pair<std::string, std::vector<int64_t>>>& iresnet_depths() {
   static const std::vector<std::pair<std::string, std::vector<int64_t>>> depths = {
       {"r18", {2, 2, 2, 2}},     {"r34", {3, 4, 6, 3}},      {"r50", {3, 4, 14, 3}},
-      {"r100", {3, 13, 30, 3}}, {"r200", {6, 26, 60, 6}}, {"r2060", {3, 128, 1024 - 128, 3}}};
+      {"r100", {3, 13, 30, 3}}, {"r200", {6, 26, 60, 6}}, {"r2060", {3, 128, 1024 - 128, 3}},
+      {"ir_se50", {3, 4, 14, 3}}, {"ir_se100", {3, 13, 30, 3}}};
   return depths;
 }
 
@@ -66,7 +83,7 @@ std::vector<int64_t> iresnet_layers(const std::string& name) {
   throw usage_error("iresnet depth '", name, "' is unknown; known: ", known_depths());
 }
 
-IResNet::IResNet(std::vector<int64_t> layers, BackboneOptions options)
+IResNet::IResNet(std::vector<int64_t> layers, BackboneOptions options, int64_t se_reduction)
     : Backbone("IResNet", std::move(options)) {
   // Four stages of at least one block each: with fewer, the network has no stage to reach
   // 512 channels at 7 x 7 and would fail only at its first forward.
@@ -89,7 +106,7 @@ IResNet::IResNet(std::vector<int64_t> layers, BackboneOptions options)
     std::vector<IBasicBlock> blocks;
     for (int64_t b = 0; b < layers[s]; ++b) {
       // Every stage halves the resolution, layer1 included (112 -> 56 -> 28 -> 14 -> 7).
-      blocks.emplace_back(inplanes, planes[s], b == 0 ? 2 : 1);
+      blocks.emplace_back(inplanes, planes[s], b == 0 ? 2 : 1, se_reduction);
       stage->push_back(blocks.back());
       inplanes = planes[s];
     }

@@ -8,6 +8,7 @@ namespace faceshard::testing {
 
 inline constexpr const char* kBackboneReferencePy = R"PY(
 # Reference backbones from plain torch.nn.functional ops, written for faceshard's tests.
+# Every network faceshard registers has an entry here (the test ModelsCatalogue requires it).
 # Modes:
 #   make  <dir> <arch> <emb> : random weights (torch.save'd OrderedDict), an input batch,
 #                              eval/train embeddings and the state after one train step
@@ -16,13 +17,20 @@ inline constexpr const char* kBackboneReferencePy = R"PY(
 #   check <dir> <arch> <emb> : load faceshard's export with torch.load, check keys/shapes,
 #                              recompute its embeddings, re-save the weights for C++
 #   misc  <dir>              : write/check the small format cases (views, dtypes, errors)
+#   catalogue <dir> <emb>    : every network's state_dict names and shapes (its spec alone,
+#                              nothing computed), one "name d0,d1,..." line each, <dir>/<arch>.spec
 import collections, json, sys
 import torch
 import torch.nn.functional as F
 
 IRESNET = {"r18": [2, 2, 2, 2], "r34": [3, 4, 6, 3], "r50": [3, 4, 14, 3],
-           "r100": [3, 13, 30, 3], "r200": [6, 26, 60, 6]}
-MBF = {"mbf": ((1, 4, 6, 2), 2), "mbf_large": ((2, 8, 12, 4), 4)}
+           "r100": [3, 13, 30, 3], "r200": [6, 26, 60, 6], "r2060": [3, 128, 896, 3]}
+# IR-SE (insightface's fresnet with use_se): the iresnet block with squeeze-and-excitation
+# after bn3, before the residual addition; SE = sigmoid(fc2(relu(fc1(avgpool(x))))) with 1x1
+# convolutions without bias reducing by 16, named se.fc1 / se.fc2 (the IR-SE ports' SEModule).
+IRSE = {"ir_se50": [3, 4, 14, 3], "ir_se100": [3, 13, 30, 3]}
+SE_REDUCTION = 16
+MBF = {"mbf": ((1, 4, 6, 2), 2), "mbf_small": ((1, 1, 1, 1), 1), "mbf_large": ((2, 8, 12, 4), 4)}
 # dim, depth, heads, drop path of the last block, mask ratio (arcface_torch's variants; the
 # ratio is what its forward applies: random_masking's default 0.1 whenever a variant masks)
 VIT = {"vit_t": (256, 12, 8, 0.1, 0.1), "vit_t_dp005_mask0": (256, 12, 8, 0.05, 0.0),
@@ -60,7 +68,7 @@ class Spec:
             self.entries.append((n + ".bias", (cout,), "bias"))
 
 
-def iresnet_spec(layers, emb):
+def iresnet_spec(layers, emb, se=False):
     s = Spec()
     s.conv("conv1", 64, 3, 3); s.bn("bn1", 64); s.prelu("prelu", 64)
     cin = 64
@@ -70,6 +78,9 @@ def iresnet_spec(layers, emb):
             s.bn(p + ".bn1", cin); s.conv(p + ".conv1", planes, cin, 3)
             s.bn(p + ".bn2", planes); s.prelu(p + ".prelu", planes)
             s.conv(p + ".conv2", planes, planes, 3); s.bn(p + ".bn3", planes)
+            if se:
+                s.conv(p + ".se.fc1", planes // SE_REDUCTION, planes, 1)
+                s.conv(p + ".se.fc2", planes, planes // SE_REDUCTION, 1)
             if b == 0:
                 s.conv(p + ".downsample.0", planes, cin, 1); s.bn(p + ".downsample.1", planes)
             cin = planes
@@ -125,6 +136,8 @@ def vit_spec(cfg, emb):
 def spec_for(arch, emb):
     if arch in IRESNET:
         return iresnet_spec(IRESNET[arch], emb)
+    if arch in IRSE:
+        return iresnet_spec(IRSE[arch], emb, se=True)
     if arch in VIT:
         return vit_spec(VIT[arch], emb)
     return mbf_spec(*MBF[arch], emb)
@@ -163,7 +176,7 @@ class Ops:
         return F.prelu(x, self.sd[n + ".weight"])
 
 
-def iresnet_forward(o, layers, x):
+def iresnet_forward(o, layers, x, se=False):
     x = o.prelu("prelu", o.bn("bn1", o.conv("conv1", x, 1, 1)))
     for i, n in enumerate(layers):
         for b in range(n):
@@ -172,6 +185,9 @@ def iresnet_forward(o, layers, x):
             y = o.conv(p + ".conv1", o.bn(p + ".bn1", x), 1, 1)
             y = o.prelu(p + ".prelu", o.bn(p + ".bn2", y))
             y = o.bn(p + ".bn3", o.conv(p + ".conv2", y, stride, 1))
+            if se:
+                w = o.conv(p + ".se.fc1", y.mean((2, 3), keepdim=True), 1, 0)
+                y = y * torch.sigmoid(o.conv(p + ".se.fc2", F.relu(w), 1, 0))
             short = x if b else o.bn(p + ".downsample.1", o.conv(p + ".downsample.0", x, stride, 0))
             x = y + short
     x = torch.flatten(o.bn("bn2", x), 1)
@@ -250,6 +266,8 @@ def forward(arch, sd, x, training):
     with torch.no_grad():
         if arch in IRESNET:
             y = iresnet_forward(o, IRESNET[arch], x)
+        elif arch in IRSE:
+            y = iresnet_forward(o, IRSE[arch], x, se=True)
         elif arch in VIT:
             y = vit_forward(o, VIT[arch], x)
         else:
@@ -331,6 +349,14 @@ def check(d, arch, emb):
     print("ok max_err=%g scale=%g" % (err, scale))
 
 
+def catalogue(d, emb):
+    for arch in list(IRESNET) + list(IRSE) + list(MBF) + list(VIT):
+        with open("%s/%s.spec" % (d, arch), "w") as f:
+            for n, shape, kind in spec_for(arch, emb).entries:
+                f.write("%s %s\n" % (n, ",".join(str(x) for x in shape)))
+    print("ok")
+
+
 def misc(d):
     a = torch.arange(6, dtype=torch.float32).reshape(2, 3)
     torch.save(collections.OrderedDict([
@@ -362,6 +388,8 @@ if __name__ == "__main__":
         check(d, sys.argv[3], int(sys.argv[4]))
     elif mode == "misc":
         misc(d)
+    elif mode == "catalogue":
+        catalogue(d, int(sys.argv[3]))
 )PY";
 
 }  // namespace faceshard::testing

@@ -39,6 +39,15 @@ void expect_file_equals(const std::string& path, const StateDict& reference, con
   }
 }
 
+// A one-rank CPU job small enough to save in milliseconds, its output under `dir`.
+Config tiny_job_config(const std::string& dir) {
+  return load_config_text("output: " + dir + "/out\n" + R"(data: {rec: synthetic, num_classes: 10, batch_size: 4, num_workers: 1}
+model: {backbone: mbf, embedding_size: 8}
+train: {verify_every: 0, tensorboard: false}
+dist: {device: cpu}
+)", "job.yaml");
+}
+
 StateDict cloned(const StateDict& live) {
   StateDict out;
   for (const auto& [name, t] : live) out.emplace_back(name, t.defined() ? t.detach().clone() : t);
@@ -51,11 +60,7 @@ StateDict cloned(const StateDict& live) {
 TEST(AsyncCheckpoint, SavesTheStateOfItsStepNotOfTheNextStep) {
   const std::string dir = testing::temp_dir("async_ckpt");
   std::shared_ptr<Distributed> dist = Distributed::init(DistEnv{});
-  const Config cfg = load_config_text("output: " + dir + "/out\n" + R"(data: {rec: synthetic, num_classes: 10, batch_size: 4, num_workers: 1}
-model: {backbone: mbf, embedding_size: 8}
-train: {verify_every: 0, tensorboard: false}
-dist: {device: cpu}
-)", "job.yaml");
+  const Config cfg = tiny_job_config(dir);
   TrainJob job = build_train_job(cfg, dist);
   TrainState state(job);
   state.progress().step = 2;
@@ -108,11 +113,7 @@ dist: {device: cpu}
 TEST(AsyncCheckpoint, SkipsACheckpointDueWhileTheLastIsBeingWritten) {
   const std::string dir = testing::temp_dir("async_ckpt_skip");
   std::shared_ptr<Distributed> dist = Distributed::init(DistEnv{});
-  const Config cfg = load_config_text("output: " + dir + "/out\n" + R"(data: {rec: synthetic, num_classes: 10, batch_size: 4, num_workers: 1}
-model: {backbone: mbf, embedding_size: 8}
-train: {verify_every: 0, tensorboard: false}
-dist: {device: cpu}
-)", "job.yaml");
+  const Config cfg = tiny_job_config(dir);
   TrainJob job = build_train_job(cfg, dist);
   TrainState state(job);
   CheckpointManager checkpoints(dir + "/ck", *dist, 10);

@@ -188,6 +188,8 @@ TEST(ModelsRegistry, NamesOptionsAndErrors) {
                                          "r100",
                                          "r200",
                                          "r2060",
+                                         "ir_se50",
+                                         "ir_se100",
                                          "mbf",
                                          "mbf_small",
                                          "mbf_large",
@@ -470,6 +472,14 @@ TEST_P(BackboneInterchange, ExportLoadsInPython) {
   const std::string dir = testing::temp_dir("models_cpp2py");
   auto model = make_backbone(opts(p.name, p.emb));
   randomise_state(*model, 7);
+  {
+    // Fan-in scaled convolutions: with the init's N(0, 0.1) activations grow ~7x per conv to
+    // ~1e6, where an SE gate's sigmoid turns float32 rounding of its input into 1e-3 relative
+    // differences; this test is about names, order and values, not conditioning.
+    torch::NoGradGuard no_grad;
+    for (auto& w : model->parameters())
+      if (w.dim() == 4) w.normal_(0.0, std::sqrt(1.0 / (w.size(1) * w.size(2) * w.size(3))));
+  }
   model->eval();
   torch::manual_seed(3);
   const torch::Tensor x = torch::randn({2, 3, 112, 112});
@@ -494,10 +504,83 @@ TEST_P(BackboneInterchange, ExportLoadsInPython) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Backbone, BackboneInterchange,
-                         ::testing::Values(ArchCase{"r18", 256}, ArchCase{"r50", 512},
+                         ::testing::Values(ArchCase{"r18", 256}, ArchCase{"r50", 512}, ArchCase{"ir_se50", 512},
                                            ArchCase{"mbf", 512}, ArchCase{"mbf_large", 128},
                                            ArchCase{"vit_t", 512}),
                          [](const auto& info) { return info.param.name + "_" + std::to_string(info.param.emb); });
+
+// ---- every registered network declares what the project needs of it --------------------
+
+// The reference's specs of every network it knows, written once per test binary run.
+const std::string& reference_catalogue() {
+  static const std::string dir = [] {
+    const std::string d = testing::temp_dir("models_catalogue");
+    auto [rc, out] = run_reference(d, "catalogue '" + d + "' 512");
+    EXPECT_EQ(rc, 0) << out;
+    return d;
+  }();
+  return dir;
+}
+
+struct CheckpointCase {
+  std::string name;
+  int segments;  // checkpointed segments in its graph
+};
+std::ostream& operator<<(std::ostream& os, const CheckpointCase& c) { return os << c.name; }
+
+// The networks whose checkpointed backward is compared with the plain one (Checkpointing).
+const std::vector<CheckpointCase>& checkpoint_cases() {
+  static const std::vector<CheckpointCase> cases = {
+      {"vit_t", 12},
+      // layer2 and layer3 of r18 have 2 blocks: 2 segments each, the last plain
+      {"r18", 2},
+      // ir_se50's layer2 4 blocks, layer3 14: 3 + 13 recomputed, squeeze-and-excitation inside
+      {"ir_se50", 16}};
+  return cases;
+}
+
+class ModelsCatalogue : public ::testing::TestWithParam<std::string> {};
+
+// A network added to the registry fails here, by name, until the Python reference spells out
+// its state_dict (names and shapes, so the same parameter count) and its checkpointing
+// answer holds; its ONNX lowering, planner row and onnxruntime runs are required by
+// OnnxExportEveryBackbone, PlanTable.EveryRegisteredBackboneIsMeasuredOrSaysSo
+// and tests/e2e/onnx_export.py (whose network lists are the reference's).
+TEST_P(ModelsCatalogue, HasAReferenceAndACheckpointingAnswer) {
+  REQUIRE_PYTHON_TORCH();
+  const std::string name = GetParam();
+  const BackboneTraits& t = backbone_traits(name);
+  EXPECT_EQ(t.name, name);
+  const std::string spec = read_text(reference_catalogue() + "/" + name + ".spec");
+  ASSERT_FALSE(spec.empty()) << name << " has no Python reference (tests/reference_backbones.h)";
+  if (!heavy(name)) {
+    std::ostringstream mine;
+    for (const auto& [k, v] : make_backbone(opts(name))->state_dict()) {
+      mine << k << " ";
+      for (int64_t i = 0; i < v.dim(); ++i) mine << (i ? "," : "") << v.size(i);
+      mine << "\n";
+    }
+    EXPECT_EQ(mine.str(), spec) << name << ": the reference's state_dict differs from the network's";
+  }
+  // Checkpointing: the network has it (the family's Checkpointing case checks the backward)
+  // or says why not, in one line naming the network.
+  if (t.supports_checkpointing) {
+    bool covered = false;
+    for (const auto& c : checkpoint_cases()) covered = covered || backbone_traits(c.name).family == t.family;
+    EXPECT_TRUE(covered) << name << ": its family " << t.family << " has no Checkpointing case (checkpoint_cases)";
+  } else {
+    auto o = opts(name);
+    o.checkpointing = true;
+    const std::string msg = error_of([&] { make_backbone(o); });
+    EXPECT_NE(msg.find("'" + name + "'"), std::string::npos) << msg;
+    EXPECT_NE(msg.find(t.no_checkpointing_reason), std::string::npos) << msg;
+    EXPECT_FALSE(t.no_checkpointing_reason.empty()) << name;
+  }
+  if (!t.dropout) EXPECT_FALSE(t.no_dropout_reason.empty()) << name;
+}
+
+INSTANTIATE_TEST_SUITE_P(Backbone, ModelsCatalogue, ::testing::ValuesIn(backbone_names()),
+                         [](const auto& info) { return info.param; });
 
 // ---- file format edge cases and bad input ----------------------------------------------
 
@@ -843,7 +926,8 @@ void check_against_fp32(const std::string& name, const torch::Device& dev, const
       for (auto& [k, v] : model->state_dict()) v.copy_(lookup(ref->state_dict(), k));
     }
     if (c.channels_last) {
-      const auto w = model->named_parameters()[name.rfind("mbf", 0) == 0 ? "layers.0.layers.0.weight" : "layer1.0.conv1.weight"];
+      const auto w = model->named_parameters()[backbone_traits(name).family == "mobilefacenet" ? "layers.0.layers.0.weight"
+                                                                                    : "layer1.0.conv1.weight"];
       EXPECT_TRUE(w.is_contiguous(at::MemoryFormat::ChannelsLast));
     }
     model->train();
@@ -887,6 +971,12 @@ TEST(BackboneForward, ReducedPrecisionAndChannelsLastOnCpu) {
                       {BodyPrecision::BFloat16, true, 1e-4, 0.1, 0.2}},
                      4);
   check_against_fp32("mbf", torch::kCPU, {{BodyPrecision::BFloat16, true, 1e-4, 0.1, 0.4}}, 4);
+  // Squeeze-and-excitation's pooled means and sigmoid under autocast, in both layouts.
+  check_against_fp32("ir_se50", torch::kCPU,
+                     {{BodyPrecision::Float32, true, 0.0, 1e-4, 1e-3},
+                      {BodyPrecision::BFloat16, false, 1e-4, 0.1, 0.2},
+                      {BodyPrecision::BFloat16, true, 1e-4, 0.1, 0.2}},
+                     4);
   check_against_fp32("mbf_small", torch::kCPU, {{BodyPrecision::Float16, true, 1e-5, 0.02, 0.2}}, 4);
   // Inside a caller's autocast region an fp32-policy model follows the caller.
   auto model = make_backbone(opts("r18"));
@@ -1012,7 +1102,7 @@ void check_each_tensor_against_fp32(const std::string& name, const torch::Device
 TEST(BackboneForward, CudaReducedPrecision) {
   if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
   NoTf32Scope no_tf32;
-  for (const std::string name : {"r50", "mbf"})
+  for (const std::string name : {"r50", "ir_se50", "mbf"})
     check_each_tensor_against_fp32(name, torch::Device(torch::kCUDA, 0),
                                    {{BodyPrecision::Float32, true, 0.0, 1e-3, 5e-2, 1e-2},
                                     {BodyPrecision::BFloat16, true, 1e-4, 0.15, 0.6, 0.05},
@@ -1063,11 +1153,6 @@ StepResult train_step(Backbone& m, const torch::Tensor& x, const torch::Tensor& 
   return r;
 }
 
-struct CheckpointCase {
-  std::string name;
-  int segments;  // checkpointed segments in its graph
-};
-std::ostream& operator<<(std::ostream& os, const CheckpointCase& c) { return os << c.name; }
 
 class Checkpointing : public ::testing::TestWithParam<CheckpointCase> {};
 
@@ -1117,7 +1202,7 @@ TEST_P(Checkpointing, BackwardEqualsPlainInFloat64) {
     torch::NoGradGuard no_grad;
     EXPECT_TRUE(torch::equal(ck->forward(x), plain->forward(x)));
   }
-  if (c.name.rfind("vit", 0) == 0) {
+  if (backbone_traits(c.name).family == "vit") {
     // The comparison has teeth: another seed draws other masks and other gradients.
     const StepResult other = train_step(*plain, x, w, 6);
     EXPECT_GT(testing::relative_error(other.grads.at("blocks.11.mlp.fc2.weight"), a.grads.at("blocks.11.mlp.fc2.weight")),
@@ -1125,10 +1210,7 @@ TEST_P(Checkpointing, BackwardEqualsPlainInFloat64) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Backbone, Checkpointing,
-                         ::testing::Values(CheckpointCase{"vit_t", 12},
-                                           // layer2 and layer3 of r18 have 2 blocks: 2 segments each, the last plain
-                                           CheckpointCase{"r18", 2}),
+INSTANTIATE_TEST_SUITE_P(Backbone, Checkpointing, ::testing::ValuesIn(checkpoint_cases()),
                          [](const auto& info) { return info.param.name; });
 
 TEST(Checkpointing, RecomputesUnderTheForwardsAutocast) {

@@ -134,6 +134,9 @@ class Interpreter {
     if (op == "Transpose") return in(n, 0).permute(attr(n, "perm").ints);
     if (op == "Gather") return in(n, 0).select(attr(n, "axis").i, in(n, 1).item<int64_t>());
     if (op == "Softmax") return in(n, 0).softmax(attr(n, "axis").i);
+    if (op == "Relu") return in(n, 0).clamp_min(0.0);
+    if (op == "Sigmoid") return 1.0 / (1.0 + (-in(n, 0)).exp());
+    if (op == "GlobalAveragePool") return in(n, 0).mean({2, 3}, /*keepdim=*/true);
     if (op == "Clip") return in(n, 0).clamp(in(n, 1).item<double>(), in(n, 2).item<double>());
     if (op == "LayerNormalization") {
       const at::Tensor x = in(n, 0);
@@ -194,6 +197,21 @@ void expect_graph_matches_forward(const std::string& name, const OnnxExportOptio
 TEST(OnnxExport, IResNetGraphComputesTheForward) {
   // Each of r18's 8 blocks keeps its bn1 (after the addition, before a padded convolution).
   expect_graph_matches_forward("r18", {}, 8);
+}
+
+TEST(OnnxExport, IrSeGraphComputesTheForwardWithItsSqueezeAndExcitation) {
+  // 24 blocks, each with bn1 kept and one GlobalAveragePool -> Conv -> Relu -> Conv -> Sigmoid
+  // -> Mul branch (Relu, not ReLU6's Clip).
+  expect_graph_matches_forward("ir_se50", {}, 24);
+  auto model = random_backbone("ir_se50", 64);
+  std::map<std::string, int> ops;
+  const OnnxGraph g = build_onnx_graph(*model, {});
+  for (const auto& n : g.nodes()) ++ops[n.op];
+  EXPECT_EQ(ops["GlobalAveragePool"], 24);
+  EXPECT_EQ(ops["Relu"], 24);
+  EXPECT_EQ(ops["Sigmoid"], 24);
+  EXPECT_EQ(ops["Mul"], 24);
+  EXPECT_EQ(ops["Clip"], 0);
 }
 
 TEST(OnnxExport, MobileFaceNetGraphComputesTheForward) { expect_graph_matches_forward("mbf_small", {}, 0); }
@@ -273,6 +291,10 @@ class OnnxExportEveryBackbone : public ::testing::TestWithParam<std::string> {};
 
 TEST_P(OnnxExportEveryBackbone, LowersEveryTensor) {
   const std::string name = GetParam();
+  // The registry names the family, the exporter keeps its lowering (checked for every
+  // network, the large ones included).
+  const std::string family = backbone_traits(name).family;
+  EXPECT_TRUE(has_onnx_lowering(family)) << name << ": no ONNX lowering for its family '" << family << "'";
   // r2060 (1.1 G parameters) and vit_h (756 M) take minutes and over 10 GB to build and lower
   // on the CPU; they are r18..r200 and vit_t..vit_l with more blocks of the same modules,
   // under the same lowering.

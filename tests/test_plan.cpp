@@ -68,10 +68,10 @@ TEST(PlanTable, ShippedTableHoldsTheRequiredNetworksWithTheirParameterCounts) {
     BackboneOptions o;
     o.name = net;
     const int64_t params = count_parameters(*make_backbone(o)).trainable;
-    const bool mbf = std::string(net).rfind("mbf", 0) == 0;
+    const bool has_ckpt = backbone_traits(net).supports_checkpointing;
     for (const char* prec : {"fp32", "bf16", "fp16"})
       for (bool ckpt : {false, true}) {
-        if (ckpt && mbf) continue;
+        if (ckpt && !has_ckpt) continue;
         const ActivationEntry* e = t.find(net, prec, ckpt);
         ASSERT_NE(e, nullptr) << net << " " << prec << " checkpointing " << ckpt << " missing from " << t.source();
         EXPECT_EQ(e->parameters, params) << net;
@@ -108,14 +108,24 @@ TEST(PlanTable, ShippedMbfSmallFigureIsWhatTheProbeMeasures) { expect_shipped_fi
 TEST(PlanTable, ShippedR50FigureIsWhatTheProbeMeasures) { expect_shipped_figure_measured("r50"); }
 
 // Every registered backbone either has its activations in the shipped table (fp32, its
-// default checkpointing) or the planner says so in one line naming it and how to measure it.
+// default checkpointing), with its own parameter count, or the planner says so in one line
+// naming it and how to measure it.
 TEST(PlanTable, EveryRegisteredBackboneIsMeasuredOrSaysSo) {
   const ActivationTable t = ActivationTable::shipped();
   int measured = 0;
   for (const std::string& name : backbone_names()) {
     const bool ckpt = backbone_default_checkpointing(name);
-    if (t.find(name, "fp32", ckpt)) {
+    if (const ActivationEntry* e = t.find(name, "fp32", ckpt)) {
       ++measured;
+      // The row is this network's (not another's copied): its parameter count is the built
+      // network's. r2060 and vit_h (over 4 and 3 GB to build) are left to their closed forms
+      // in test_models.
+      if (name != "r2060" && name != "vit_h") {
+        BackboneOptions o;
+        o.name = name;
+        EXPECT_EQ(e->parameters, count_parameters(*make_backbone(o)).trainable)
+            << name << ": its activation row in " << t.source() << " is not this network's";
+      }
       continue;
     }
     const std::string e = testing::error_of([&] { t.at(name, "fp32", ckpt); });

@@ -768,7 +768,7 @@ int run_activations(const Args& a) {
   for (const std::string& net : networks)
     for (const std::string& prec : precisions)
       for (const bool ckpt : checkpointing) {
-        if (ckpt && net.rfind("mbf", 0) == 0) continue;  // no checkpointing in MobileFaceNet
+        if (ckpt && !backbone_traits(net).supports_checkpointing) continue;
         const ActivationMeasurement m = measure_activations(net, parse_body_precision(prec), ckpt, batches);
         std::ostringstream peaks;
         for (size_t i = 0; i < m.batches.size(); ++i)

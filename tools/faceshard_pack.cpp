@@ -1,7 +1,7 @@
 // faceshard-pack: packs an image folder (one sub-folder per identity) or an image list into
 // an insightface .rec/.idx, makes verification pairs (.bin), lists or verifies a .rec, and
-// rebuilds a lost .idx. Image bytes are stored as they are (no re-encoding), so unpacking
-// gives back identical files.
+// rebuilds a lost .idx or a clean .rec from faceshard-clean's reports. Image bytes are
+// stored as they are (no re-encoding), so unpacking gives back identical files.
 #include <algorithm>
 #include <cerrno>
 #include <cstdint>
@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "app/clean/clean_pack.h"
 #include "data/dataset.h"
 #include "data/image_check.h"
 #include "data/image_header.h"
@@ -71,6 +72,13 @@ const char* kUsage =
     "        rebuilds a missing .idx by scanning the .rec (record i gets key i).\n"
     "  unpack REC OUT_DIR [--idx IDX]\n"
     "        writes every image record to OUT_DIR/<class>/<key>.jpg, bytes as stored.\n"
+    "  clean REC OUT_PREFIX (--reports DIR [--merge] [--keep-mislabeled] [--keep-near-duplicates]\n"
+    "        [--keep-overlap] | --keep FILE) [--idx IDX]\n"
+    "        a clean copy of REC (bytes as stored) from faceshard-clean's report folder DIR: the images of\n"
+    "        mislabeled.tsv, the second image of each near_duplicates.tsv pair and every image of the classes\n"
+    "        of overlap.tsv dropped; --merge also makes each pair of duplicate_identities.tsv one class. Or\n"
+    "        --keep FILE: the image indices to keep (white space or lines between). Classes are numbered 0..C'-1 again;\n"
+    "        OUT_PREFIX.labels.tsv says which source classes each new one holds (docs/cleaning.md).\n"
     "IDX defaults to REC with the extension .idx.\n";
 
 std::string default_idx(const std::string& rec) {
@@ -474,6 +482,34 @@ int cmd_index(const Args& a) {
   return 0;
 }
 
+int cmd_clean(const Args& a) {
+  need_positional(a, 2, 2, "clean");
+  if (a.opt.count("--reports") == a.opt.count("--keep")) throw usage_error("clean: give one of --reports DIR, --keep FILE");
+  const std::string rec = a.pos[0];
+  const std::string idx = a.opt.count("--idx") ? a.opt.at("--idx") : default_idx(rec);
+  const faceshard::RecordIODataset ds(rec, idx);
+  const int64_t classes = ds.num_classes();
+  if (classes < 1) throw usage_error(rec, ": its header declares no classes");
+  faceshard::CleanPlan plan;
+  if (a.opt.count("--keep")) {
+    plan = faceshard::plan_from_keep_list(a.opt.at("--keep"), ds.size(), classes);
+  } else {
+    faceshard::CleanPackOptions o;
+    o.drop_mislabeled = !a.opt.count("--keep-mislabeled");
+    o.drop_near_duplicates = !a.opt.count("--keep-near-duplicates");
+    o.drop_overlap = !a.opt.count("--keep-overlap");
+    o.merge_identities = a.opt.count("--merge") > 0;
+    plan = faceshard::plan_from_reports(a.opt.at("--reports"), ds.size(), classes, o);
+  }
+  const faceshard::CleanPackResult r = faceshard::write_clean_rec(ds, plan, a.pos[1]);
+  std::printf("faceshard-pack: %s.rec: %llu images kept, %llu dropped (%llu mislabeled, %llu duplicates, %lld classes "
+              "in test sets), %lld classes (%lld merged)\n",
+              a.pos[1].c_str(), (unsigned long long)r.kept, (unsigned long long)r.dropped,
+              (unsigned long long)plan.dropped_mislabeled, (unsigned long long)plan.dropped_near_duplicates,
+              (long long)plan.overlap_classes, (long long)r.classes, (long long)plan.merged_classes);
+  return 0;
+}
+
 int cmd_unpack(const Args& a) {
   need_positional(a, 2, 2, "unpack");
   const std::string rec = a.pos[0];
@@ -519,6 +555,9 @@ int main(int argc, char** argv) {
     if (cmd == "verify") return cmd_verify(parse(argc, argv, {"--idx", "--size"}, {"--decode"}));
     if (cmd == "index") return cmd_index(parse(argc, argv, {}, {}));
     if (cmd == "unpack") return cmd_unpack(parse(argc, argv, {"--idx"}, {}));
+    if (cmd == "clean")
+      return cmd_clean(parse(argc, argv, {"--idx", "--reports", "--keep"},
+                             {"--merge", "--keep-mislabeled", "--keep-near-duplicates", "--keep-overlap"}));
     throw usage_error("unknown command '", cmd, "' (see --help)");
   });
 }

@@ -666,6 +666,7 @@ void Config::visit(FieldVisitor& v) {
   v.field("loss.scale", loss.scale, positive());
   v.field("loss.interclass_filtering_threshold", loss.interclass_filtering_threshold, range(0, 1));
   v.field("loss.sample_rate", loss.sample_rate, range(0, 1));
+  v.field("loss.subcenters", loss.subcenters, range(1, 255));
   v.field("loss.logits", loss.logits, choices({"auto", "buffer", "streamed"}));
   // The heads and their parameters: the head catalogue (each head's own file registers it).
   std::vector<std::string> heads;

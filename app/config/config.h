@@ -102,6 +102,9 @@ struct LossConfig {
   double scale = 64.0;
   double interclass_filtering_threshold = 0.0;
   double sample_rate = 1.0;
+  // Centres per class (Sub-center ArcFace): a class's cosine is the best of its K, then the
+  // head's margin applies (partial_fc/classifier/subcenter.h). 1: one centre per class.
+  int64_t subcenters = 1;
   // auto | buffer | streamed: whether the classifier holds the global batch's logits against
   // its (sampled) centres in one fp32 buffer, or streams through the centres chunk by chunk
   // and recomputes them in backward (streamed_softmax.h): no memory that grows with the

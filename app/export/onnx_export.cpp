@@ -1,10 +1,12 @@
 #include "app/export/onnx_export.h"
 
 #include <cmath>
+#include <map>
 #include <memory>
 #include <unordered_map>
 
 #include "app/export/onnx_layers.h"
+#include "models/backbone_registry.h"
 #include "models/iresnet.h"
 #include "models/mobilefacenet.h"
 #include "models/vit.h"
@@ -46,11 +48,12 @@ using PReLU = torch::nn::PReLUImpl;
 using LayerNorm = torch::nn::LayerNormImpl;
 
 // iresnet (models/iresnet.cpp): conv1 -> bn1 -> prelu, blocks of
-// bn1 -> conv1 -> bn2 -> prelu -> conv2 -> bn3 (+ downsample conv -> BN, or the input),
+// bn1 -> conv1 -> bn2 -> prelu -> conv2 -> bn3 [-> x * SE(x): GlobalAveragePool -> se.fc1 ->
+// Relu -> se.fc2 -> Sigmoid, in IR-SE] (+ downsample conv -> BN, or the input),
 // then bn2 -> flatten -> fc -> features. Every BN that follows a conv or the fc is folded
 // into it, bn2 into the fc it precedes; a block's bn1 stays a node: it follows the addition
 // and precedes a zero-padded convolution, whose border a fold would change.
-std::string lower_iresnet(OnnxLayers& l, const ModuleTree& t, std::string x) {
+std::string lower_iresnet(OnnxLayers& l, const ModuleTree& t, const Backbone&, std::string x) {
   x = l.conv("conv1", t.get<Conv>("conv1"), &t.get<NormLayerImpl>("bn1"), x);
   x = l.prelu("prelu", t.get<PReLU>("prelu"), x);
   for (int stage = 1; t.has("layer" + std::to_string(stage)); ++stage) {
@@ -61,6 +64,14 @@ std::string lower_iresnet(OnnxLayers& l, const ModuleTree& t, std::string x) {
       y = l.conv(p + ".conv1", t.get<Conv>(p + ".conv1"), &t.get<NormLayerImpl>(p + ".bn2"), y);
       y = l.prelu(p + ".prelu", t.get<PReLU>(p + ".prelu"), y);
       y = l.conv(p + ".conv2", t.get<Conv>(p + ".conv2"), &t.get<NormLayerImpl>(p + ".bn3"), y);
+      // A module named "se" of another type is not lowered here: check_tensors_used names it.
+      if (const auto* se_module = t.find<SqueezeExcitationImpl>(p + ".se")) {
+        const auto& se = *se_module;
+        std::string s = l.global_average_pool(p + ".se/pool", y);
+        s = l.relu(p + ".se/relu", l.conv(p + ".se.fc1", *se.fc1(), nullptr, s));
+        s = l.sigmoid(p + ".se/sigmoid", l.conv(p + ".se.fc2", *se.fc2(), nullptr, s));
+        y = l.mul(p + ".se", y, s);
+      }
       const std::string shortcut =
           t.has(p + ".downsample")
               ? l.conv(p + ".downsample", t.get<Conv>(p + ".downsample.0"), &t.get<NormLayerImpl>(p + ".downsample.1"), x)
@@ -90,7 +101,7 @@ std::string depthwise(OnnxLayers& l, const ModuleTree& t, const std::string& p, 
   return t.get<MbfDepthWiseImpl>(p).residual() ? l.add(p, y, x) : y;
 }
 
-std::string lower_mobilefacenet(OnnxLayers& l, const ModuleTree& t, std::string x) {
+std::string lower_mobilefacenet(OnnxLayers& l, const ModuleTree& t, const Backbone&, std::string x) {
   for (int i = 0;; ++i) {
     const std::string p = "layers." + std::to_string(i);
     if (!t.has(p)) break;
@@ -136,7 +147,10 @@ std::string attention(OnnxLayers& l, const ModuleTree& t, const std::string& p, 
 // ViT (models/vit.cpp) in eval mode (no token masking, no drop path): patch conv -> tokens
 // [B, 144, D] + pos_embed, pre-norm blocks, norm, flatten, feature.0 -> BN -> feature.2 -> BN
 // (each BN folded into its linear).
-std::string lower_vit(OnnxLayers& l, const ModuleTree& t, const VisionTransformer& vit, std::string x) {
+std::string lower_vit(OnnxLayers& l, const ModuleTree& t, const Backbone& model, std::string x) {
+  const auto* cast = dynamic_cast<const VisionTransformer*>(&model);
+  if (!cast) throw runtime_error("ONNX export: backbone '", model.options().name, "' is registered as a ViT but is not one");
+  const VisionTransformer& vit = *cast;
   const VitVariant& v = vit.variant();
   x = l.conv("patch_embed.proj", t.get<Conv>("patch_embed.proj"), nullptr, x);
   x = l.transpose("patch_embed/tokens", l.reshape("patch_embed/flatten", x, {0, 0, -1}), {0, 2, 1});
@@ -153,6 +167,17 @@ std::string lower_vit(OnnxLayers& l, const ModuleTree& t, const VisionTransforme
   x = l.flatten("feature.flatten", l.layer_norm("norm", t.get<LayerNorm>("norm"), x));
   x = l.gemm("feature.0", t.get<Linear>("feature.0"), nullptr, 1, &t.get<NormLayerImpl>("feature.1"), x);
   return l.gemm("feature.2", t.get<Linear>("feature.2"), nullptr, 1, &t.get<NormLayerImpl>("feature.3"), x);
+}
+
+// The lowering of each family of backbone_traits() (models/backbone_registry.h): the
+// registry names a network's family, the exporter keeps the lowerings, so models/ does not
+// depend on the exporter. A network of a known family needs nothing here; its modules that
+// the family's lowering does not know are refused by check_tensors_used.
+using Lowering = std::string (*)(OnnxLayers&, const ModuleTree&, const Backbone&, std::string);
+const std::map<std::string, Lowering>& lowerings() {
+  static const std::map<std::string, Lowering> table = {
+      {"iresnet", lower_iresnet}, {"mobilefacenet", lower_mobilefacenet}, {"vit", lower_vit}};
+  return table;
 }
 
 std::string precision_name(at::ScalarType dtype) { return dtype == at::kHalf ? "fp16" : "fp32"; }
@@ -228,6 +253,8 @@ const std::vector<OnnxNotLowered>& onnx_tensors_without_lowering() {
   return entries;
 }
 
+bool has_onnx_lowering(const std::string& family) { return lowerings().count(family) > 0; }
+
 void check_onnx_export_options(const OnnxExportOptions& o) {
   if (o.opset < kMinOnnxOpset || o.opset > kMaxOnnxOpset)
     throw usage_error("--opset ", o.opset, ": faceshard writes ONNX opsets ", kMinOnnxOpset, " to ", kMaxOnnxOpset);
@@ -247,10 +274,11 @@ OnnxGraph build_onnx_graph(const Backbone& model, const OnnxExportOptions& optio
   const bool half = options.dtype != at::kFloat;
   std::string x = half ? l.cast("data/half", kInput, options.dtype) : kInput;
   const ModuleTree tree(model);
-  if (dynamic_cast<const IResNet*>(&model)) x = lower_iresnet(l, tree, x);
-  else if (dynamic_cast<const MobileFaceNet*>(&model)) x = lower_mobilefacenet(l, tree, x);
-  else if (const auto* vit = dynamic_cast<const VisionTransformer*>(&model)) x = lower_vit(l, tree, *vit, x);
-  else throw runtime_error("ONNX export: backbone '", bo.name, "' has no ONNX lowering");
+  const std::string family = backbone_traits(bo.name).family;
+  const auto lowering = lowerings().find(family);
+  if (lowering == lowerings().end())
+    throw runtime_error("ONNX export: backbone '", bo.name, "' is of family '", family, "', which has no ONNX lowering");
+  x = lowering->second(l, tree, model, x);
   const OnnxTensorUse counted = check_tensors_used(model, l);
   if (use) *use = counted;
   // The output keeps its name whatever the last layer: a float32 cast of an fp16 graph, else

@@ -25,6 +25,9 @@ struct OnnxExportOptions {
   std::vector<std::pair<std::string, std::string>> metadata;
 };
 
+// Whether the exporter lowers networks of `family` (BackboneTraits::family).
+bool has_onnx_lowering(const std::string& family);
+
 // usage_error naming the option when an option is out of range.
 void check_onnx_export_options(const OnnxExportOptions& options);
 

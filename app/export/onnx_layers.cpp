@@ -109,6 +109,18 @@ std::string OnnxLayers::relu6(const std::string& name, const std::string& x) {
                          name);
 }
 
+std::string OnnxLayers::relu(const std::string& name, const std::string& x) {
+  return graph_.add_node("Relu", {x}, name);
+}
+
+std::string OnnxLayers::sigmoid(const std::string& name, const std::string& x) {
+  return graph_.add_node("Sigmoid", {x}, name);
+}
+
+std::string OnnxLayers::global_average_pool(const std::string& name, const std::string& x) {
+  return graph_.add_node("GlobalAveragePool", {x}, name);
+}
+
 std::string OnnxLayers::layer_norm(const std::string& name, const torch::nn::LayerNormImpl& norm, const std::string& x) {
   const auto& o = norm.options;
   if (o.normalized_shape().size() != 1 || !o.elementwise_affine())

@@ -1,6 +1,6 @@
 // faceshard's layers as ONNX nodes: convolutions and linear layers with their BatchNorms
 // folded into the weights (computed in float64, then stored in the export's precision), the
-// BatchNorms that cannot be folded, PReLU, ReLU6, LayerNorm (one node from opset 17, plain
+// BatchNorms that cannot be folded, PReLU, ReLU, ReLU6, Sigmoid, LayerNorm (one node from opset 17, plain
 // arithmetic before), and the shape operations of the backbones. Value names are module paths.
 #pragma once
 #include <cstdint>
@@ -38,6 +38,10 @@ class OnnxLayers {
   // PReLU with one slope per channel of dimension 1.
   std::string prelu(const std::string& name, const torch::nn::PReLUImpl& prelu, const std::string& x);
   std::string relu6(const std::string& name, const std::string& x);
+  std::string relu(const std::string& name, const std::string& x);
+  std::string sigmoid(const std::string& name, const std::string& x);
+  // The mean over every dimension after the first two ([B, C, H, W] -> [B, C, 1, 1]).
+  std::string global_average_pool(const std::string& name, const std::string& x);
   // LayerNorm over the last dimension.
   std::string layer_norm(const std::string& name, const torch::nn::LayerNormImpl& norm, const std::string& x);
 

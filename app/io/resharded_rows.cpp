@@ -20,8 +20,8 @@ std::string shape_str(c10::IntArrayRef s) {
 
 }  // namespace
 
-ReshardedRows::ReshardedRows(const CheckpointInfo& ckpt, int64_t start, int64_t count)
-    : ckpt_path_(ckpt.path), count_(count) {
+ReshardedRows::ReshardedRows(const CheckpointInfo& ckpt, int64_t start, int64_t count, int64_t subcenters)
+    : ckpt_path_(ckpt.path), count_(count), subcenters_(subcenters) {
   if (start < 0 || count < 0 || start + count > ckpt.num_classes)
     throw usage_error("checkpoint '", ckpt.path, "' has ", ckpt.num_classes, " classes; classes [", start, ", ",
                       start + count, ") are not among them");
@@ -40,13 +40,22 @@ ReshardedRows::ReshardedRows(const CheckpointInfo& ckpt, int64_t start, int64_t 
     if (s != saved.start || c != saved.count)
       throw usage_error(part.file, ": holds classes [", s, ", ", s + c, "), expected [", saved.start, ", ", saved.end(),
                         ") (rank ", saved.rank, " of ", ckpt.world_size, " with ", ckpt.num_classes, " classes)");
+    // Rows per class: K sub-centres, the same in every file and (unless the reader takes the
+    // saved one) the reader's.
+    const int64_t K = f.find("rows.subcenters") == TensorSource::npos ? 1 : read_checkpoint_int(f, "rows.subcenters", part.file);
+    if (K < 1) throw usage_error(part.file, ": 'rows.subcenters' is ", K, ", expected at least 1");
+    if (subcenters_ == 0) subcenters_ = K;
+    if (K != subcenters_)
+      throw usage_error("checkpoint '", ckpt.path, "' was saved with loss.subcenters ", K, " (", part.file, "), this run has ",
+                        subcenters_, ": the classifier's centres cannot be resumed with another number per class");
     std::vector<std::string> names;
     for (size_t i = 0; i < f.size(); ++i) {
       const std::string& key = f.name(i);
       if (key.compare(0, kRows.size(), kRows) != 0) continue;
       const std::vector<int64_t> sizes = f.sizes(i);
-      if (sizes.empty() || sizes[0] != c)
-        throw usage_error(part.file, ": '", key, "' has ", sizes.empty() ? 0 : sizes[0], " rows, expected ", c);
+      if (sizes.empty() || sizes[0] != c * K)
+        throw usage_error(part.file, ": '", key, "' has ", sizes.empty() ? 0 : sizes[0], " rows, expected ", c * K,
+                          K > 1 ? " (" + std::to_string(c) + " classes x " + std::to_string(K) + " sub-centres)" : "");
       names.push_back(key.substr(kRows.size()));
     }
     if (parts_.empty()) {
@@ -55,9 +64,10 @@ ReshardedRows::ReshardedRows(const CheckpointInfo& ckpt, int64_t start, int64_t 
       throw usage_error(part.file, ": its classifier entries differ from those of ", parts_.front().file);
     }
     part.saved_start = saved.start;
-    part.first_row = lo - saved.start;
-    part.dst_row = lo - start;
-    part.rows = hi - lo;
+    // In rows: a class's K sub-centres are contiguous, so a class range is one row range.
+    part.first_row = (lo - saved.start) * K;
+    part.dst_row = (lo - start) * K;
+    part.rows = (hi - lo) * K;
     parts_.push_back(std::move(part));
   }
 }
@@ -76,8 +86,8 @@ at::ScalarType ReshardedRows::dtype(const std::string& name) const {
 void ReshardedRows::read_into(const std::string& name, const at::Tensor& dst, bool non_negative) const {
   if (!has(name))
     throw usage_error("checkpoint '", ckpt_path_, "' has no classifier state '", kRows, name, "'");
-  if (dst.dim() < 1 || dst.size(0) != count_)
-    throw usage_error("checkpoint '", ckpt_path_, "': '", kRows, name, "' is read into ", count_, " rows, got a tensor of shape ",
+  if (dst.dim() < 1 || dst.size(0) != count_ * subcenters_)
+    throw usage_error("checkpoint '", ckpt_path_, "': '", kRows, name, "' is read into ", count_ * subcenters_, " rows, got a tensor of shape ",
                       shape_str(dst.sizes()));
   for (const Part& part : parts_) {
     const StateDictReader& f = *part.reader;
@@ -94,7 +104,7 @@ void ReshardedRows::read_into(const std::string& name, const at::Tensor& dst, bo
                         dst.is_floating_point() ? "floating-point" : "integer", " rows");
     const at::Tensor rows = dst.narrow(0, part.dst_row, part.rows);
     f.read_rows_into(i, part.first_row, rows);
-    check_checkpoint_values(rows, part.file, kRows + name, non_negative, part.saved_start + part.first_row);
+    check_checkpoint_values(rows, part.file, kRows + name, non_negative, part.saved_start * subcenters_ + part.first_row);
   }
 }
 

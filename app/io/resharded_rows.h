@@ -9,6 +9,10 @@
 // against its zip entry and the file. A rank that reads a whole storage (a resume on the
 // saved number of ranks) has its CRC-32 checked as it streams; a rank that reads part of
 // one cannot check the entry's CRC, only those bounds.
+// Sub-centres (loss.subcenters K): a shard file's rows/ entries hold rows.count x K rows,
+// class-major (class c's sub-centre k at row (c - rows.start) x K + k), and the file says
+// K in "rows.subcenters" (absent: 1, as written before sub-centres); classes move with all
+// their K rows, and a checkpoint saved with another K than the run's is a usage error.
 #pragma once
 #include <cstdint>
 #include <memory>
@@ -25,8 +29,11 @@ namespace faceshard {
 class ReshardedRows {
  public:
   // Opens the saved shards that hold classes of [start, start + count). Usage errors name
-  // the checkpoint or the file and key.
-  ReshardedRows(const CheckpointInfo& ckpt, int64_t start, int64_t count);
+  // the checkpoint or the file and key. `subcenters`: the reader's K (rows per class), which
+  // every saved shard must have; 0 takes the checkpoint's (subcenters() then says it).
+  ReshardedRows(const CheckpointInfo& ckpt, int64_t start, int64_t count, int64_t subcenters = 1);
+  // Rows per class of the saved shards.
+  int64_t subcenters() const { return subcenters_; }
 
   // The per-class entries ("rows/<name>") of the saved shards, by name without "rows/"
   // ("weight", "opt.momentum", ...), in the files' order.
@@ -36,7 +43,7 @@ class ReshardedRows {
   // read_into converts to the destination's dtype: an optimiser state saved in bf16 resumes
   // into an fp32 one and the other way round (optim.fc_state_dtype may change on resume).
   at::ScalarType dtype(const std::string& name) const;
-  // Classes [start, start + count) of rows/<name> into dst ([count, ...] of the saved row
+  // Classes [start, start + count) of rows/<name> into dst ([count x K, ...] of the saved row
   // shape; any dtype and device). Usage error when the checkpoint lacks the entry, its
   // rows have another shape or another kind of number (floating-point rows for a
   // floating-point dst, integers for an integer one), or a value read is not finite (or,
@@ -54,6 +61,7 @@ class ReshardedRows {
   };
   std::string ckpt_path_;
   int64_t count_ = 0;
+  int64_t subcenters_ = 1;
   std::vector<Part> parts_;
   std::vector<std::string> names_;
 };

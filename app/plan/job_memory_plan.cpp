@@ -41,6 +41,7 @@ JobPlanInputs job_plan_inputs(const Config& cfg, int world_size) {
   in.num_classes = cfg.data.num_classes.value_or(0);  // 0: counted from the data at start-up
   in.world_size = world_size;
   in.sample_rate = cfg.loss.sample_rate;
+  in.subcenters = cfg.loss.subcenters;
   in.optimizer = cfg.optim.optimizer;
   in.fc_optimizer = cfg.optim.classifier_optimizer();
   in.momentum = cfg.optim.momentum;
@@ -94,11 +95,10 @@ JobMemoryPlan plan_job_memory(const JobPlanInputs& in, const ActivationTable& ta
 
   JobMemoryPlan p;
   p.inputs = in;
-  const bool mbf = in.network.rfind("mbf", 0) == 0;
-  p.checkpointing = in.checkpointing.value_or(backbone_default_checkpointing(in.network));
-  if (p.checkpointing && mbf)
-    throw option_error("checkpointing", "of backbone '", in.network, "': MobileFaceNet does not support activation "
-                                        "checkpointing");
+  const BackboneTraits& traits = backbone_traits(in.network);
+  p.checkpointing = in.checkpointing.value_or(traits.default_checkpointing);
+  if (p.checkpointing && !traits.supports_checkpointing)
+    throw option_error("checkpointing", "of backbone '", in.network, "': ", traits.no_checkpointing_reason);
   const ActivationEntry& act = table.at(in.network, in.precision, p.checkpointing);
   p.parameters = act.parameters;
   p.activation_bytes_per_image = act.bytes_per_image;
@@ -140,6 +140,7 @@ JobMemoryPlan plan_job_memory(const JobPlanInputs& in, const ActivationTable& ta
   po.num_classes = in.num_classes;
   po.embedding_size = in.embedding_size;
   po.sample_rate = in.sample_rate;
+  po.subcenters = in.subcenters;
   po.optimizer.kind = fc_opt;
   po.step_all_rows = in.fc_update_all;
   po.optimizer.state_dtype = in.fc_state_dtype == "bf16" ? at::kBFloat16 : at::kFloat;
@@ -151,7 +152,11 @@ JobMemoryPlan plan_job_memory(const JobPlanInputs& in, const ActivationTable& ta
   // Rank 0 holds the largest shard (the first C % W ranks hold one class more).
   p.classifier = classifier_memory_plan(po, in.world_size, 0, in.batch_per_rank);
   const ClassifierMemoryPlan& c = p.classifier;
-  const std::string rows = num(double(c.rows)) + " rows";
+  // With sub-centres K rows per class.
+  const std::string rows = c.subcenters > 1
+                               ? num(double(c.rows * c.subcenters)) + " rows (" + num(double(c.rows)) + " classes x " +
+                                     num(double(c.subcenters)) + " sub-centres)"
+                               : num(double(c.rows)) + " rows";
   add("classifier", "rows (centres)", c.weight_bytes,
       rows + " x " + num(d) + (in.fc_weight_dtype == "bf16" ? " x 2 B (bf16)" : " x 4 B (fp32)"));
   add("classifier", "optimiser state", c.state_bytes, rows + ", " + fc_opt + ", " + in.fc_state_dtype);
@@ -164,11 +169,12 @@ JobMemoryPlan plan_job_memory(const JobPlanInputs& in, const ActivationTable& ta
                                   (in.fc_update_all ? ", optim.fc_update all" : ""));
   if (po.streamed_logits)
     add("classifier", "logits (streamed)", c.logits_bytes,
-        num(double(c.sampled_rows)) + " x 4 B (1 / ||w||; the logits are never held" +
+        num(double(c.sampled_rows * c.subcenters)) + " x 4 B (1 / ||w||; the logits are never held" +
             (in.logits == "auto" ? ": loss.logits auto)" : ")"));
   else
     add("classifier", "logits buffer", c.logits_bytes,
-        num(double(c.global_batch)) + " x " + num(double(c.sampled_rows)) + " x 4 B (fp32)");
+        num(double(c.global_batch)) + " x " + num(double(c.sampled_rows)) +
+            (c.subcenters > 1 ? " x (4 B fp32 + 1 B arg-max sub-centre)" : " x 4 B (fp32)"));
 
   add("classifier", "chunk temporaries", c.chunk_bytes,
       "the larger of the update's chunk (rows x " + num(d) + " x " + (fc_opt == "sgd" ? "4" : "16") +
@@ -246,6 +252,7 @@ int64_t max_batch_that_fits(JobPlanInputs in, const ActivationTable& table, doub
     po.num_classes = in.num_classes;
     po.embedding_size = in.embedding_size;
     po.sample_rate = in.sample_rate;
+    po.subcenters = in.subcenters;
     po.optimizer.kind = in.fc_optimizer.empty() ? in.optimizer : in.fc_optimizer;
     po.optimizer.state_dtype = in.fc_state_dtype == "bf16" ? at::kBFloat16 : at::kFloat;
     po.weight_dtype = in.fc_weight_dtype == "bf16" ? at::kBFloat16 : at::kFloat;

@@ -26,6 +26,7 @@ struct JobPlanInputs {
   int64_t num_classes = 0;
   int world_size = 1;
   double sample_rate = 1.0;
+  int64_t subcenters = 1;              // loss.subcenters: centres (rows) per class
   std::string optimizer = "sgd";       // backbone: sgd | adamw
   std::string fc_optimizer;            // classifier: sgd | adamw; empty: the backbone's
   double momentum = 0.9;               // SGD keeps no momentum buffer at 0

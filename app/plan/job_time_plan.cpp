@@ -11,6 +11,7 @@
 
 #include "app/config/config.h"
 #include "models/backbone_registry.h"
+#include "models/iresnet.h"
 #include "partial_fc/runtime/error.h"
 
 namespace faceshard {
@@ -158,15 +159,16 @@ double backbone_buffer_bytes(const std::string& network) {
   // the iresnets' embedding BN scale (fixed at 1), a ViT's mask token where it does not mask.
   // The test PlanCheckpoint.BufferTableIsTheBuiltNetworks checks these against make_backbone.
   auto bn = [](double channels, double layers) { return 8 * channels + 8 * layers; };
-  static const std::map<std::string, std::vector<int64_t>> iresnets = {
-      {"r18", {2, 2, 2, 2}},    {"r34", {3, 4, 6, 3}},     {"r50", {3, 4, 14, 3}},
-      {"r100", {3, 13, 30, 3}}, {"r200", {6, 26, 60, 6}}, {"r2060", {3, 128, 896, 3}}};
-  if (const auto it = iresnets.find(network); it != iresnets.end()) {
+  // The iresnets (IR-SE included: squeeze-and-excitation adds no BatchNorm), from their depths.
+  const std::vector<std::string> names = backbone_names();
+  const bool known = std::find(names.begin(), names.end(), network) != names.end();
+  if (known && backbone_traits(network).family == "iresnet") {
+    const std::vector<int64_t> depth = iresnet_layers(network);
     const double planes[4] = {64, 128, 256, 512};
     double channels = 64 + 512 + 512, layers = 3;  // the stem's bn1, bn2, features
     double inplanes = 64;
     for (size_t s = 0; s < 4; ++s) {
-      const double n = double(it->second[s]);
+      const double n = double(depth[s]);
       // A block: bn1(in), bn2, bn3; the first one's downsample adds a BN.
       channels += inplanes + 3 * planes[s] + (n - 1) * 3 * planes[s];
       layers += 3 * n + 1;
@@ -249,6 +251,7 @@ const Preset kPresets[] = {
     {"ms1mv2_r100.yaml", 8, "MS1MV2", 5822653, 85742},
     {"ms1mv3_r50.yaml", 8, "MS1MV3", 5179510, 93431},
     {"ms1mv3_r100.yaml", 8, "MS1MV3", 5179510, 93431},
+    {"ms1mv3_ir_se50.yaml", 8, "MS1MV3", 5179510, 93431},
     {"ms1mv3_r100_adaface.yaml", 4, "MS1MV3", 5179510, 93431},
     {"ms1mv3_r100_magface.yaml", 4, "MS1MV3", 5179510, 93431},
     {"ms1mv3_r50_curricularface.yaml", 4, "MS1MV3", 5179510, 93431},

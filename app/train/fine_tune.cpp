@@ -29,7 +29,7 @@ void check_freeze_config(const Config& cfg) {
   if (*cfg.optim.freeze_stages > stages)
     throw_config_error(cfg, "optim.freeze_stages",
                        detail::concat(*cfg.optim.freeze_stages, " but ", cfg.model.backbone, " has ", stages,
-                                      cfg.model.backbone.rfind("vit", 0) == 0 ? " blocks" : " stages",
+                                      " " + backbone_traits(cfg.model.backbone).stage_word,
                                       "; leave optim.freeze_stages out to freeze the whole backbone"));
 }
 

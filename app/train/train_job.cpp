@@ -230,6 +230,7 @@ void build_model(TrainJob& j, ClassifierStart start) {
   po.num_classes = *cfg.data.num_classes;
   po.embedding_size = cfg.model.embedding_size;
   po.sample_rate = cfg.loss.sample_rate;
+  po.subcenters = cfg.loss.subcenters;
   po.margin = CombinedMargin{cfg.loss.margin[0], cfg.loss.margin[1], cfg.loss.margin[2], cfg.loss.scale,
                              cfg.loss.interclass_filtering_threshold, parse_margin_mode(cfg.loss.margin_mode)};
   if (po.margin.mode == MarginMode::ArcfaceTorch && po.margin.m3 > 0 && (po.margin.m1 != 1.0 || po.margin.m2 != 0.0))
@@ -258,7 +259,7 @@ void build_model(TrainJob& j, ClassifierStart start) {
       {"num_classes", "data.num_classes"}, {"sample_rate", "loss.sample_rate"}, {"margin", "loss.margin"},
       {"margin_mode", "loss.margin_mode"}, {"embedding_size", "model.embedding_size"},
       {"optimizer", "optim.fc_optimizer"}, {"head", "loss.head"}, {"fc_state_dtype", "optim.fc_state_dtype"},
-      {"fc_weight_dtype", "optim.fc_weight_dtype"}};
+      {"fc_weight_dtype", "optim.fc_weight_dtype"}, {"subcenters", "loss.subcenters"}};
   if (const HeadInfo* h = find_head_info(cfg.loss.head))
     for (const HeadParam& p : h->params) keys.emplace_back(p.name, "loss." + h->name + "." + p.name);
   po.streamed_logits = cfg.loss.logits == "streamed" ||

@@ -89,6 +89,8 @@ CheckpointContents TrainState::contents() const {
   StateDict shard;
   shard.emplace_back("rows.start", scalar_long(j.fc->shard().start));
   shard.emplace_back("rows.count", scalar_long(j.fc->shard().count));
+  // Rows per class (loss.subcenters): rows/* hold rows.count x K rows, class-major.
+  shard.emplace_back("rows.subcenters", scalar_long(j.fc->options().subcenters));
   for (auto& kv : j.fc->state()) shard.emplace_back("rows/" + kv.first, kv.second);
   shard.emplace_back("rng.cpu", at::detail::getDefaultCPUGenerator().get_state());
   if (j.device.is_cuda()) shard.emplace_back("rng.cuda", at::globalContext().defaultGenerator(j.device).get_state());
@@ -188,7 +190,7 @@ void TrainState::load(const std::string& dir) {
 
   // The classifier: this rank's class range from the saved shards, resharded when the
   // number of ranks differs, each entry streamed into the shard's own tensor.
-  const ReshardedRows rows(info, j.fc->shard().start, j.fc->shard().count);
+  const ReshardedRows rows(info, j.fc->shard().start, j.fc->shard().count, j.fc->options().subcenters);
   const std::string ssrc = "checkpoint '" + dir + "'";
   const ShardRows mine = j.fc->state();
   for (const std::string& name : rows.names())

@@ -7,8 +7,9 @@
 //                   schedule.warmup_steps and schedule.lr (the learning rate of the next
 //                   step: what a changed batch changes), opt/* (the backbone optimiser), scaler/* (the loss
 //                   scaler), best/<set> (best verification accuracies)
-//   fc_shard_<r>.pt this rank's classifier rows: rows.start, rows.count, rows/weight,
-//                   rows/opt.* (its optimiser state), rng.cpu (and rng.cuda)
+//   fc_shard_<r>.pt this rank's classifier rows: rows.start, rows.count, rows.subcenters (K,
+//                   loss.subcenters), rows/weight and rows/opt.* (its optimiser state; rows.count
+//                   x K rows, class-major: row (c - rows.start) x K + k), rng.cpu (and rng.cuda)
 // Loading reads each value straight into the job's own tensors (no copy of a file, no host
 // buffer of a shard's size on a GPU); on another number of ranks rows/* are resharded by
 // class range, each rank reading only its rows' bytes; the data continues in the same

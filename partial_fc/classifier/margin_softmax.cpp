@@ -5,6 +5,7 @@
 #include <utility>
 
 #include "partial_fc/classifier/softmax_columns.h"
+#include "partial_fc/classifier/subcenter.h"
 #include "partial_fc/parallel/saved_value.h"
 
 namespace faceshard {
@@ -96,11 +97,15 @@ struct MarginSoftmaxFn : public torch::autograd::Function<MarginSoftmaxFn> {
                                Distributed& dist) {
     MarginHead& head = *o.head;
     const double s = head.scale();
-    const int64_t N = emb.size(0), S = o.rows.defined() ? o.rows.size(0) : weight.size(0);
+    const int64_t N = emb.size(0), S = (o.rows.defined() ? o.rows.size(0) : weight.size(0)) / o.subcenters;
     const at::Tensor e = emb.detach(), w = weight.detach();
     at::Tensor buf = at::empty({N, S}, e.options().dtype(at::kFloat));
-    at::Tensor inv_norm;
-    if (!o.rows.defined() && w.scalar_type() == at::kFloat) {
+    at::Tensor inv_norm, sub_arg;  // sub_arg: the arg-max sub-centre of each entry (K > 1)
+    if (o.subcenters > 1) {
+      // Each class's best sub-centre, already scaled to s * cos (inv_norm is per row).
+      sub_arg = at::empty({N, S}, e.options().dtype(at::kByte));
+      inv_norm = subcenter::class_cosines(e, w, o, s, buf, sub_arg);
+    } else if (!o.rows.defined() && w.scalar_type() == at::kFloat) {
       // 1/max(||w_j||, eps), as torch's normalize divides.
       inv_norm = w.norm(2, {1}).clamp_min(1e-12).reciprocal();
       gemm_forward(e, w, buf, o);
@@ -122,7 +127,7 @@ struct MarginSoftmaxFn : public torch::autograd::Function<MarginSoftmaxFn> {
     }
     // One pass makes the scaled cosines s * cos: from here on the buffer holds logits, and
     // what is said of cosines is said at that scale.
-    buf.mul_((inv_norm * s).unsqueeze(0));
+    if (o.subcenters == 1) buf.mul_((inv_norm * s).unsqueeze(0));
 
     // Rows whose class this rank owns: their column, read and written through gather and
     // scatter with the column clamped to 0 for the others, whose values are written back.
@@ -215,7 +220,7 @@ struct MarginSoftmaxFn : public torch::autograd::Function<MarginSoftmaxFn> {
     at::Tensor acc = sums[2 * N] / static_cast<double>(N);
 
     ctx->save_for_backward({buf, e, w, inv_norm, col, valid, tc, mask.defined() ? mask : at::Tensor(),
-                            codes.defined() ? codes : at::Tensor(), codes.defined() ? lse : at::Tensor()});
+                            codes.defined() ? codes : at::Tensor(), codes.defined() ? lse : at::Tensor(), sub_arg});
     save_value(ctx, "options", o);
     save_value(ctx, "rows", rows);
     ctx->mark_non_differentiable({acc});
@@ -226,7 +231,7 @@ struct MarginSoftmaxFn : public torch::autograd::Function<MarginSoftmaxFn> {
     auto saved = ctx->get_saved_variables();
     at::Tensor g = saved[0];  // the probabilities, turned into the gradient in place
     const at::Tensor &e = saved[1], &w = saved[2], &inv_norm = saved[3], &col = saved[4], &valid = saved[5],
-                     &tc = saved[6], &mask = saved[7], &codes = saved[8], &lse = saved[9];
+                     &tc = saved[6], &mask = saved[7], &codes = saved[8], &lse = saved[9], &sub_arg = saved[10];
     const MarginSoftmaxOptions& o = saved_value<MarginSoftmaxOptions>(ctx, "options");
     const HeadRows& rows = saved_value<HeadRows>(ctx, "rows");
     const MarginHead& head = *o.head;
@@ -261,6 +266,12 @@ struct MarginSoftmaxFn : public torch::autograd::Function<MarginSoftmaxFn> {
     // One pass: times grad * s / N (the scalar) and 1 / ||w_j|| (per column). Then
     // g' = dL/dcos_ij / ||w_j||, and through cos_ij = (e_i . w_j) / ||w_j||:
     //   dL/de = g' W,   dL/dw_j = M_j - (w_j . M_j) w_j / ||w_j||^2  with M = g'^T E.
+    if (o.subcenters > 1) {
+      // dL/dcos per class, routed to each entry's arg-max sub-centre (subcenter.h).
+      g.mul_(coef);
+      auto [ge, gw] = subcenter::backward(g, sub_arg, e, w, inv_norm, o);
+      return {ge, gw, at::Tensor(), grad_norms, at::Tensor(), at::Tensor()};
+    }
     g.mul_((inv_norm * coef).unsqueeze(0));
     if (o.deferred) {
       // dL/dW is the caller's (DeferredWeightGrad::rows, chunk by chunk): keep G', E and
@@ -304,6 +315,9 @@ void check_margin_softmax_inputs(const char* who, const at::Tensor& emb, const a
   TORCH_CHECK(options.chunk_classes > 0 && options.chunk_classes % 4 == 0, who,
               ": chunk_classes must be a positive multiple of 4");
   TORCH_CHECK(options.head != nullptr, who, ": no head");
+  TORCH_CHECK(options.subcenters >= 1 &&
+                  (options.rows.defined() ? options.rows.size(0) : weight.size(0)) % options.subcenters == 0,
+              who, ": the centres are not ", options.subcenters, " per class");
   TORCH_CHECK(!options.rows.defined() || options.deferred, who, ": sampled rows need a deferred gradient");
   TORCH_CHECK(weight.scalar_type() == at::kFloat || options.deferred, who, ": centres stored in ", weight.scalar_type(),
               " need a deferred gradient");

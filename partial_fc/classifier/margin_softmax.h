@@ -35,9 +35,11 @@ namespace faceshard {
 struct DeferredWeightGrad {
   at::Tensor g;         // [N, S] fp32: G' = dL/dcos / ||w_j|| per column (the logits buffer)
   at::Tensor e;         // [N, d] fp32: the normalised embeddings of the forward
-  at::Tensor inv_norm;  // [S] fp32: 1 / max(||w_j||, eps) of the forward
+  at::Tensor inv_norm;  // [S] fp32: 1 / max(||w_j||, eps) of the forward (per row of the weight)
   at::ScalarType gemm_dtype = at::kFloat;  // the type of the forward's GEMMs
   at::Tensor e_low;     // E in gemm_dtype when kept (else converted where needed)
+  // With sub-centres (subcenter.h) G' is per row of the weight (K per class) and is made on
+  // demand from the per-class buffer through `recompute`, as here.
   // The streamed softmax (streamed_softmax.h) holds no G': it recomputes columns
   // [first, first + n) of it ([N, n] fp32) from E, the centres and a few values per row;
   // `row_terms` are those values, finite exactly when G' is (given finite E and centres).
@@ -90,6 +92,11 @@ struct MarginSoftmaxOptions {
   // When set, the weight's gradient is deferred (see above): backward returns none for it
   // and fills this in instead.
   std::shared_ptr<DeferredWeightGrad> deferred;
+  // Centres per class (subcenter.h): the weight's rows (or `rows`) are K per class,
+  // class-major, and a class's cosine is the best of its K; the columns of the softmax, the
+  // target and the head's margin are per class. The weight gradient's rows (deferred or
+  // not) are the weight's. 1: one centre per class, and nothing of subcenter.h runs.
+  int64_t subcenters = 1;
 };
 
 // The argument checks both passes make (streamed_softmax.h too), errors prefixed by `who`.

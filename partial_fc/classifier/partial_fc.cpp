@@ -9,6 +9,7 @@
 
 #include "partial_fc/classifier/margin_softmax.h"
 #include "partial_fc/classifier/streamed_softmax.h"
+#include "partial_fc/classifier/subcenter.h"
 #include "partial_fc/parallel/all_gather.h"
 #include "partial_fc/runtime/error.h"
 
@@ -63,6 +64,8 @@ const PartialFCOptions& checked(const PartialFCOptions& o) {
                        o.optimizer.state_dtype);
   if (o.weight_dtype != at::kFloat && o.weight_dtype != at::kBFloat16)
     throw option_error("fc_weight_dtype", "the classifier's centres must be fp32 or bf16, got ", o.weight_dtype);
+  if (o.subcenters < 1 || o.subcenters > 255)
+    throw option_error("subcenters", "must be in [1, 255] centres per class, got ", o.subcenters);
   if (o.head.name == "combined") o.margin.validate();
   return o;
 }
@@ -77,9 +80,14 @@ ClassifierMemoryPlan classifier_memory_plan(const PartialFCOptions& o, int world
   p.embedding_size = o.embedding_size;
   p.global_batch = batch_per_rank * world_size;
   p.streamed = o.streamed_logits;
+  p.subcenters = o.subcenters;
   const double row = static_cast<double>(o.embedding_size) * 4.0;  // one fp32 row (a gradient's)
   const double weight_row = static_cast<double>(o.embedding_size) * (o.weight_dtype == at::kBFloat16 ? 2.0 : 4.0);
-  const double n = static_cast<double>(p.rows), s = static_cast<double>(p.sampled_rows);
+  // Rows: K per class (sub-centres), in the weight, its state and any gradient; the logits
+  // are per class.
+  const double K = static_cast<double>(o.subcenters);
+  const double n = K * static_cast<double>(p.rows), s = K * static_cast<double>(p.sampled_rows);
+  const double classes = static_cast<double>(p.sampled_rows);
   const bool sampling = p.sampled_rows < p.rows;
   const double state_row = static_cast<double>(o.embedding_size) * (o.optimizer.state_dtype == at::kBFloat16 ? 2.0 : 4.0);
   p.weight_bytes = n * weight_row;
@@ -90,7 +98,10 @@ ClassifierMemoryPlan classifier_memory_plan(const PartialFCOptions& o, int world
   if (sampling && o.step_all_rows) p.gradient_bytes += s * row + n * row;
   const double k = static_cast<double>(std::max<int64_t>(1, o.grad_accumulation));
   if (k > 1) p.gradient_bytes += sampling ? 2 * k * s * row + std::min(k * s, n) * row : n * row;
-  p.logits_bytes = o.streamed_logits ? s * 4.0 : static_cast<double>(p.global_batch) * s * 4.0;
+  // The buffer holds a logit per class (and with K > 1 a byte for its arg-max sub-centre);
+  // the streamed pass 1 / ||w|| per row.
+  p.logits_bytes = o.streamed_logits ? s * 4.0
+                                     : static_cast<double>(p.global_batch) * classes * (o.subcenters > 1 ? 5.0 : 4.0);
   ChunkInputs ci;
   ci.cuda = cuda;
   ci.policy = o.chunking;
@@ -135,20 +146,23 @@ PartialFC::PartialFC(Distributed& dist, const PartialFCOptions& opts, torch::Dev
       opts_(checked(opts)),
       shard_(ClassShard::of(opts.num_classes, dist.world_size(), dist.rank())),
       num_sample_(std::min<int64_t>(shard_.count, static_cast<int64_t>(opts.sample_rate * shard_.count))),
-      weight_(torch::empty({shard_.count, opts.embedding_size}, torch::TensorOptions(device).dtype(opts.weight_dtype))),
+      weight_(torch::empty({shard_.count * opts.subcenters, opts.embedding_size},
+                           torch::TensorOptions(device).dtype(opts.weight_dtype))),
       optimizer_(weight_, opts.optimizer, opts.initialise_rows),
       head_(make_margin_head(opts.head, opts.margin)),
       rows_ready_(opts.initialise_rows) {
   chunks_ = chunks_for(opts_, device, 1);
   if (opts.weight_dtype != at::kFloat) lost_ = torch::zeros({2}, torch::TensorOptions(device).dtype(at::kLong));
   if (!opts.initialise_rows) return;
-  // Drawn in blocks of classes straight into the storage: no fp32 copy of a bf16 shard, and
-  // no host copy of a device one, exists whole.
+  // Drawn in blocks of rows straight into the storage: no fp32 copy of a bf16 shard, and
+  // no host copy of a device one, exists whole. Keyed by the global row (class * K + k), so
+  // a sub-centre's initial value does not depend on the number of ranks either.
   constexpr int64_t kBlock = 8 * kInitBlock;
   torch::NoGradGuard ng;
-  for (int64_t j = 0; j < shard_.count; j += kBlock) {
-    const int64_t n = std::min(kBlock, shard_.count - j);
-    weight_.narrow(0, j, n).copy_(initial_rows(shard_.start + j, n, opts.embedding_size, opts.seed));
+  const int64_t rows = weight_.size(0), first = shard_.start * opts.subcenters;
+  for (int64_t j = 0; j < rows; j += kBlock) {
+    const int64_t n = std::min(kBlock, rows - j);
+    weight_.narrow(0, j, n).copy_(initial_rows(first + j, n, opts.embedding_size, opts.seed));
   }
 }
 
@@ -198,6 +212,8 @@ PartialFCOutput PartialFC::forward(const at::Tensor& local_emb, const at::Tensor
     }
     const at::Tensor local_dev = to_device(local.clamp(0, shard_.count - 1), dev);
     target = torch::where(to_device(mine, dev), torch::searchsorted(index_, local_dev), -1);
+    // A sampled class brings all its sub-centres: the step's rows are theirs.
+    if (opts_.subcenters > 1) index_ = subcenter::class_rows(index_, opts_.subcenters);
   } else {
     target = to_device(torch::where(mine, local, -1), dev);
   }
@@ -211,6 +227,7 @@ PartialFCOutput PartialFC::forward(const at::Tensor& local_emb, const at::Tensor
   mo.seed = opts_.seed;
   mo.forward = forwards_;
   mo.gemm_dtype = opts_.gemm_dtype;
+  mo.subcenters = opts_.subcenters;
   // The sampled rows are read from the weight in chunks, and the weight's gradient stays
   // deferred: backward fills grad_ and step() updates chunk by chunk.
   // The streamed pass and bf16 centres read every column a chunk at a time as well, and
@@ -252,7 +269,7 @@ ChunkSizes PartialFC::chunk_sizes_for(int64_t global_rows) const {
 
 at::Tensor PartialFC::materialise() const {
   torch::NoGradGuard ng;
-  const int64_t rows = samples() ? index_.size(0) : shard_.count, step = chunks_.update_rows;
+  const int64_t rows = samples() ? index_.size(0) : weight_.size(0), step = chunks_.update_rows;
   at::Tensor out = at::empty({rows, opts_.embedding_size}, weight_.options().dtype(at::kFloat).requires_grad(false));
   for (int64_t j = 0; j < rows; j += step) {
     const int64_t n = std::min(step, rows - j);
@@ -287,8 +304,8 @@ void PartialFC::accumulate() {
     pending_grad_.push_back(materialise());
   } else {
     const int64_t step = chunks_.update_rows;
-    for (int64_t j = 0; j < shard_.count; j += step) {
-      const int64_t n = std::min(step, shard_.count - j);
+    for (int64_t j = 0; j < weight_.size(0); j += step) {
+      const int64_t n = std::min(step, weight_.size(0) - j);
       pending_grad_[0].narrow(0, j, n).add_(grad_->rows(j, n, weight_.narrow(0, j, n).to(at::kFloat)));
     }
   }
@@ -381,7 +398,7 @@ void PartialFC::update_columns(int64_t first, int64_t n, const at::Tensor& g, do
 }
 
 void PartialFC::chunked_step(double lr) {
-  const int64_t rows = samples() ? index_.size(0) : shard_.count, step = chunks_.update_rows;
+  const int64_t rows = samples() ? index_.size(0) : weight_.size(0), step = chunks_.update_rows;
   // Streamed logits: G' is recomputed a chunk of the forward's columns at a time (a GEMM
   // each), and each chunk's rows updated in the update's pieces.
   const int64_t outer = grad_->g.defined() ? step : std::max(step, chunks_.logits_columns);

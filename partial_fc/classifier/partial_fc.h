@@ -96,6 +96,12 @@ struct PartialFCOptions {
   // (margin_softmax.h); true = never held (streamed_softmax.h): the classifier's memory
   // does not grow with the number of ranks, at the price of one more GEMM per step.
   bool streamed_logits = false;
+  // loss.subcenters: centres per class (subcenter.h). The shard's weight and every
+  // optimiser state have count x K rows, class-major (local class c's sub-centre k is row
+  // c * K + k); sampling picks classes and takes all K rows of each; sampled_index(),
+  // gradient(), state() and the step are in rows. Anything below 1 (or above 255) is an
+  // option error naming "subcenters".
+  int64_t subcenters = 1;
 };
 
 struct PartialFCOutput {
@@ -123,7 +129,8 @@ using ShardRows = std::vector<std::pair<std::string, at::Tensor>>;
 // size overflows.
 struct ClassifierMemoryPlan {
   int64_t rows = 0;          // classes of this rank's shard
-  int64_t sampled_rows = 0;  // rows that take part in a step
+  int64_t sampled_rows = 0;  // classes that take part in a step
+  int64_t subcenters = 1;    // centres (rows of the weight and the state) per class
   int64_t embedding_size = 0;
   int64_t global_batch = 0;  // batch per rank x ranks: the logits' rows
   bool streamed = false;     // the logits are streamed (never held)
@@ -213,9 +220,9 @@ class PartialFC {
   MarginHead& head() const { return *head_; }
   int64_t num_sample() const { return num_sample_; }
   bool samples() const { return num_sample_ < shard_.count; }
-  // The whole shard [count, d], in weight_dtype.
+  // The whole shard [count x K, d], in weight_dtype.
   const at::Tensor& weight() const { return weight_; }
-  // The rows (local indices, sorted) of the step so far: the last forward's, or the union
+  // The rows (local indices, sorted; K per sampled class) of the step so far: the last forward's, or the union
   // of the micro-batches' once merged (after unscale_/step). Undefined without sampling.
   const at::Tensor& sampled_index() const { return index_; }
   // The gradient of those rows ([rows, d]; the whole shard without sampling), undefined
@@ -241,7 +248,8 @@ class PartialFC {
   void merge_accumulated();
   // How updated bf16 rows are written back (the keys of this step's rounding).
   RowRounding rounding() const {
-    return RowRounding{opts_.seed, forwards_, shard_.start, opts_.weight_round_nearest, lost_};
+    // Keyed by the global row: the class's with one centre per class.
+    return RowRounding{opts_.seed, forwards_, shard_.start * opts_.subcenters, opts_.weight_round_nearest, lost_};
   }
   // The current micro-batch's dL/dW of the step's rows, materialised ([rows, d]).
   at::Tensor materialise() const;

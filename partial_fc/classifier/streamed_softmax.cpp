@@ -5,6 +5,7 @@
 #include <utility>
 
 #include "partial_fc/classifier/softmax_columns.h"
+#include "partial_fc/classifier/subcenter.h"
 #include "partial_fc/parallel/saved_value.h"
 
 namespace faceshard {
@@ -22,21 +23,31 @@ struct Stream {
   HeadRows rows;
   at::Tensor e, e_low;     // [N, d] fp32, and in the GEMMs' type
   at::Tensor w;            // the shard's centres (fp32 or bf16 storage)
-  at::Tensor inv_norm;     // [S] fp32
+  at::Tensor inv_norm;     // [S] fp32 (per row: [S * K] with K sub-centres per class)
   at::Tensor target;       // [N] the row's column, -1 where another rank owns it
   at::Tensor valid;        // [N] target >= 0
   at::Tensor tc;           // [N] the target cosines
   at::Tensor t;            // [N] the head's target logits (s * t(c))
   double s = 1;
 
-  int64_t columns_count() const { return o.rows.defined() ? o.rows.size(0) : w.size(0); }
+  // The centres' rows, and the columns (classes: K rows each).
+  int64_t row_count() const { return o.rows.defined() ? o.rows.size(0) : w.size(0); }
+  int64_t columns_count() const { return row_count() / o.subcenters; }
 
-  // s * cos of columns [j, j + n) [N, n] fp32.
-  at::Tensor plain(int64_t j, int64_t n) const {
-    const at::Tensor wc = columns(w, o.rows, j, n);
+  // s * cos of columns [j, j + n) [N, n] fp32; with sub-centres the best of each class's
+  // K, and (`arg`) which one it was.
+  at::Tensor plain(int64_t j, int64_t n, at::Tensor* arg = nullptr) const {
+    const int64_t K = o.subcenters;
+    const at::Tensor wc = columns(w, o.rows, j * K, n * K);
     at::Tensor out = o.gemm_dtype == at::kFloat ? at::mm(e, wc.t()) : mm_low(e_low, wc.to(o.gemm_dtype).t());
     if (out.scalar_type() != at::kFloat) out = out.to(at::kFloat);
-    return out.mul_((inv_norm.narrow(0, j, n) * s).unsqueeze(0));
+    if (K == 1) return out.mul_((inv_norm.narrow(0, j, n) * s).unsqueeze(0));
+    out.mul_(inv_norm.narrow(0, j * K, n * K).unsqueeze(0));
+    at::Tensor best = at::empty({out.size(0), n}, out.options());
+    at::Tensor which = at::empty({out.size(0), n}, out.options().dtype(at::kByte));
+    subcenter::reduce_max(out, K, best, which);
+    if (arg) *arg = which;
+    return best.mul_(s);
   }
 
   // Rows whose target lies in [j, j + n), and each row's column there (clamped for the
@@ -76,8 +87,8 @@ struct Stream {
   at::Tensor gradient(int64_t j, int64_t n, const at::Tensor& row_max, const at::Tensor& sum_exp,
                       const at::Tensor& coef) const {
     const MarginHead& head = *o.head;
-    at::Tensor mask, codes;
-    const at::Tensor logits = final_logits(plain(j, n), j, n, &mask, &codes);
+    at::Tensor mask, codes, arg;
+    const at::Tensor logits = final_logits(plain(j, n, &arg), j, n, &mask, &codes);
     at::Tensor g = (logits - row_max.unsqueeze(1)).exp_().div_(sum_exp.unsqueeze(1));
     if (codes.defined()) head.negatives_backward(g, logits, codes, rows);
     const auto [here, local] = targets_in(j, n);
@@ -86,7 +97,10 @@ struct Stream {
       g.scatter_(1, local,
                  g.gather(1, local) * torch::where(here, head.target_grad(tc, rows), torch::ones_like(tc)).unsqueeze(1));
     if (mask.defined()) g.masked_fill_(mask, 0.0);
-    return g.mul_((inv_norm.narrow(0, j, n) * coef).unsqueeze(0));
+    if (o.subcenters == 1) return g.mul_((inv_norm.narrow(0, j, n) * coef).unsqueeze(0));
+    // Per row (K per class): the class's dL/dcos at its arg-max sub-centre (subcenter.h).
+    const int64_t K = o.subcenters;
+    return subcenter::spread(g.mul_(coef), arg, K).mul_(inv_norm.narrow(0, j * K, n * K).unsqueeze(0));
   }
 };
 
@@ -105,21 +119,31 @@ struct StreamedSoftmaxFn : public torch::autograd::Function<StreamedSoftmaxFn> {
     st.target = target;
     st.valid = target >= 0;
     const double s = st.s;
-    const int64_t N = st.e.size(0), S = st.columns_count(), C = o.chunk_classes;
+    const int64_t K = o.subcenters, R = st.row_count();
+    // Classes per chunk: with sub-centres a chunk's rows are still chunk_classes.
+    const int64_t N = st.e.size(0), S = st.columns_count();
+    const int64_t C = K == 1 ? o.chunk_classes : std::max<int64_t>(1, o.chunk_classes / K);
+    st.o.chunk_classes = C;
     const auto fo = st.e.options().dtype(at::kFloat);
 
-    // 1/max(||w_j||, eps) of every column, as torch's normalize divides.
-    st.inv_norm = at::empty({S}, fo);
-    for (int64_t j = 0; j < S; j += C) {
-      const int64_t n = std::min(C, S - j);
+    // 1/max(||w_j||, eps) of every row, as torch's normalize divides.
+    st.inv_norm = at::empty({R}, fo);
+    for (int64_t j = 0; j < R; j += o.chunk_classes) {
+      const int64_t n = std::min(o.chunk_classes, R - j);
       st.inv_norm.narrow(0, j, n).copy_(columns(st.w, o.rows, j, n).norm(2, {1}).clamp_min(1e-12).reciprocal());
     }
-    // The target cosines from the targets' own columns, in the GEMMs' precision.
+    // The target cosines from the targets' own columns, in the GEMMs' precision (with
+    // sub-centres the best of the target class's K rows).
     const at::Tensor col = target.clamp_min(0);
     if (S > 0) {
-      const at::Tensor wt = columns(st.w, o.rows.defined() ? o.rows.index_select(0, col) : col, 0, N);
-      const at::Tensor el = st.e_low.to(at::kFloat), wl = wt.to(o.gemm_dtype).to(at::kFloat);
-      st.tc = (el * wl).sum(1).mul_(st.inv_norm.index_select(0, col)).clamp_(-1, 1);
+      const at::Tensor el = st.e_low.to(at::kFloat);
+      for (int64_t k = 0; k < K; ++k) {
+        const at::Tensor r = K == 1 ? col : col * K + k;
+        const at::Tensor wt = columns(st.w, o.rows.defined() ? o.rows.index_select(0, r) : r, 0, N);
+        const at::Tensor wl = wt.to(o.gemm_dtype).to(at::kFloat);
+        const at::Tensor c = (el * wl).sum(1).mul_(st.inv_norm.index_select(0, r)).clamp_(-1, 1);
+        st.tc = k == 0 ? c : at::maximum(st.tc, c);
+      }
     } else {
       st.tc = torch::zeros({N}, fo);
     }
@@ -204,7 +228,7 @@ struct StreamedSoftmaxFn : public torch::autograd::Function<StreamedSoftmaxFn> {
     const std::shared_ptr<DeferredWeightGrad> deferred =
         saved_value<std::shared_ptr<DeferredWeightGrad>>(ctx, "deferred");
     const MarginHead& head = *st.o.head;
-    const int64_t N = st.e.size(0), S = st.columns_count(), C = st.o.chunk_classes;
+    const int64_t N = st.e.size(0), S = st.columns_count(), C = st.o.chunk_classes, K = st.o.subcenters;
     const at::Tensor coef =
         (grads[0].defined() ? grads[0] : torch::zeros({}, row_max.options())) * (st.s / static_cast<double>(N));
     at::Tensor grad_norms;
@@ -223,30 +247,34 @@ struct StreamedSoftmaxFn : public torch::autograd::Function<StreamedSoftmaxFn> {
       deferred->e_low = st.e_low;
       deferred->inv_norm = st.inv_norm;
       deferred->gemm_dtype = st.o.gemm_dtype;
-      deferred->recompute = [stream, row_max, sum_exp, coef](int64_t first, int64_t n) {
-        return stream->gradient(first, n, row_max, sum_exp, coef);
+      // G' of rows [first, first + n): with sub-centres those of the classes that cover them.
+      deferred->recompute = [stream, row_max, sum_exp, coef, K](int64_t first, int64_t n) {
+        if (K == 1) return stream->gradient(first, n, row_max, sum_exp, coef);
+        return subcenter::row_columns(first, n, K, [&](int64_t c, int64_t m) {
+          return stream->gradient(c, m, row_max, sum_exp, coef);
+        });
       };
       deferred->row_terms = torch::cat({row_max, sum_exp, coef.reshape({1})});
     }
     at::Tensor ge = torch::zeros_like(st.e);
     at::Tensor gw;
-    if (!deferred) gw = torch::zeros({S, st.e.size(1)}, st.e.options());
+    if (!deferred) gw = torch::zeros({S * K, st.e.size(1)}, st.e.options());
     const bool low = st.o.gemm_dtype != at::kFloat;
     for (int64_t j = 0; j < S; j += C) {
       const int64_t n = std::min(C, S - j);
-      const at::Tensor g = st.gradient(j, n, row_max, sum_exp, coef);
-      const at::Tensor wc = columns(st.w, st.o.rows, j, n);
+      const at::Tensor g = st.gradient(j, n, row_max, sum_exp, coef);  // [N, n * K]: rows
+      const at::Tensor wc = columns(st.w, st.o.rows, j * K, n * K);
       const at::Tensor g_low = low ? g.to(st.o.gemm_dtype) : g;
       if (low) ge.add_(mm_low(g_low, wc.to(st.o.gemm_dtype)));
       else ge.addmm_(g, wc);
       if (gw.defined()) {
-        at::Tensor gwc = gw.narrow(0, j, n);
+        at::Tensor gwc = gw.narrow(0, j * K, n * K);
         if (low) gwc.copy_(mm_low(g_low.t(), st.e_low));
         else at::mm_out(gwc, g.t(), st.e);
-        gwc.addcmul_(wc, (row_dot(wc, gwc) * st.inv_norm.narrow(0, j, n).pow(2)).unsqueeze(1), -1.0);
+        gwc.addcmul_(wc, (row_dot(wc, gwc) * st.inv_norm.narrow(0, j * K, n * K).pow(2)).unsqueeze(1), -1.0);
       }
       // The chunk's rows are not read again in this backward: the caller may move them.
-      if (deferred && deferred->on_chunk) deferred->on_chunk(j, n, g);
+      if (deferred && deferred->on_chunk) deferred->on_chunk(j * K, n * K, g);
     }
     if (deferred && deferred->on_chunk) deferred->applied = true;
     return {ge, gw, at::Tensor(), grad_norms, at::Tensor(), at::Tensor()};

@@ -46,9 +46,16 @@ def load_reference():
     src = re.search(r'R"PY\((.*?)\)PY"', text, re.S).group(1)
     mod = type(sys)("ref_backbones")
     exec(compile(src, "reference_backbones.h", "exec"), mod.__dict__)
-    mod.MBF["mbf_small"] = ((1, 1, 1, 1), 1)  # faceshard's demo network (backbone_registry.cpp)
-    mod.IRESNET["r2060"] = [3, 128, 896, 3]
     return mod
+
+
+BIG = ["vit_h", "r2060"]  # by hand (mode big)
+
+
+def family(names, full):
+    """The reference's networks of a family (every registered one has a reference, which the
+    test ModelsCatalogue requires): `full` at batches 1, 4, 16, the others at batch 1."""
+    return full, [n for n in names if n not in full and n not in BIG]
 
 
 def write_bmp(path, rgb):
@@ -80,6 +87,10 @@ class Case:
     def __init__(self, work, ref, net, n_images, emb=512, seed=0):
         import torch
         self.net, self.emb = net, emb
+        # The family (as the registry's BackboneTraits::family), from the reference's tables.
+        self.iresnet = net in ref.IRESNET or net in ref.IRSE
+        self.vit = net in ref.VIT
+        self.se = net in ref.IRSE
         self.dir = os.path.join(work, net)
         os.makedirs(self.dir, exist_ok=True)
         g = torch.Generator().manual_seed(1000 + seed)
@@ -163,8 +174,16 @@ def check_graph(path, case, batch="batch", fp16=False):
     # BatchNorm folded: a node is left only where no conv or linear precedes it (iresnet's bn1).
     bns = sum(1 for n in g.node if n.op_type == "BatchNormalization")
     blocks = sum(1 for n in g.node if n.op_type == "Conv" and n.name.endswith(".conv1"))
-    if bns != (blocks if case.net.startswith("r") else 0):
+    if bns != (blocks if case.iresnet else 0):
         fail("%s: %d BatchNormalization nodes left for %d iresnet blocks" % (path, bns, blocks))
+    # IR-SE: each block's squeeze-and-excitation as GlobalAveragePool, Relu (not ReLU6's Clip), Sigmoid.
+    if case.se:
+        ops = [n.op_type for n in g.node]
+        for op in ("GlobalAveragePool", "Relu", "Sigmoid"):
+            if ops.count(op) != blocks:
+                fail("%s: %d %s nodes for %d IR-SE blocks" % (path, ops.count(op), op, blocks))
+        if "Clip" in ops:
+            fail("%s: a Clip node in an IR-SE graph" % path)
     # insightface's ArcFaceONNX reads a graph whose first 8 node names start with Sub and Mul as
     # normalising itself (then feeds raw pixels); faceshard's graphs expect normalised input.
     firsts = [n.name for n in g.node[:8]]
@@ -231,7 +250,7 @@ def mode_opsets(work, ref):
             if [o.version for o in m.opset_import] != [int(opset)]:
                 fail("%s: opset_import %s" % (path, m.opset_import))
             ln = sum(1 for n in m.graph.node if n.op_type == "LayerNormalization")
-            if net.startswith("vit") and (ln == 0) != (opset == "13"):
+            if case.vit and (ln == 0) != (opset == "13"):
                 fail("%s: %d LayerNormalization nodes at opset %s" % (path, ln, opset))
             compare(case, path, want, [1, 4], TOL, " opset " + opset)
         path = case.export("fixed.onnx", "--batch", "4", "--external-data")
@@ -331,9 +350,10 @@ def main():
     t0 = time.time()
     try:
         if mode == "iresnet":
-            mode_equivalence(work, ref, ["r18", "r50"], ["r34", "r100", "r200"])
+            # r18..r200 and the IR-SE networks (squeeze-and-excitation: GlobalAveragePool, Relu, Sigmoid).
+            mode_equivalence(work, ref, *family(list(ref.IRESNET) + list(ref.IRSE), ["r18", "r50", "ir_se50"]))
         elif mode == "mbf":
-            mode_equivalence(work, ref, ["mbf", "mbf_small", "mbf_large"], [])
+            mode_equivalence(work, ref, list(ref.MBF), [])
         elif mode == "vit":
             # vit_h (756 M parameters, 3 GB of weights in each of three files) is left to `big`.
             mode_equivalence(work, ref, ["vit_t", "vit_s"], ["vit_b", "vit_l_dp005_mask_005"])

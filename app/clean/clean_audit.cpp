@@ -1,0 +1,513 @@
+#include "app/clean/clean_audit.h"
+
+#include <algorithm>
+#include <cerrno>
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+#include <numeric>
+
+#include <unistd.h>
+
+#include "app/io/checkpoint.h"
+#include "partial_fc/runtime/error.h"
+
+namespace faceshard {
+
+namespace fs = std::filesystem;
+
+namespace {
+
+constexpr double kPi = 3.14159265358979323846;
+
+double degrees(double cosine) { return std::acos(std::clamp(cosine, -1.0, 1.0)) * 180.0 / kPi; }
+
+// A path in a TSV cell: tabs and line breaks would break the row.
+std::string cell(std::string s) {
+  for (char& c : s)
+    if (c == '\t' || c == '\n' || c == '\r') c = ' ';
+  return s;
+}
+
+void put(std::FILE* f, const std::string& s, const std::string& file) {
+  if (std::fwrite(s.data(), 1, s.size(), f) != s.size())
+    throw runtime_error("cannot write '", file, "': ", std::strerror(errno));
+}
+
+std::string fmt(double v, int digits = 4) {
+  char b[64];
+  std::snprintf(b, sizeof b, "%.*f", digits, v);
+  return b;
+}
+
+// One image's result of the nearest-centre search, as the scratch file holds it: index,
+// label, nearest other class, its cosine, then the cosines to the K sub-centres of the label.
+struct ScratchHead {
+  int64_t index, label, other;
+  float other_cos;
+};
+
+}  // namespace
+
+uint64_t bytes_hash(const uint8_t* data, size_t size) {
+  uint64_t h = 1469598103934665603ull;
+  for (size_t i = 0; i < size; ++i) {
+    h ^= data[i];
+    h *= 1099511628211ull;
+  }
+  return h ? h : 1;
+}
+
+std::vector<std::vector<int64_t>> bin_identities(const std::vector<uint64_t>& image_hashes,
+                                                 const std::vector<bool>& issame) {
+  const int64_t n = int64_t(image_hashes.size());
+  std::vector<int64_t> parent(static_cast<size_t>(n));
+  std::iota(parent.begin(), parent.end(), 0);
+  auto find = [&](int64_t x) {
+    while (parent[size_t(x)] != x) x = parent[size_t(x)] = parent[size_t(parent[size_t(x)])];
+    return x;
+  };
+  auto join = [&](int64_t a, int64_t b) {
+    a = find(a), b = find(b);
+    if (a != b) parent[size_t(std::max(a, b))] = std::min(a, b);
+  };
+  for (size_t p = 0; p < issame.size() && int64_t(2 * p + 1) < n; ++p)
+    if (issame[p]) join(int64_t(2 * p), int64_t(2 * p + 1));
+  std::unordered_map<uint64_t, int64_t> first;
+  for (int64_t i = 0; i < n; ++i) {
+    const uint64_t h = image_hashes[size_t(i)];
+    if (h == 0) continue;
+    auto it = first.emplace(h, i).first;
+    join(it->second, i);
+  }
+  std::unordered_map<int64_t, size_t> slot;
+  std::vector<std::vector<int64_t>> out;
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t r = find(i);
+    auto it = slot.find(r);
+    if (it == slot.end()) {
+      it = slot.emplace(r, out.size()).first;
+      out.emplace_back();
+    }
+    out[it->second].push_back(i);
+  }
+  return out;
+}
+
+CleanAudit::CleanAudit(const at::Tensor& centres, int64_t num_classes, int64_t subcenters, CleanThresholds thresholds,
+                       torch::Device device, std::string folder, std::function<std::string(int64_t)> describe,
+                       int64_t centre_chunk_rows)
+    : c_(num_classes),
+      k_(subcenters),
+      e_(centres.dim() == 2 ? centres.size(1) : 0),
+      t_(std::move(thresholds)),
+      device_(device),
+      folder_(std::move(folder)),
+      describe_(std::move(describe)),
+      chunk_rows_(std::max<int64_t>(centre_chunk_rows, subcenters)),
+      evicted_(size_t(std::max<int64_t>(num_classes, 0)), false) {
+  if (c_ < 1 || k_ < 1 || centres.dim() != 2 || centres.size(0) != c_ * k_)
+    throw usage_error("classifier centres of shape ", centres.sizes(), " do not hold ", c_, " classes x ", k_,
+                      " sub-centres");
+  if (t_.identity_by != "means" && t_.identity_by != "centres")
+    throw usage_error("--identity-by: expected means or centres, got '", t_.identity_by, "'");
+  const at::Tensor w = centres.to(device_, torch::kFloat);
+  centres_ = w / w.norm(2, {1}, true).clamp_min(1e-12);
+  sums_ = torch::zeros({c_ * k_, e_}, torch::TensorOptions().dtype(torch::kFloat).device(device_));
+  counts_.assign(size_t(c_ * k_), 0);
+  scratch_ = open_partial(".scratch");
+  near_ = open_partial(".near_rows");
+}
+
+CleanAudit::~CleanAudit() {
+  try {
+    abandon();
+  } catch (...) {
+  }
+}
+
+std::FILE* CleanAudit::open_partial(const std::string& name) {
+  const std::string path = folder_ + "/" + name + ".partial";
+  std::FILE* f = std::fopen(path.c_str(), "w+b");
+  if (!f) throw runtime_error("cannot write '", path, "': ", std::strerror(errno));
+  partial_.push_back(name);
+  return f;
+}
+
+// Closes and removes every .partial file (reports renamed already are no longer listed).
+void CleanAudit::abandon() {
+  for (std::FILE** f : {&scratch_, &near_})
+    if (*f) std::fclose(*f), *f = nullptr;
+  std::error_code ec;
+  for (const auto& name : partial_) fs::remove(folder_ + "/" + name + ".partial", ec);
+  partial_.clear();
+}
+
+void CleanAudit::add(const at::Tensor& embeddings, const std::vector<int64_t>& labels,
+                     const std::vector<int64_t>& indices, const std::vector<uint64_t>& hashes) {
+  torch::NoGradGuard ng;
+  const int64_t b = embeddings.size(0);
+  if (embeddings.dim() != 2 || embeddings.size(1) != e_)
+    throw usage_error("embeddings of shape ", embeddings.sizes(), " for centres of ", e_, " dimensions");
+  if (int64_t(labels.size()) != b || int64_t(indices.size()) != b || int64_t(hashes.size()) != b)
+    throw runtime_error("CleanAudit::add: ", b, " embeddings with ", labels.size(), " labels, ", indices.size(),
+                        " indices, ", hashes.size(), " hashes");
+  if (b == 0) return;
+  for (int64_t i = 0; i < b; ++i) {
+    const int64_t l = labels[size_t(i)];
+    if (l < 0 || l >= c_)
+      throw usage_error(describe_(indices[size_t(i)]), ": label ", l, " is not one of the run's ", c_, " classes");
+    if (indices[size_t(i)] <= last_index_) throw runtime_error("CleanAudit::add: image indices must increase");
+    last_index_ = indices[size_t(i)];
+  }
+  const auto opt = torch::TensorOptions().dtype(torch::kLong);
+  const at::Tensor lab = torch::from_blob(const_cast<int64_t*>(labels.data()), {b}, opt).clone().to(device_);
+  const at::Tensor e = embeddings.to(device_, torch::kFloat);
+  // The cosines to the label's own K sub-centres: rows label*K + k.
+  const at::Tensor rows = (lab.unsqueeze(1) * k_ + torch::arange(k_, lab.options()).unsqueeze(0)).reshape({-1});
+  const at::Tensor own = at::bmm(centres_.index_select(0, rows).view({b, k_, e_}), e.unsqueeze(2)).squeeze(2);
+  // The nearest other class: a class's cosine is its best sub-centre's (the logit of
+  // sub-center ArcFace), the label's own class left out; chunks of centre rows bound the
+  // [b, rows] product.
+  at::Tensor best = torch::full({b}, -2.0f, e.options());
+  at::Tensor best_class = torch::full({b}, -1, lab.options());
+  // At most 64 Mi cosines (256 MiB) at once, whatever the chunk of images.
+  const int64_t rows_per_chunk = std::min(chunk_rows_, std::max<int64_t>((int64_t(64) << 20) / b, k_));
+  const int64_t classes_per_chunk = std::max<int64_t>(rows_per_chunk / k_, 1);
+  for (int64_t c0 = 0; c0 < c_; c0 += classes_per_chunk) {
+    const int64_t nc = std::min(classes_per_chunk, c_ - c0);
+    at::Tensor s = at::matmul(e, centres_.narrow(0, c0 * k_, nc * k_).t()).view({b, nc, k_}).amax(2);
+    const at::Tensor mine = (lab >= c0) & (lab < c0 + nc);
+    const at::Tensor col = (lab - c0).clamp(0, nc - 1).unsqueeze(1);
+    s.scatter_(1, col, torch::where(mine.unsqueeze(1), torch::full_like(col, -2, s.options()), s.gather(1, col)));
+    const auto mx = s.max(1);
+    const at::Tensor better = std::get<0>(mx) > best;
+    best = torch::where(better, std::get<0>(mx), best);
+    best_class = torch::where(better, std::get<1>(mx) + c0, best_class);
+  }
+  // The sub-centre each image is nearest to among its label's: dominance counts and sums.
+  const at::Tensor nearest_k = own.argmax(1);
+  sums_.index_add_(0, lab * k_ + nearest_k, e);
+  const at::Tensor own_c = own.cpu().contiguous(), best_c = best.cpu(), other_c = best_class.cpu(),
+                   k_c = nearest_k.cpu();
+  const at::Tensor e_c = e.cpu().contiguous();
+  const float* ow = own_c.data_ptr<float>();
+  const float* bw = best_c.data_ptr<float>();
+  const int64_t* oc = other_c.data_ptr<int64_t>();
+  const int64_t* kc = k_c.data_ptr<int64_t>();
+  const float* ep = e_c.data_ptr<float>();
+  std::vector<char> rec(sizeof(ScratchHead) + size_t(k_) * sizeof(float));
+  for (int64_t i = 0; i < b; ++i) {
+    const int64_t l = labels[size_t(i)];
+    counts_[size_t(l * k_ + kc[i])]++;
+    const ScratchHead h{indices[size_t(i)], l, oc[i], bw[i]};
+    std::memcpy(rec.data(), &h, sizeof h);
+    std::memcpy(rec.data() + sizeof h, ow + i * k_, size_t(k_) * sizeof(float));
+    if (std::fwrite(rec.data(), 1, rec.size(), scratch_) != rec.size())
+      throw runtime_error("cannot write '", folder_, "/.scratch.partial': ", std::strerror(errno));
+    near_duplicates(ep + i * e_, indices[size_t(i)], l, oc[i], hashes[size_t(i)]);
+  }
+  images_ += b;
+}
+
+bool CleanAudit::compare_with(const Buffer& buf, const float* e, int64_t index, int64_t label, uint64_t hash) {
+  const size_t n = buf.index.size();
+  for (size_t j = 0; j < n; ++j) {
+    const float* o = buf.emb.data() + j * size_t(e_);
+    float acc[4] = {0, 0, 0, 0};
+    int64_t d = 0;
+    for (; d + 4 <= e_; d += 4)
+      for (int u = 0; u < 4; ++u) acc[u] += e[d + u] * o[d + u];
+    for (; d < e_; ++d) acc[0] += e[d] * o[d];
+    const double cos = double(acc[0]) + acc[1] + acc[2] + acc[3];
+    const bool same_bytes = hash != 0 && buf.hash[j] == hash;
+    if (cos < t_.near_duplicate_cos && !same_bytes) continue;
+    const std::string row = std::to_string(buf.index[j]) + "\t" + cell(describe_(buf.index[j])) + "\t" +
+                            std::to_string(buf.label[j]) + "\t" + std::to_string(index) + "\t" +
+                            cell(describe_(index)) + "\t" + std::to_string(label) + "\t" + fmt(cos, 6) + "\t" +
+                            (same_bytes ? "yes" : "no") + "\tdrop " + std::to_string(index) + "\n";
+    put(near_, row, folder_ + "/.near_rows.partial");
+    ++near_rows_;
+    // One row per image at most (its first match): an image stored k times gives k - 1 rows,
+    // and a model whose embeddings collapse cannot make the report quadratic.
+    return true;
+  }
+  return false;
+}
+
+// The image against the images kept for its label and for the class it is otherwise
+// nearest to (a copy stored under another label lands there), then kept itself.
+void CleanAudit::near_duplicates(const float* e, int64_t index, int64_t label, int64_t other, uint64_t hash) {
+  auto it = buffers_.find(label);
+  const bool found = it != buffers_.end() && compare_with(it->second, e, index, label, hash);
+  if (!found && other >= 0 && other != label) {
+    auto jt = buffers_.find(other);
+    if (jt != buffers_.end()) compare_with(jt->second, e, index, label, hash);
+  }
+  if (it == buffers_.end()) {
+    if (evicted_[size_t(label)]) {
+      ++seen_after_eviction_;
+      evicted_[size_t(label)] = false;  // counted once per return
+    }
+    it = buffers_.emplace(label, Buffer{}).first;
+    lru_.push_front(label);
+    it->second.lru = lru_.begin();
+  } else if (it->second.lru != lru_.begin()) {
+    lru_.splice(lru_.begin(), lru_, it->second.lru);
+  }
+  Buffer& buf = it->second;
+  buf.emb.insert(buf.emb.end(), e, e + e_);
+  buf.index.push_back(index);
+  buf.label.push_back(label);
+  buf.hash.push_back(hash);
+  buffer_bytes_ += e_ * int64_t(sizeof(float)) + 24;
+  const int64_t budget = t_.near_duplicate_memory_mb << 20;
+  // The least recently used classes go first: in a .rec written class by class they are
+  // the finished ones, so nothing is missed.
+  while (buffer_bytes_ > budget && lru_.size() > 1) {
+    const int64_t victim = lru_.back();
+    lru_.pop_back();
+    auto v = buffers_.find(victim);
+    buffer_bytes_ -= int64_t(v->second.index.size()) * (e_ * int64_t(sizeof(float)) + 24);
+    buffers_.erase(v);
+    evicted_[size_t(victim)] = true;
+  }
+}
+
+std::vector<int64_t> CleanAudit::dominant() const {
+  std::vector<int64_t> dom(size_t(c_), 0);
+  for (int64_t c = 0; c < c_; ++c)
+    for (int64_t k = 1; k < k_; ++k)
+      if (counts_[size_t(c * k_ + k)] > counts_[size_t(c * k_ + dom[size_t(c)])]) dom[size_t(c)] = k;
+  return dom;
+}
+
+// [C, E] normalised identity vectors (zero rows for classes without images).
+at::Tensor CleanAudit::identity_vectors(const std::vector<int64_t>& dom) const {
+  std::vector<int64_t> rows(static_cast<size_t>(c_));
+  std::vector<float> has(static_cast<size_t>(c_));
+  for (int64_t c = 0; c < c_; ++c) {
+    rows[size_t(c)] = c * k_ + dom[size_t(c)];
+    int64_t n = 0;
+    for (int64_t k = 0; k < k_; ++k) n += counts_[size_t(c * k_ + k)];
+    has[size_t(c)] = n > 0 ? 1.0f : 0.0f;
+  }
+  const at::Tensor r = torch::tensor(rows, torch::kLong).to(device_);
+  const at::Tensor mask = torch::tensor(has, torch::kFloat).to(device_).unsqueeze(1);
+  at::Tensor v = (t_.identity_by == "means" ? sums_ : centres_).index_select(0, r);
+  return v / v.norm(2, {1}, true).clamp_min(1e-12) * mask;
+}
+
+CleanCounts CleanAudit::write_reports(const std::vector<std::string>& header, const std::vector<TestIdentity>& tests) {
+  torch::NoGradGuard ng;
+  CleanCounts n;
+  n.images = images_;
+  n.classes_seen_after_eviction = seen_after_eviction_;
+  n.near_duplicates = near_rows_;
+  const std::vector<int64_t> dom = dominant();
+  std::vector<int64_t> class_images(size_t(c_), 0);
+  for (int64_t c = 0; c < c_; ++c)
+    for (int64_t k = 0; k < k_; ++k) class_images[size_t(c)] += counts_[size_t(c * k_ + k)];
+  std::string head;
+  for (const auto& h : header) head += "# " + h + "\n";
+  head += "# images: " + std::to_string(images_) + ", classes: " + std::to_string(c_) +
+          ", sub-centres per class: " + std::to_string(k_) + "\n";
+  auto begin = [&](const std::string& name, const std::string& what, const std::string& thresholds,
+                   const std::string& columns) {
+    std::FILE* f = open_partial(name);
+    const std::string path = folder_ + "/" + name + ".partial";
+    put(f, "# faceshard-clean " + name + ": " + what + "\n" + head + "# thresholds: " + thresholds + "\n" + columns + "\n",
+        path);
+    if (name == "near_duplicates.tsv") {
+      // Its rows were written during the pass: they follow the header, copied a block at a time.
+      if (std::fflush(near_) != 0) throw runtime_error("cannot write '", folder_, "/.near_rows.partial'");
+      std::rewind(near_);
+      char buf[1 << 16];
+      size_t got;
+      while ((got = std::fread(buf, 1, sizeof buf, near_)) > 0)
+        if (std::fwrite(buf, 1, got, f) != got) throw runtime_error("cannot write '", path, "': ", std::strerror(errno));
+      std::fclose(near_);
+      near_ = nullptr;
+    }
+    return f;
+  };
+  auto end = [&](std::FILE*& f, const std::string& name) {
+    if (std::fflush(f) != 0 || ::fsync(::fileno(f)) != 0 || std::fclose(f) != 0) {
+      f = nullptr;
+      throw runtime_error("cannot write '", folder_, "/", name, ".partial': ", std::strerror(errno));
+    }
+    f = nullptr;
+  };
+
+  // mislabeled.tsv: the scratch records read back once, now that the dominant sub-centres are known.
+  {
+    std::FILE* f = begin("mislabeled.tsv",
+                         "images farther from their class's dominant centre than the threshold, with the class they "
+                         "are nearest to",
+                         "--mislabeled-angle " + fmt(t_.mislabeled_angle, 2) + " degrees (Sub-center ArcFace's 75)",
+                         "index\timage\tlabel\tangle_deg\tcos\tnearest_class\tnearest_cos\tnearest_angle_deg\tsuggestion");
+    if (std::fflush(scratch_) != 0) throw runtime_error("cannot write '", folder_, "/.scratch.partial'");
+    std::rewind(scratch_);
+    std::vector<char> rec(sizeof(ScratchHead) + size_t(k_) * sizeof(float));
+    for (int64_t i = 0; i < images_; ++i) {
+      if (std::fread(rec.data(), 1, rec.size(), scratch_) != rec.size())
+        throw runtime_error("cannot read back '", folder_, "/.scratch.partial'");
+      ScratchHead h;
+      std::memcpy(&h, rec.data(), sizeof h);
+      float cos;
+      std::memcpy(&cos, rec.data() + sizeof h + size_t(dom[size_t(h.label)]) * sizeof(float), sizeof cos);
+      const double angle = degrees(cos);
+      if (angle <= t_.mislabeled_angle) continue;
+      const double other_angle = degrees(h.other_cos);
+      const std::string suggestion =
+          h.other >= 0 && other_angle <= t_.mislabeled_angle ? "relabel " + std::to_string(h.other) : "drop";
+      put(f,
+          std::to_string(h.index) + "\t" + cell(describe_(h.index)) + "\t" + std::to_string(h.label) + "\t" +
+              fmt(angle, 2) + "\t" + fmt(cos) + "\t" + std::to_string(h.other) + "\t" + fmt(h.other_cos) + "\t" +
+              fmt(other_angle, 2) + "\t" + suggestion + "\n",
+          folder_ + "/mislabeled.tsv.partial");
+      ++n.mislabeled;
+    }
+    end(f, "mislabeled.tsv");
+    std::fclose(scratch_);
+    scratch_ = nullptr;
+  }
+
+  // dropped_subcenters.tsv: the non-dominant sub-centres (K > 1 only).
+  if (k_ > 1) {
+    std::FILE* f = begin("dropped_subcenters.tsv",
+                         "the non-dominant sub-centres of each class (the fewest of the class's images nearest them)",
+                         "none (dominant: the sub-centre with the most of the class's images)",
+                         "class\tsubcenter\timages\tdominant\tdominant_images\tangle_to_dominant_deg");
+    const at::Tensor w = centres_.cpu();
+    for (int64_t c = 0; c < c_; ++c) {
+      if (class_images[size_t(c)] == 0) continue;
+      const int64_t d = dom[size_t(c)];
+      for (int64_t k = 0; k < k_; ++k) {
+        if (k == d) continue;
+        const double cos = (w[c * k_ + k] * w[c * k_ + d]).sum().item<double>();
+        put(f,
+            std::to_string(c) + "\t" + std::to_string(k) + "\t" + std::to_string(counts_[size_t(c * k_ + k)]) + "\t" +
+                std::to_string(d) + "\t" + std::to_string(counts_[size_t(c * k_ + d)]) + "\t" + fmt(degrees(cos), 2) +
+                "\n",
+            folder_ + "/dropped_subcenters.tsv.partial");
+        ++n.dropped_subcenters;
+      }
+    }
+    end(f, "dropped_subcenters.tsv");
+  }
+
+  const at::Tensor id = identity_vectors(dom);
+  // duplicate_identities.tsv: every pair of classes above the threshold, a chunk of rows at
+  // a time against all classes ([rows, C] at most).
+  {
+    std::FILE* f = begin(
+        "duplicate_identities.tsv", "pairs of classes that look like one person under two labels",
+        "--identity-cos " + fmt(t_.identity_cos, 3) + " (cosine of the classes' " +
+            (t_.identity_by == "means" ? std::string("mean embeddings of the images nearest the dominant centre")
+                                       : std::string("dominant centres")) +
+            ", --identity-by " + t_.identity_by + ")",
+        "class_a\tclass_b\tcos\tangle_deg\tcentre_cos\tmean_cos\timages_a\timages_b\tsuggestion");
+    std::vector<int64_t> rows(static_cast<size_t>(c_));
+    for (int64_t c = 0; c < c_; ++c) rows[size_t(c)] = c * k_ + dom[size_t(c)];
+    const at::Tensor r = torch::tensor(rows, torch::kLong).to(device_);
+    const at::Tensor dom_centres = centres_.index_select(0, r);
+    at::Tensor means = sums_.index_select(0, r);
+    means = means / means.norm(2, {1}, true).clamp_min(1e-12);
+    const int64_t chunk = std::max<int64_t>(1, (int64_t(64) << 20) / std::max<int64_t>(c_, 1) / 4);
+    for (int64_t r0 = 0; r0 < c_; r0 += chunk) {
+      const int64_t nr = std::min(chunk, c_ - r0);
+      at::Tensor s = at::matmul(id.narrow(0, r0, nr), id.t());
+      // Each pair once: only columns after the row's class.
+      const at::Tensor col = torch::arange(c_, torch::TensorOptions().dtype(torch::kLong).device(device_)).unsqueeze(0);
+      const at::Tensor row = torch::arange(r0, r0 + nr, col.options()).unsqueeze(1);
+      s.masked_fill_(col <= row, -2.0f);
+      const at::Tensor hits = (s > t_.identity_cos).nonzero().cpu();
+      if (hits.size(0) == 0) continue;
+      const at::Tensor a = hits.select(1, 0) + r0, bcol = hits.select(1, 1);
+      const at::Tensor ad = a.to(device_), bd = bcol.to(device_);
+      const at::Tensor cs = s.index({hits.select(1, 0).to(device_), bd}).cpu();
+      const at::Tensor cc = (dom_centres.index_select(0, ad) * dom_centres.index_select(0, bd)).sum(1).cpu();
+      const at::Tensor mc = (means.index_select(0, ad) * means.index_select(0, bd)).sum(1).cpu();
+      for (int64_t h = 0; h < hits.size(0); ++h) {
+        const int64_t ca = a[h].item<int64_t>(), cb = bcol[h].item<int64_t>();
+        const double cos = cs[h].item<double>();
+        const int64_t na = class_images[size_t(ca)], nb = class_images[size_t(cb)];
+        const int64_t into = na >= nb ? ca : cb, from = na >= nb ? cb : ca;
+        put(f,
+            std::to_string(ca) + "\t" + std::to_string(cb) + "\t" + fmt(cos) + "\t" + fmt(degrees(cos), 2) + "\t" +
+                fmt(cc[h].item<double>()) + "\t" + fmt(mc[h].item<double>()) + "\t" + std::to_string(na) + "\t" +
+                std::to_string(nb) + "\tmerge " + std::to_string(from) + " into " + std::to_string(into) + "\n",
+            folder_ + "/duplicate_identities.tsv.partial");
+        ++n.duplicate_identities;
+      }
+    }
+    end(f, "duplicate_identities.tsv");
+  }
+
+  // overlap.tsv: every test identity against every class.
+  {
+    std::FILE* f = begin("overlap.tsv", "training classes that are identities of the given test sets",
+                         "--overlap-cos " + fmt(t_.overlap_cos, 3) + " (cosine of the test identity's mean embedding " +
+                             "and the class's identity vector, --identity-by " + t_.identity_by + ")",
+                         "set\ttest_identity\ttest_images\tclass\tcos\tangle_deg\tclass_images\tsuggestion");
+    const int64_t chunk = 1024;
+    for (size_t t0 = 0; t0 < tests.size(); t0 += size_t(chunk)) {
+      const size_t nt = std::min(tests.size() - t0, size_t(chunk));
+      std::vector<at::Tensor> rows;
+      for (size_t i = 0; i < nt; ++i) {
+        const at::Tensor v = tests[t0 + i].embedding.to(device_, torch::kFloat).reshape({-1});
+        if (v.size(0) != e_)
+          throw usage_error("test identity '", tests[t0 + i].name, "' of ", tests[t0 + i].set, " has ", v.size(0),
+                            " dimensions, the run's embeddings ", e_);
+        rows.push_back(v / v.norm().clamp_min(1e-12));
+      }
+      const at::Tensor s = at::matmul(torch::stack(rows), id.t());
+      const at::Tensor hits = (s > t_.overlap_cos).nonzero().cpu();
+      const at::Tensor sc = s.cpu();
+      for (int64_t h = 0; h < hits.size(0); ++h) {
+        const int64_t ti = hits[h][0].item<int64_t>(), c = hits[h][1].item<int64_t>();
+        const double cos = sc[ti][c].item<double>();
+        const TestIdentity& t = tests[t0 + size_t(ti)];
+        put(f,
+            cell(t.set) + "\t" + cell(t.name) + "\t" + std::to_string(t.images) + "\t" + std::to_string(c) + "\t" +
+                fmt(cos) + "\t" + fmt(degrees(cos), 2) + "\t" + std::to_string(class_images[size_t(c)]) +
+                "\tdrop class " + std::to_string(c) + "\n",
+            folder_ + "/overlap.tsv.partial");
+        ++n.overlap;
+      }
+    }
+    end(f, "overlap.tsv");
+  }
+
+  {
+    std::string evicted;
+    if (seen_after_eviction_ > 0)
+      evicted = "; " + std::to_string(seen_after_eviction_) +
+                " classes came back after their buffer was evicted (images not grouped by class; raise "
+                "--near-duplicate-memory-mb)";
+    std::FILE* f = begin("near_duplicates.tsv",
+                         "images stored more than once (compared within their label and with the class they are "
+                         "otherwise nearest to)" + evicted,
+                         "--near-duplicate-cos " + fmt(t_.near_duplicate_cos, 3) +
+                             " (embedding cosine), or identical bytes; --near-duplicate-memory-mb " +
+                             std::to_string(t_.near_duplicate_memory_mb),
+                         "index_a\timage_a\tlabel_a\tindex_b\timage_b\tlabel_b\tcos\tidentical_bytes\tsuggestion");
+    end(f, "near_duplicates.tsv");
+  }
+
+  // Everything is written: the reports take their names together, the scratch goes.
+  std::error_code ec;
+  for (const auto& name : partial_) {
+    if (name[0] == '.') {
+      fs::remove(folder_ + "/" + name + ".partial", ec);
+      continue;
+    }
+    fs::rename(folder_ + "/" + name + ".partial", folder_ + "/" + name, ec);
+    if (ec) throw runtime_error("cannot rename '", folder_, "/", name, ".partial': ", ec.message());
+  }
+  partial_.clear();
+  return n;
+}
+
+}  // namespace faceshard

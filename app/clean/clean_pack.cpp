@@ -1,0 +1,202 @@
+#include "app/clean/clean_pack.h"
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdlib>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <numeric>
+#include <sstream>
+
+#include "app/io/checkpoint.h"
+#include "data/insightface_rec.h"
+#include "partial_fc/runtime/error.h"
+#include "partial_fc/runtime/progress.h"
+
+namespace faceshard {
+
+namespace fs = std::filesystem;
+
+namespace {
+
+std::vector<std::string> split_tabs(const std::string& s) {
+  std::vector<std::string> out;
+  std::stringstream ss(s);
+  std::string x;
+  while (std::getline(ss, x, '\t')) out.push_back(x);
+  return out;
+}
+
+int64_t parse_index(const std::string& text, const std::string& where, int64_t limit, const char* what) {
+  char* end = nullptr;
+  errno = 0;
+  const long long v = std::strtoll(text.c_str(), &end, 10);
+  if (text.empty() || *end != '\0' || errno != 0 || v < 0 || v >= limit)
+    throw usage_error(where, ": ", what, " '", text, "' is not one of the set's ", limit);
+  return v;
+}
+
+// Calls row(values of `columns`, "file:line") for every row of a faceshard-clean report.
+template <class F>
+void read_report(const std::string& path, const std::vector<std::string>& columns, F&& row) {
+  std::ifstream f(path);
+  if (!f) throw usage_error(path, ": cannot open (not a faceshard-clean report folder?)");
+  std::string line;
+  std::vector<size_t> at;
+  int64_t no = 0;
+  while (std::getline(f, line)) {
+    ++no;
+    if (line.empty() || line[0] == '#') continue;
+    const std::vector<std::string> cells = split_tabs(line);
+    if (at.empty()) {
+      for (const auto& c : columns) {
+        const auto it = std::find(cells.begin(), cells.end(), c);
+        if (it == cells.end()) throw usage_error(path, ":", no, ": no column '", c, "'");
+        at.push_back(size_t(it - cells.begin()));
+      }
+      continue;
+    }
+    std::vector<std::string> v;
+    for (size_t i : at) {
+      if (i >= cells.size()) throw usage_error(path, ":", no, ": ", cells.size(), " cells, expected more");
+      v.push_back(cells[i]);
+    }
+    row(v, path + ":" + std::to_string(no));
+  }
+  if (at.empty()) throw usage_error(path, ": no column line (not a faceshard-clean report)");
+}
+
+int64_t root(std::vector<int64_t>& p, int64_t x) {
+  while (p[size_t(x)] != x) x = p[size_t(x)] = p[size_t(p[size_t(x)])];
+  return x;
+}
+
+}  // namespace
+
+CleanPlan plan_from_reports(const std::string& folder, uint64_t images, int64_t classes, const CleanPackOptions& o) {
+  CleanPlan p;
+  p.drop.assign(images, false);
+  p.merge_into.resize(size_t(classes));
+  std::iota(p.merge_into.begin(), p.merge_into.end(), 0);
+  const int64_t n = int64_t(images);
+  auto drop = [&](int64_t i, uint64_t& count) {
+    if (!p.drop[size_t(i)]) p.drop[size_t(i)] = true, ++count;
+  };
+  if (o.drop_mislabeled)
+    read_report(folder + "/mislabeled.tsv", {"index"}, [&](const auto& v, const std::string& where) {
+      drop(parse_index(v[0], where, n, "image"), p.dropped_mislabeled);
+    });
+  if (o.drop_near_duplicates)
+    read_report(folder + "/near_duplicates.tsv", {"index_b"}, [&](const auto& v, const std::string& where) {
+      drop(parse_index(v[0], where, n, "image"), p.dropped_near_duplicates);
+    });
+  std::vector<bool> drop_class(size_t(classes), false);
+  if (o.drop_overlap)
+    read_report(folder + "/overlap.tsv", {"class"}, [&](const auto& v, const std::string& where) {
+      drop_class[size_t(parse_index(v[0], where, classes, "class"))] = true;
+    });
+  if (o.merge_identities)
+    read_report(folder + "/duplicate_identities.tsv", {"class_a", "class_b"},
+                [&](const auto& v, const std::string& where) {
+                  const int64_t a = root(p.merge_into, parse_index(v[0], where, classes, "class"));
+                  const int64_t b = root(p.merge_into, parse_index(v[1], where, classes, "class"));
+                  if (a != b) p.merge_into[size_t(std::max(a, b))] = std::min(a, b), ++p.merged_classes;
+                });
+  for (int64_t c = 0; c < classes; ++c) p.merge_into[size_t(c)] = root(p.merge_into, c);
+  // A class in a test set goes with every class merged into it (one person).
+  std::vector<bool> drop_root(size_t(classes), false);
+  for (int64_t c = 0; c < classes; ++c)
+    if (drop_class[size_t(c)]) drop_root[size_t(p.merge_into[size_t(c)])] = true, ++p.overlap_classes;
+  for (int64_t c = 0; c < classes; ++c)
+    if (drop_root[size_t(p.merge_into[size_t(c)])]) p.merge_into[size_t(c)] = -1;
+  return p;
+}
+
+CleanPlan plan_from_keep_list(const std::string& file, uint64_t images, int64_t classes) {
+  std::ifstream f(file);
+  if (!f) throw usage_error("--keep: cannot open '", file, "'");
+  CleanPlan p;
+  p.drop.assign(images, true);
+  p.merge_into.resize(size_t(classes));
+  std::iota(p.merge_into.begin(), p.merge_into.end(), 0);
+  std::string line;
+  int64_t no = 0;
+  while (std::getline(f, line)) {
+    ++no;
+    const size_t hash = line.find('#');
+    if (hash != std::string::npos) line.resize(hash);
+    std::istringstream words(line);
+    std::string word;
+    while (words >> word)
+      p.drop[size_t(parse_index(word, file + ":" + std::to_string(no), int64_t(images), "image"))] = false;
+  }
+  return p;
+}
+
+CleanPackResult write_clean_rec(const Dataset& src, const CleanPlan& plan, const std::string& out_prefix) {
+  const uint64_t n = src.size();
+  const int64_t classes = int64_t(plan.merge_into.size());
+  if (plan.drop.size() != n) throw runtime_error("clean plan for ", plan.drop.size(), " images, the set has ", n);
+  // Pass 1: the labels (headers only would do; the records are read whole, once).
+  std::vector<int32_t> label(n);
+  std::vector<uint64_t> per_root(size_t(classes), 0);
+  RawSample s;
+  {
+    Progress bar("reading labels", n, "images");
+    for (uint64_t i = 0; i < n; ++i) {
+      src.read(i, s);
+      if (s.label < 0 || s.label >= classes)
+        throw usage_error(src.describe(i), ": label ", s.label, " is not one of the reports' ", classes, " classes");
+      label[i] = int32_t(s.label);
+      const int64_t r = plan.merge_into[size_t(s.label)];
+      if (!plan.drop[i] && r >= 0) per_root[size_t(r)]++;
+      bar.update(i + 1);
+    }
+  }
+  // New labels: the roots that keep images, in order; images grouped by new label.
+  std::vector<int64_t> new_label(size_t(classes), -1);
+  std::vector<uint64_t> first(1, 0);
+  int64_t next = 0;
+  for (int64_t c = 0; c < classes; ++c)
+    if (per_root[size_t(c)] > 0) new_label[size_t(c)] = next++, first.push_back(first.back() + per_root[size_t(c)]);
+  std::vector<uint64_t> order(first.back());
+  std::vector<uint64_t> fill(first.begin(), first.end() - 1);
+  for (uint64_t i = 0; i < n; ++i) {
+    const int64_t r = plan.merge_into[size_t(label[i])];
+    if (plan.drop[i] || r < 0) continue;
+    order[fill[size_t(new_label[size_t(r)])]++] = i;
+  }
+  if (order.empty()) throw usage_error("every image of '", src.describe(0), "' would be dropped: nothing to pack");
+  const fs::path parent = fs::path(out_prefix).parent_path();
+  if (!parent.empty()) fs::create_directories(parent);
+  {
+    InsightFaceRecWriter writer(out_prefix + ".rec", out_prefix + ".idx");
+    Progress bar("packing", order.size(), "images");
+    for (int64_t c = 0; c < next; ++c)
+      for (uint64_t j = first[size_t(c)]; j < first[size_t(c) + 1]; ++j) {
+        src.read(order[j], s);
+        writer.add(c, s.bytes);
+        bar.update(j + 1);
+      }
+    writer.commit(next);
+  }
+  std::string table = "label\tsource_classes\timages\n";
+  std::vector<std::string> sources(static_cast<size_t>(next));
+  for (int64_t c = 0; c < classes; ++c) {
+    const int64_t r = plan.merge_into[size_t(c)];
+    if (r < 0 || new_label[size_t(r)] < 0) continue;
+    std::string& t = sources[size_t(new_label[size_t(r)])];
+    t += (t.empty() ? "" : ",") + std::to_string(c);
+  }
+  for (int64_t c = 0; c < next; ++c)
+    table += std::to_string(c) + "\t" + sources[size_t(c)] + "\t" + std::to_string(first[size_t(c) + 1] - first[size_t(c)]) + "\n";
+  write_text_durably(table, out_prefix + ".labels.tsv");
+  CleanPackResult r;
+  r.kept = order.size();
+  r.dropped = n - r.kept;
+  r.classes = next;
+  return r;
+}
+
+}  // namespace faceshard

@@ -1,0 +1,47 @@
+// Rebuilding a clean .rec from faceshard-clean's reports or from a keep-list (faceshard-pack
+// clean): the images to drop and the classes to merge become a plan, and the kept images are
+// copied, bytes as stored, into a new .rec whose classes are numbered 0..C'-1 again, with a
+// table of where each new class came from.
+#pragma once
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "data/dataset.h"
+
+namespace faceshard {
+
+struct CleanPlan {
+  std::vector<bool> drop;        // by image index
+  std::vector<int64_t> merge_into;  // by source class: the class it joins (itself when none)
+  uint64_t dropped_mislabeled = 0, dropped_near_duplicates = 0;
+  int64_t overlap_classes = 0, merged_classes = 0;  // merge_into is -1 for a class dropped
+};
+
+struct CleanPackOptions {
+  bool drop_mislabeled = true;       // every image of mislabeled.tsv
+  bool drop_near_duplicates = true;  // image b of every near_duplicates.tsv row
+  bool drop_overlap = true;          // every image of each class of overlap.tsv
+  bool merge_identities = false;     // the classes of each duplicate_identities.tsv pair become one
+};
+
+// The plan of faceshard-clean's report folder for a set of `images` images in `classes`
+// classes. Usage errors name the report and line (a missing report, a missing column, an
+// image or class out of range).
+CleanPlan plan_from_reports(const std::string& folder, uint64_t images, int64_t classes, const CleanPackOptions& o);
+
+// A keep-list: image indices separated by white space or lines ('#' starts a comment);
+// every other image dropped.
+CleanPlan plan_from_keep_list(const std::string& file, uint64_t images, int64_t classes);
+
+struct CleanPackResult {
+  uint64_t kept = 0, dropped = 0;
+  int64_t classes = 0;
+};
+
+// Writes OUT_PREFIX.rec/.idx (insightface layout, classes renumbered in order of their
+// first source class, classes left without images removed) and OUT_PREFIX.labels.tsv
+// (label, source classes, images). `src` must be the set the reports were made from.
+CleanPackResult write_clean_rec(const Dataset& src, const CleanPlan& plan, const std::string& out_prefix);
+
+}  // namespace faceshard

@@ -1,0 +1,125 @@
+#!/usr/bin/env bash
+# faceshard-clean end to end on CPU: a tiny run trained on 2 ranks with three sub-centres per
+# class (loss.subcenters: 3; the centres read from both shards, K from them), cleaned over its .rec and over its images unpacked to a folder with one
+# image stored twice (which near_duplicates.tsv must name, bytes identical), with a .bin;
+# then the refusals: a missing run, a checkpoint without its classifier shards, a .bin that
+# does not parse, a K the checkpoint does not have, a report folder that cannot be made. Each refusal is one error line and a
+# non-zero exit, and leaves the reports already in the folder as they were.
+# usage: clean.sh SOURCE_DIR BIN_DIR
+set -u
+root="$1"; bin="$2"
+work=$(mktemp -d); [ -n "${KEEP_WORK:-}" ] || trap 'rm -rf "$work"' EXIT
+fail() { echo "FAIL: $*"; exit 1; }
+
+"$bin/faceshard-synth" --output "$work/data" --identities 16 --images 8 --holdout 8 --pairs 40 --seed 3 > /dev/null \
+  || fail "faceshard-synth"
+cat > "$work/tiny.yaml" <<YAML
+base: $root/configs/base.yaml
+output: $work/out
+seed: 7
+data: {rec: $work/data, num_classes: 16, batch_size: 8, num_workers: 1, val_targets: []}
+model: {backbone: mbf, embedding_size: 64}
+loss: {margin: [1.0, 0.0, 0.4], scale: 16, subcenters: 3}
+optim: {lr: 0.05, epochs: 1, warmup_epochs: 0, total_steps: 4}
+train: {log_every: 1, verify_every: 0, checkpoint_every: 4, keep_checkpoints: 1}
+YAML
+"$root/tools/launch.sh" --nproc 2 --grace-s 20 -- "$bin/faceshard-train" --config "$work/tiny.yaml" > "$work/train.log" 2>&1 \
+  || { tail -20 "$work/train.log"; fail "training failed"; }
+
+clean() { "$bin/faceshard-clean" --device cpu --run "$work/out" "$@"; }
+clean --rec "$work/data" --bin "$work/data/synth.bin" --output "$work/reports" > "$work/clean.log" 2>&1 \
+  || { cat "$work/clean.log"; fail "faceshard-clean on the .rec"; }
+grep -q "saved on 2 ranks" "$work/clean.log" || { cat "$work/clean.log"; fail "the run's 2 shards were not read"; }
+for r in mislabeled duplicate_identities overlap near_duplicates dropped_subcenters; do
+  f="$work/reports/$r.tsv"
+  [ -f "$f" ] || fail "$r.tsv missing"
+  # Each threshold as its flag and value (dropped_subcenters.tsv has none, and says so).
+  if [ "$r" = dropped_subcenters ]; then want="^# thresholds: none"; else want="^# thresholds: --"; fi
+  grep -q "$want" "$f" || fail "$r.tsv: no thresholds in its header"
+  grep -q "^# images: 128, classes: 16, sub-centres per class: 3" "$f" || fail "$r.tsv: wrong counts in its header"
+  [ "$(grep -vc '^#' "$f")" -ge 1 ] || fail "$r.tsv: no column line"
+done
+grep -q "^# thresholds: --mislabeled-angle 75.00 degrees" "$work/reports/mislabeled.tsv" || fail "default 75 degrees"
+[ -z "$(ls -A "$work/reports" | grep -v '\.tsv$')" ] || fail "left behind: $(ls -A "$work/reports")"
+
+# The images as a folder (class folders numbered as the run's labels), one stored twice.
+"$bin/faceshard-pack" unpack "$work/data/train.rec" "$work/img" > /dev/null 2>&1 || fail "faceshard-pack unpack"
+(cd "$work/img" && for d in *; do mv "$d" "c$(printf %02d "$d")"; done) || fail "renaming the class folders"
+first=$(ls "$work/img/c05" | head -1)
+cp "$work/img/c05/$first" "$work/img/c05/zz_copy.jpg"
+clean --images "$work/img" --output "$work/folder" > "$work/folder.log" 2>&1 || { cat "$work/folder.log"; fail "faceshard-clean on a folder"; }
+grep -P "^\d+\t[^\t]*c05/$first\t5\t\d+\t[^\t]*c05/zz_copy.jpg\t5\t1\.0000\d*\tyes\t" "$work/folder/near_duplicates.tsv" > /dev/null \
+  || { cat "$work/folder/near_duplicates.tsv"; fail "the copied image is not in near_duplicates.tsv"; }
+
+# faceshard-pack clean, from reports written here (the tiny run's own reports list nearly
+# everything): every listed image and overlapping class gone, classes 1 and 2 merged, the
+# rest byte for byte under renumbered classes; then from a keep-list.
+py="$root/.venv/bin/python"; [ -x "$py" ] || py=python3
+mkdir -p "$work/hand"
+printf '# hand\nindex\timage\tlabel\n3\tx\t0\n17\tx\t2\n' > "$work/hand/mislabeled.tsv"
+printf 'index_a\tindex_b\n19\t20\n' > "$work/hand/near_duplicates.tsv"
+printf 'set\tclass\nlfw\t5\n' > "$work/hand/overlap.tsv"
+printf 'class_a\tclass_b\n1\t2\n' > "$work/hand/duplicate_identities.tsv"
+"$bin/faceshard-pack" clean "$work/data/train.rec" "$work/cleaned/train" --reports "$work/hand" --merge > "$work/pack.log" 2>&1 \
+  || { cat "$work/pack.log"; fail "faceshard-pack clean --reports"; }
+grep -q "117 images kept, 11 dropped (2 mislabeled, 1 duplicates, 1 classes in test sets), 14 classes (1 merged)" "$work/pack.log" \
+  || { cat "$work/pack.log"; fail "faceshard-pack clean's counts"; }
+printf '# the first class but its third image\n0\n1\n3 4 5 6 7\n' > "$work/keep.txt"
+"$bin/faceshard-pack" clean "$work/data/train.rec" "$work/kept/train" --keep "$work/keep.txt" > "$work/keep.log" 2>&1 \
+  || { cat "$work/keep.log"; fail "faceshard-pack clean --keep"; }
+for out in cleaned kept; do
+  "$bin/faceshard-pack" verify "$work/$out/train.rec" --decode > /dev/null 2>&1 || fail "$out/train.rec does not verify"
+  "$bin/faceshard-pack" unpack "$work/$out/train.rec" "$work/$out/img" > /dev/null 2>&1 || fail "unpack $out"
+done
+"$bin/faceshard-pack" unpack "$work/data/train.rec" "$work/src" > /dev/null 2>&1 || fail "unpack the source"
+"$py" - "$work" <<'PY' || fail "a cleaned .rec holds other images than the plan leaves"
+import hashlib, os, sys
+w = sys.argv[1]
+def images(d):  # {(class, key): md5}
+    return {(int(c), int(f[:-4])): hashlib.md5(open(os.path.join(d, c, f), 'rb').read()).hexdigest()
+            for c in os.listdir(d) for f in os.listdir(os.path.join(d, c))}
+src = images(w + '/src')
+keys = sorted(k for _, k in src)
+label = {i: c for c, k in src for i in [keys.index(k)]}  # image index = order of keys
+def check(out, kept, merged):
+    new = images(w + '/' + out + '/img')
+    table = [l.rstrip('\n').split('\t') for l in open(w + '/' + out + '/train.labels.tsv')][1:]
+    source_of = {int(r[0]): [int(x) for x in r[1].split(',')] for r in table}
+    group = lambda c: merged.get(c, c)
+    want = sorted((group(label[i]), src[(label[i], keys[i])]) for i in kept)
+    got = sorted((min(source_of[c]), md5) for (c, _), md5 in new.items())
+    assert got == want, (out, len(got), len(want))
+    classes = sorted({group(label[i]) for i in kept})
+    assert [min(source_of[c]) for c in range(len(classes))] == classes, out   # renumbered in order
+    assert all(int(r[2]) == sum(1 for (c, _) in new if c == int(r[0])) for r in table), out
+    print(out, len(got), 'images in', len(classes), 'classes')
+drop = {3, 17, 20} | {i for i, c in label.items() if c == 5}
+check('cleaned', [i for i in label if i not in drop], {2: 1})
+check('kept', [0, 1, 3, 4, 5, 6, 7], {})
+PY
+# Refusals: one line, non-zero, the reports already there unchanged.
+sums() { (cd "$work/reports" && ls -A && md5sum ./*) ; }
+before=$(sums)
+refused() {  # expected-message-regex command...
+  local want="$1"; shift
+  "$@" > "$work/err.log" 2>&1 && fail "accepted: $*"
+  [ "$(wc -l < "$work/err.log")" -eq 1 ] || { cat "$work/err.log"; fail "not one line: $*"; }
+  grep -Eq -- "$want" "$work/err.log" || { cat "$work/err.log"; fail "message: $(cat "$work/err.log")"; }
+  [ "$(sums)" = "$before" ] || fail "reports changed by: $*"
+}
+refused "--run: '$work/nothing' does not exist" \
+  "$bin/faceshard-clean" --device cpu --run "$work/nothing" --rec "$work/data" --output "$work/reports"
+step=$(ls -d "$work/out/checkpoints/step_"* | head -1)
+cp -r "$step" "$work/bare_step" && rm "$work/bare_step"/fc_shard_*.pt
+mkdir -p "$work/bare/checkpoints" && mv "$work/bare_step" "$work/bare/checkpoints/$(basename "$step")"
+cp "$work/out/config.yaml" "$work/bare/"
+refused "has no fc_shard_0.pt" \
+  "$bin/faceshard-clean" --device cpu --run "$work/bare" --rec "$work/data" --output "$work/reports"
+head -c 300 /dev/urandom > "$work/bad.bin"
+refused "bad.bin" clean --rec "$work/data" --bin "$work/bad.bin" --output "$work/reports"
+refused "--subcenters 2: checkpoint .* holds 3 centres per class" clean --rec "$work/data" --subcenters 2 --output "$work/reports"
+touch "$work/a_file"
+refused "--output: cannot create folder" clean --rec "$work/data" --output "$work/a_file/reports"
+refused "would be dropped: nothing to pack" \
+  "$bin/faceshard-pack" clean "$work/data/train.rec" "$work/none/train" --keep /dev/null
+echo "faceshard-clean: reports, faceshard-pack clean and refusals checked"

@@ -1,0 +1,295 @@
+// faceshard-clean: finds the label problems of a training set with the model trained on it.
+// Every image is embedded with the run's backbone and compared with the run's classifier
+// centres (read from the checkpoint's shards, saved on any number of ranks) and with the
+// other images; the findings are TSV reports in one folder (app/clean/clean_audit.h).
+#include <algorithm>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <yaml-cpp/yaml.h>
+
+#include <opencv2/imgproc.hpp>
+
+#include "app/clean/clean_audit.h"
+#include "app/eval/evaluation.h"
+#include "app/eval/inference_model.h"
+#include "app/eval/tool_args.h"
+#include "app/io/checkpoint.h"
+#include "app/io/resharded_rows.h"
+#include "data/dataset.h"
+#include "data/image_transform.h"
+#include "partial_fc/runtime/error.h"
+#include "partial_fc/runtime/log.h"
+#include "partial_fc/runtime/progress.h"
+
+using namespace faceshard;
+namespace fs = std::filesystem;
+
+namespace {
+
+const char* kUsage =
+    "usage: faceshard-clean --run PATH (--rec DIR | --images DIR) --output DIR [options]\n"
+    "Embeds every image of the training set with the run's backbone, compares it with the run's\n"
+    "classifier centres and with the other images, and writes to DIR:\n"
+    "  mislabeled.tsv            images farther than --mislabeled-angle from their class's dominant centre\n"
+    "  duplicate_identities.tsv  pairs of classes that are one person under two labels\n"
+    "  overlap.tsv               classes that are identities of the --bin sets / --test-identities\n"
+    "  near_duplicates.tsv       images stored more than once\n"
+    "  dropped_subcenters.tsv    the non-dominant sub-centres (runs with loss.subcenters > 1)\n"
+    "  --run PATH                a run's output folder (its newest committed checkpoint) or a checkpoint\n"
+    "                            folder (checkpoints/step_N); saved on any number of ranks\n"
+    "  --rec DIR                 DIR/train.rec + train.idx, the set the run trained on\n"
+    "  --images DIR              an image folder (one sub-folder per identity) the run trained on\n"
+    "  --output DIR              report folder (created); reports already there are replaced only once\n"
+    "                            every new one is written\n"
+    "  --bin FILE [FILE...]      verification sets (insightface .bin) to look for in the training set;\n"
+    "                            images joined by a genuine pair are one test identity\n"
+    "  --test-identities DIR     a folder with one sub-folder per test identity, as --bin\n"
+    "  --mislabeled-angle DEG    default 75 (Sub-center ArcFace's drop threshold)\n"
+    "  --identity-cos C          duplicate identities above this cosine (default 0.6)\n"
+    "  --identity-by means|centres  a class's identity vector: the mean embedding of its images nearest\n"
+    "                            its dominant centre (default), or that centre\n"
+    "  --overlap-cos C           test identity vs class above this cosine (default 0.5)\n"
+    "  --near-duplicate-cos C    images above this cosine (default 0.95) or with identical bytes\n"
+    "  --near-duplicate-memory-mb N  embeddings kept for the near-duplicate search (default 1024)\n"
+    "  --subcenters K            sub-centres per class (default: the checkpoint's; another K is refused)\n"
+    "  --limit N                 the first N images only (a quick look)\n"
+    "  --chunk N                 images embedded and searched at a time (default 4096)\n"
+    "  --batch N                 images per forward pass (default 64)\n"
+    "  --no-flip                 embed the image only (default: image + mirrored image, as evaluation)\n"
+    "  --device D                auto | cpu | cuda | cuda:N (default auto: the GPU when there is one)\n"
+    "  --precision P             fp32 | bf16 | fp16 (default: the run's)\n";
+
+// The checkpoint folder of --run: the folder itself, or the newest committed one of a run.
+std::string checkpoint_dir(const std::string& run) {
+  if (!fs::exists(run)) throw usage_error("--run: '", run, "' does not exist");
+  if (fs::exists(fs::path(run) / "COMMITTED") || fs::exists(fs::path(run) / "backbone.pt")) return run;
+  if (fs::is_directory(fs::path(run) / "checkpoints")) {
+    const std::string newest = latest_checkpoint((fs::path(run) / "checkpoints").string());
+    if (newest.empty()) throw usage_error("--run: '", run, "' has no committed checkpoint");
+    return newest;
+  }
+  throw usage_error("--run: '", run, "' is neither a run folder (with checkpoints/) nor a checkpoint folder");
+}
+
+// The classifier centres of every class, [C * K, E], class-major (row = class * K + k), from
+// shards saved on any number of ranks. K is the checkpoint's (rows.subcenters); `k` > 0 is
+// the caller's, which must agree with it.
+at::Tensor read_centres(const CheckpointInfo& ck, int64_t& k, int64_t embedding_size) {
+  ReshardedRows rows(ck, 0, ck.num_classes, /*subcenters: the checkpoint's*/ 0);
+  if (!rows.has("weight"))
+    throw usage_error("checkpoint '", ck.path, "' holds no classifier centres (rows/weight in its fc_shard files)");
+  if (k > 0 && k != rows.subcenters())
+    throw usage_error("--subcenters ", k, ": checkpoint '", ck.path, "' holds ", rows.subcenters(),
+                      " centres per class (loss.subcenters)");
+  k = rows.subcenters();
+  StateDictReader first(ck.path + "/fc_shard_0.pt");
+  std::vector<int64_t> shape = first.sizes(first.find("rows/weight"));
+  if (shape.size() != 2)
+    throw usage_error(ck.path, ": rows/weight has rows of ", shape.size() - 1, " dimensions, expected 1");
+  shape[0] = ck.num_classes * k;
+  at::Tensor w = torch::empty(shape, torch::kFloat);
+  rows.read_into("weight", w);
+  if (w.size(1) != embedding_size)
+    throw usage_error(ck.path, ": centres of ", w.size(1), " dimensions, the backbone's embeddings have ",
+                      embedding_size);
+  return w;
+}
+
+std::string image_list(const std::vector<int64_t>& idx) {
+  std::string s = "images ";
+  for (size_t i = 0; i < idx.size() && i < 8; ++i) s += (i ? "," : "") + std::to_string(idx[i]);
+  if (idx.size() > 8) s += ",...";
+  return s;
+}
+
+at::Tensor mean_of(const at::Tensor& emb, const std::vector<int64_t>& rows) {
+  return emb.index_select(0, torch::tensor(rows, torch::kLong)).sum(0);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  return run_main("faceshard-clean", [&] {
+    ModelSpec spec;
+    CleanThresholds t;
+    std::string run, rec, images, output, tests_dir, device_name = "auto";
+    std::vector<std::string> bins;
+    int64_t subcenters = 0, limit = 0, chunk = 4096, batch = 64;
+    bool flip = true, after_bin = false;
+    ToolArgs a(argc, argv);
+    while (a.next()) {
+      const bool bin_value = after_bin && a.flag().rfind("--", 0) != 0;
+      after_bin = false;
+      if (bin_value) {
+        bins.push_back(a.flag());
+        after_bin = true;
+      } else if (a.is("--help") || a.is("-h")) {
+        std::fputs(kUsage, stdout);
+        return 0;
+      } else if (a.is("--run")) run = a.value();
+      else if (a.is("--rec")) rec = a.value();
+      else if (a.is("--images")) images = a.value();
+      else if (a.is("--output")) output = a.value();
+      else if (a.is("--bin")) bins.push_back(a.value()), after_bin = true;
+      else if (a.is("--test-identities")) tests_dir = a.value();
+      else if (a.is("--mislabeled-angle")) t.mislabeled_angle = a.number();
+      else if (a.is("--identity-cos")) t.identity_cos = a.number();
+      else if (a.is("--identity-by")) t.identity_by = a.value();
+      else if (a.is("--overlap-cos")) t.overlap_cos = a.number();
+      else if (a.is("--near-duplicate-cos")) t.near_duplicate_cos = a.number();
+      else if (a.is("--near-duplicate-memory-mb")) t.near_duplicate_memory_mb = a.integer(1);
+      else if (a.is("--subcenters")) subcenters = a.integer(1);
+      else if (a.is("--limit")) limit = a.integer(1);
+      else if (a.is("--chunk")) chunk = a.integer(1);
+      else if (a.is("--batch")) batch = a.integer(1);
+      else if (a.is("--no-flip")) flip = false;
+      else if (a.is("--device")) device_name = a.value();
+      else if (a.is("--precision")) spec.precision = a.value();
+      else a.unknown();
+    }
+    if (run.empty()) throw usage_error("--run is required (see --help)");
+    if (rec.empty() == images.empty()) throw usage_error("give exactly one of --rec, --images (see --help)");
+    if (output.empty()) throw usage_error("--output DIR is required (see --help)");
+    if (t.mislabeled_angle <= 0 || t.mislabeled_angle >= 180)
+      throw usage_error("--mislabeled-angle: expected degrees in (0, 180), got ", t.mislabeled_angle);
+    for (const auto& [flag, v] : {std::pair<const char*, double>{"--identity-cos", t.identity_cos},
+                                  {"--overlap-cos", t.overlap_cos}, {"--near-duplicate-cos", t.near_duplicate_cos}})
+      if (!(v > -1 && v <= 1)) throw usage_error(flag, ": expected a cosine in (-1, 1], got ", v);
+    if (t.identity_by != "means" && t.identity_by != "centres")
+      throw usage_error("--identity-by: expected means or centres, got '", t.identity_by, "'");
+
+    // Everything that can be refused is checked before the long pass: the run, the data,
+    // the test sets and the report folder.
+    const std::string step_dir = checkpoint_dir(run);
+    const CheckpointInfo ck = read_checkpoint_info(step_dir);
+    int64_t k = subcenters;  // 0: the checkpoint's (read_centres)
+    const std::string data = rec.empty() ? images : rec;
+    if (!rec.empty() && !fs::exists(fs::path(rec) / "train.rec")) throw usage_error("--rec: '", rec, "' has no train.rec");
+    if (!images.empty() && !fs::is_directory(images)) throw usage_error("--images: '", images, "' is not a folder");
+    std::vector<VerificationData> sets;
+    for (const auto& b : bins) {
+      if (!fs::is_regular_file(b)) throw usage_error("--bin: '", b, "' does not exist");
+      sets.push_back(load_verification_data(b));
+    }
+    std::unique_ptr<ImageFolderDataset> tests_ds;
+    if (!tests_dir.empty()) {
+      if (!fs::is_directory(tests_dir)) throw usage_error("--test-identities: '", tests_dir, "' is not a folder");
+      tests_ds = std::make_unique<ImageFolderDataset>(tests_dir);
+    }
+    std::error_code ec;
+    fs::create_directories(output, ec);
+    if (!fs::is_directory(output)) throw usage_error("--output: cannot create folder '", output, "'");
+    {
+      const std::string probe = output + "/.faceshard-clean.probe";
+      std::ofstream f(probe);
+      if (!f || !(f << "x") || !(f.flush())) throw usage_error("--output: folder '", output, "' is not writable");
+      f.close();
+      fs::remove(probe, ec);
+    }
+
+    const torch::Device device = parse_eval_device(device_name, 0);
+    spec.path = step_dir;
+    InferenceModel model = load_inference_model(spec, device);
+    const int64_t emb_size = model.backbone->embedding_size();
+    const at::Tensor centres = read_centres(ck, k, emb_size);
+    std::shared_ptr<Dataset> ds = open_dataset(data);
+    const int64_t n = limit > 0 ? std::min<int64_t>(limit, int64_t(ds->size())) : int64_t(ds->size());
+    log_info("run: ", step_dir, " (step ", ck.step, ", ", ck.num_classes, " classes x ", k,
+             " sub-centres, saved on ", ck.world_size, " ranks); model: ", model.description, " on ", device.str(),
+             "; data: ", data, " (", n, " images)");
+
+    CleanAudit audit(centres, ck.num_classes, k, t, device, output, [ds](int64_t i) { return ds->describe(uint64_t(i)); });
+    int64_t unreadable = 0;
+    {
+      Progress bar("cleaning", uint64_t(n), "images");
+      for (int64_t s = 0; s < n; s += chunk) {
+        const int64_t nb = std::min(chunk, n - s);
+        std::vector<int64_t> labels(size_t(nb), -1), idx(static_cast<size_t>(nb));
+        std::vector<uint64_t> hashes(size_t(nb), 0);
+        std::vector<std::string> bad(static_cast<size_t>(nb));
+        // An image that cannot be read or decoded is left out (and named), not the whole pass.
+        const ImageSource load = [&](int64_t i) {
+          try {
+            RawSample r;
+            ds->read(uint64_t(s + i), r);
+            labels[size_t(i)] = r.label;
+            hashes[size_t(i)] = bytes_hash(r.bytes.data(), r.bytes.size());
+            if (ds->raw_pixels()) {
+              cv::Mat rgb(ds->raw_size(), ds->raw_size(), CV_8UC3, r.bytes.data()), bgr;
+              cv::cvtColor(rgb, bgr, cv::COLOR_RGB2BGR);
+              return bgr;
+            }
+            return decode_image(r.bytes.data(), r.bytes.size(), ds->describe(uint64_t(s + i)));
+          } catch (const LabelError&) {
+            throw;
+          } catch (const std::exception& e) {
+            bad[size_t(i)] = e.what();
+            return cv::Mat(112, 112, CV_8UC3, cv::Scalar(0, 0, 0));
+          }
+        };
+        at::Tensor emb = embed_images(*model.backbone, nb, load, batch, device, flip, true, false);
+        std::vector<int64_t> keep;
+        for (int64_t i = 0; i < nb; ++i) {
+          idx[size_t(i)] = s + i;
+          if (bad[size_t(i)].empty()) {
+            keep.push_back(i);
+          } else if (unreadable++ < 10) {
+            log_warn("left out: ", bad[size_t(i)]);
+          }
+        }
+        if (int64_t(keep.size()) != nb) {
+          std::vector<int64_t> l2, i2;
+          std::vector<uint64_t> h2;
+          for (int64_t i : keep) l2.push_back(labels[size_t(i)]), i2.push_back(idx[size_t(i)]), h2.push_back(hashes[size_t(i)]);
+          emb = emb.index_select(0, torch::tensor(keep, torch::kLong));
+          labels = l2, idx = i2, hashes = h2;
+        }
+        audit.add(emb, labels, idx, hashes);
+        bar.update(uint64_t(s + nb));
+      }
+    }
+
+    std::vector<TestIdentity> tests;
+    for (const VerificationData& set : sets) {
+      const at::Tensor emb = embed_with_flip(*model.backbone, set, batch, device).cpu();
+      std::vector<uint64_t> hashes;
+      for (const auto& img : set.images) hashes.push_back(bytes_hash(img.data(), img.size()));
+      for (const auto& group : bin_identities(hashes, set.issame))
+        tests.push_back({set.name, image_list(group), int64_t(group.size()), mean_of(emb, group)});
+    }
+    if (tests_ds) {
+      const ImageFolderDataset& td = *tests_ds;
+      const at::Tensor emb = embed_images(
+          *model.backbone, int64_t(td.size()),
+          [&td](int64_t i) {
+            RawSample r;
+            td.read(uint64_t(i), r);
+            return decode_image(r.bytes.data(), r.bytes.size(), td.describe(uint64_t(i)));
+          },
+          batch, device, flip, true, false);
+      std::vector<std::vector<int64_t>> groups(td.class_names().size());
+      for (uint64_t i = 0; i < td.size(); ++i) groups[size_t(td.label(i))].push_back(int64_t(i));
+      for (size_t c = 0; c < groups.size(); ++c)
+        if (!groups[c].empty()) tests.push_back({tests_dir, td.class_names()[c], int64_t(groups[c].size()), mean_of(emb, groups[c])});
+    }
+
+    std::vector<std::string> header = {
+        "run: " + step_dir + " (step " + std::to_string(ck.step) + ", saved on " + std::to_string(ck.world_size) +
+            " ranks)",
+        "model: " + model.description,
+        "data: " + data + (unreadable ? " (" + std::to_string(unreadable) + " unreadable images left out)" : "")};
+    for (const auto& set : sets) header.push_back("test set: " + set.path);
+    if (tests_ds) header.push_back("test identities: " + tests_dir);
+    const CleanCounts c = audit.write_reports(header, tests);
+    log_info("wrote ", output, ": ", c.mislabeled, " mislabeled images, ", c.duplicate_identities,
+             " duplicate identity pairs, ", c.overlap, " overlapping identities, ", c.near_duplicates,
+             " near-duplicate pairs", k > 1 ? ", " + std::to_string(c.dropped_subcenters) + " dropped sub-centres" : "",
+             " (", c.images, " images)");
+    return 0;
+  });
+}
