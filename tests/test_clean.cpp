@@ -12,6 +12,7 @@
 #include <random>
 #include <set>
 #include <sstream>
+#include <tuple>
 
 #include "app/clean/clean_audit.h"
 #include "partial_fc/runtime/error.h"
@@ -283,6 +284,34 @@ TEST(CleanAudit, NearDuplicateBufferBounded) {
   for (const auto& r : read_tsv(dir / "near_duplicates.tsv").rows)
     copies.insert({std::stoll(r.at("index_a")), std::stoll(r.at("index_b"))});
   expect_precision_recall(copies, w.copies, "near_duplicates (1 MiB buffer)");
+}
+
+// An image with a look-alike before its own copy: the report pairs the copy with the image
+// it copies (identical bytes beat a higher cosine, a higher cosine beats the first match),
+// still one row per image. Images 0 and 1 of class 0 are look-alikes (cosine 0.97); image 2
+// has image 1's bytes but an embedding closer to image 0's (cosine 0.999 to 0, 0.98 to 1):
+// the bytes decide.
+TEST(CleanAudit, NearDuplicatePairsACopyWithWhatItCopies) {
+  TempDir dir;
+  const int64_t e = 8;
+  const at::Tensor centres = torch::eye(e).narrow(0, 0, 2);
+  at::Tensor a = torch::zeros({e}), b = torch::zeros({e}), c = torch::zeros({e}), d = torch::zeros({e});
+  a[0] = 1;
+  b[0] = 0.97f, b[1] = std::sqrt(1 - 0.97f * 0.97f);
+  c[0] = 0.999f, c[1] = std::sqrt(1 - 0.999f * 0.999f);
+  // d: image 3, of class 1, a look-alike of nothing.
+  d[4] = 1;
+  const at::Tensor emb = torch::stack({a, b, c, d});
+  {
+    CleanAudit audit(centres, 2, 1, {}, torch::kCPU, dir.path, [](int64_t i) { return "img " + std::to_string(i); });
+    audit.add(emb, {0, 0, 0, 1}, {0, 1, 2, 3}, {11, 22, 22, 44});
+    audit.write_reports({}, {});
+  }
+  std::set<std::tuple<int64_t, int64_t, std::string>> rows;
+  for (const auto& r : read_tsv(dir / "near_duplicates.tsv").rows)
+    rows.insert({std::stoll(r.at("index_a")), std::stoll(r.at("index_b")), r.at("identical_bytes")});
+  const std::set<std::tuple<int64_t, int64_t, std::string>> want = {{0, 1, "no"}, {1, 2, "yes"}};
+  EXPECT_EQ(rows, want);
 }
 
 // A failure half-way leaves the reports of an earlier run as they were, and no partial file.

@@ -210,7 +210,7 @@ void CleanAudit::add(const at::Tensor& embeddings, const std::vector<int64_t>& l
   images_ += b;
 }
 
-bool CleanAudit::compare_with(const Buffer& buf, const float* e, int64_t index, int64_t label, uint64_t hash) {
+void CleanAudit::best_match(const Buffer& buf, const float* e, uint64_t hash, NearMatch& best) const {
   const size_t n = buf.index.size();
   for (size_t j = 0; j < n; ++j) {
     const float* o = buf.emb.data() + j * size_t(e_);
@@ -222,27 +222,33 @@ bool CleanAudit::compare_with(const Buffer& buf, const float* e, int64_t index, 
     const double cos = double(acc[0]) + acc[1] + acc[2] + acc[3];
     const bool same_bytes = hash != 0 && buf.hash[j] == hash;
     if (cos < t_.near_duplicate_cos && !same_bytes) continue;
-    const std::string row = std::to_string(buf.index[j]) + "\t" + cell(describe_(buf.index[j])) + "\t" +
-                            std::to_string(buf.label[j]) + "\t" + std::to_string(index) + "\t" +
-                            cell(describe_(index)) + "\t" + std::to_string(label) + "\t" + fmt(cos, 6) + "\t" +
-                            (same_bytes ? "yes" : "no") + "\tdrop " + std::to_string(index) + "\n";
-    put(near_, row, folder_ + "/.near_rows.partial");
-    ++near_rows_;
-    // One row per image at most (its first match): an image stored k times gives k - 1 rows,
-    // and a model whose embeddings collapse cannot make the report quadratic.
-    return true;
+    // Identical bytes first, then the closest embedding: the image's own copy, not a
+    // look-alike that happened to come first.
+    if (best.buf && (best.same > same_bytes || (best.same == same_bytes && best.cos >= cos))) continue;
+    best = NearMatch{&buf, j, cos, same_bytes};
   }
-  return false;
 }
 
 // The image against the images kept for its label and for the class it is otherwise
 // nearest to (a copy stored under another label lands there), then kept itself.
 void CleanAudit::near_duplicates(const float* e, int64_t index, int64_t label, int64_t other, uint64_t hash) {
   auto it = buffers_.find(label);
-  const bool found = it != buffers_.end() && compare_with(it->second, e, index, label, hash);
-  if (!found && other >= 0 && other != label) {
+  NearMatch best;
+  if (it != buffers_.end()) best_match(it->second, e, hash, best);
+  if (!best.same && other >= 0 && other != label) {
     auto jt = buffers_.find(other);
-    if (jt != buffers_.end()) compare_with(jt->second, e, index, label, hash);
+    if (jt != buffers_.end()) best_match(jt->second, e, hash, best);
+  }
+  if (best.buf) {
+    // One row per image at most (its best match): an image stored k times gives k - 1 rows,
+    // and a model whose embeddings collapse cannot make the report quadratic.
+    const int64_t a = best.buf->index[best.j];
+    const std::string row = std::to_string(a) + "\t" + cell(describe_(a)) + "\t" + std::to_string(best.buf->label[best.j]) +
+                            "\t" + std::to_string(index) + "\t" + cell(describe_(index)) + "\t" + std::to_string(label) +
+                            "\t" + fmt(best.cos, 6) + "\t" + (best.same ? "yes" : "no") + "\tdrop " +
+                            std::to_string(index) + "\n";
+    put(near_, row, folder_ + "/.near_rows.partial");
+    ++near_rows_;
   }
   if (it == buffers_.end()) {
     if (evicted_[size_t(label)]) {

@@ -89,7 +89,15 @@ class CleanAudit {
     std::list<int64_t>::iterator lru;
   };
   void near_duplicates(const float* e, int64_t index, int64_t label, int64_t other, uint64_t hash);
-  bool compare_with(const Buffer& buf, const float* e, int64_t index, int64_t label, uint64_t hash);
+  // The image's best match among a buffer's images, kept in `best` when better than it:
+  // identical bytes first, then the highest cosine at or above the threshold.
+  struct NearMatch {
+    const Buffer* buf = nullptr;
+    size_t j = 0;
+    double cos = -2;
+    bool same = false;
+  };
+  void best_match(const Buffer& buf, const float* e, uint64_t hash, NearMatch& best) const;
   at::Tensor identity_vectors(const std::vector<int64_t>& dom) const;
   std::FILE* open_partial(const std::string& name);
   void abandon();
