@@ -48,6 +48,24 @@ dist: {device: cpu}
 )", "job.yaml");
 }
 
+// Holds a background write back (from the writer's thread) until the test opens it.
+struct Gate {
+  std::mutex m;
+  std::condition_variable cv;
+  bool opened = false;
+  void wait() {
+    std::unique_lock<std::mutex> lock(m);
+    cv.wait(lock, [&] { return opened; });
+  }
+  void open() {
+    {
+      std::lock_guard<std::mutex> lock(m);
+      opened = true;
+    }
+    cv.notify_all();
+  }
+};
+
 StateDict cloned(const StateDict& live) {
   StateDict out;
   for (const auto& [name, t] : live) out.emplace_back(name, t.defined() ? t.detach().clone() : t);
@@ -66,13 +84,8 @@ TEST(AsyncCheckpoint, SavesTheStateOfItsStepNotOfTheNextStep) {
   state.progress().step = 2;
   CheckpointManager checkpoints(dir + "/ck", *dist, 10);
   AsyncCheckpointWriter writer(checkpoints, 0, 1, nullptr, "t", std::chrono::seconds(60));
-  std::mutex m;
-  std::condition_variable cv;
-  bool go = false;
-  writer.set_before_write_hook([&](int64_t) {
-    std::unique_lock<std::mutex> lock(m);
-    cv.wait(lock, [&] { return go; });
-  });
+  Gate gate;
+  writer.set_before_write_hook([&](int64_t) { gate.wait(); });
   // The reference: the state at the checkpoint's step, copied by the test itself.
   const CheckpointContents at_step = state.contents();
   const StateDict backbone = cloned(at_step.backbone), shard = cloned(at_step.shard);
@@ -87,11 +100,7 @@ TEST(AsyncCheckpoint, SavesTheStateOfItsStepNotOfTheNextStep) {
   }
   // The control: the live tensors did change (so the comparison below can fail).
   ASSERT_FALSE(torch::equal(job.backbone->state_dict().front().second, backbone.front().second));
-  {
-    std::lock_guard<std::mutex> lock(m);
-    go = true;
-  }
-  cv.notify_all();
+  gate.open();
   const std::optional<CheckpointOutcome> o = writer.finish();
   ASSERT_TRUE(o.has_value());
   ASSERT_TRUE(o->committed) << o->problem;
@@ -123,13 +132,9 @@ TEST(AsyncCheckpoint, SkipsACheckpointDueWhileTheLastIsBeingWritten) {
     asked.push_back(mine);
     return mine;
   });
-  std::mutex m;
-  std::condition_variable cv;
-  bool go = false;
+  Gate gate;
   writer.set_before_write_hook([&](int64_t step) {
-    if (step != 2) return;
-    std::unique_lock<std::mutex> lock(m);
-    cv.wait(lock, [&] { return go; });
+    if (step == 2) gate.wait();
   });
   EXPECT_GT(writer.reserve(state.contents()), 0.0);
   state.progress().step = 2;
@@ -139,11 +144,7 @@ TEST(AsyncCheckpoint, SkipsACheckpointDueWhileTheLastIsBeingWritten) {
   EXPECT_FALSE(writer.save(state).has_value());  // step 2's write is held: step 4 skipped
   ASSERT_EQ(asked.size(), 1u);
   EXPECT_FALSE(asked[0]);
-  {
-    std::lock_guard<std::mutex> lock(m);
-    go = true;
-  }
-  cv.notify_all();
+  gate.open();
   // Step 2's write goes on; once it is over, step 6 is taken and returns step 2's outcome.
   for (int i = 0; i < 6000 && !fs::exists(dir + "/ck/step_00000002/COMMITTED"); ++i)
     std::this_thread::sleep_for(std::chrono::milliseconds(10));

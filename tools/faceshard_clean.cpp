@@ -10,7 +10,6 @@
 #include <string>
 #include <vector>
 
-#include <yaml-cpp/yaml.h>
 
 #include <opencv2/imgproc.hpp>
 

@@ -169,7 +169,7 @@ std::optional<CheckpointOutcome> AsyncCheckpointWriter::save(const TrainState& s
   // train.checkpoint_when_busy skip: while the previous write is in flight on any rank, this
   // checkpoint is not taken (the same answer on every rank: one collective at this step).
   if (all_done_ && !last && thread_.joinable() && !all_done_(written_.load())) {
-    log_info("checkpoint step ", state.progress().step, " skipped: the one of step ", in_flight_step_,
+    log_info("checkpoint step ", state.progress().step, " skipped: the one of step ", in_flight_.step,
              " is still being written in the background (train.checkpoint_when_busy skip); the next interval tries again");
     return std::nullopt;
   }
@@ -192,7 +192,7 @@ std::optional<CheckpointOutcome> AsyncCheckpointWriter::save(const TrainState& s
   staged->shard = staging_.stage(live.shard, "shard");
   staging_.fence();
   in_flight_ = CheckpointOutcome{};
-  in_flight_.step = in_flight_step_ = live.step;
+  in_flight_.step = live.step;
   written_ = false;
   in_flight_.background = true;
   in_flight_.stage_s = seconds_since(t_stage);

@@ -124,13 +124,12 @@ class AsyncCheckpointWriter : public CheckpointWriter {
   std::chrono::milliseconds timeout_;
   StagingBuffers staging_;
   std::thread thread_;
-  CheckpointOutcome in_flight_;  // the thread's, read after it is joined
+  CheckpointOutcome in_flight_;  // the thread's, read after it is joined (its step: set before the thread starts)
   std::function<void(int64_t)> before_write_;
   std::function<void()> before_wait_;
   std::function<bool(bool)> all_done_;
   std::atomic<bool> abort_{false};
   std::atomic<bool> written_{false};  // the thread's write is over (committed or not)
-  int64_t in_flight_step_ = 0;
 };
 
 // The writer train.checkpoint_async picks for this job, the same on every rank (collective:
