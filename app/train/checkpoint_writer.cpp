@@ -81,7 +81,9 @@ void StagingBuffers::reserve(const StateDict& live, const std::string& file) {
   }
 }
 
-StateDict StagingBuffers::stage(const StateDict& live, const std::string& file) {
+StateDict StagingBuffers::stage(const StateDict& live, const std::string& file,
+                                const std::function<bool(const std::string& name, const at::Tensor&)>& later,
+                                std::vector<std::pair<at::Tensor, at::Tensor>>* deferred) {
   at::NoGradGuard no_grad;
   StateDict out;
   out.reserve(live.size());
@@ -91,6 +93,11 @@ StateDict StagingBuffers::stage(const StateDict& live, const std::string& file) 
       continue;
     }
     at::Tensor& buf = staging_buffer(buffers_, file + "/" + name, t);
+    if (later && deferred && later(name, t)) {
+      deferred->emplace_back(t, buf);
+      out.emplace_back(name, buf);
+      continue;
+    }
 #ifdef FACESHARD_WITH_CUDA
     if (t.is_cuda()) {
       // The copy runs on a side stream that first waits for the training stream's work so
@@ -148,11 +155,19 @@ AsyncCheckpointWriter::AsyncCheckpointWriter(CheckpointManager& checkpoints, int
       timeout_(timeout) {}
 
 AsyncCheckpointWriter::~AsyncCheckpointWriter() {
-  if (!thread_.joinable()) return;
-  // Only a run ending on an error gets here with a save in flight: its ranks' agreement
-  // stops waiting for the others, and the save is given up (nothing of it is committed).
-  abort_ = true;
-  thread_.join();
+  if (thread_.joinable()) {
+    // Only a run ending on an error gets here with a save in flight: its ranks' agreement
+    // stops waiting for the others, and the save is given up (nothing of it is committed).
+    abort_ = true;
+    thread_.join();
+  }
+  if (fc_) fc_->set_before_rows_change(nullptr);
+}
+
+void AsyncCheckpointWriter::copy_rows_on_write(PartialFC& fc) {
+  fc_ = &fc;
+  fc.set_before_rows_change(
+      [this](int64_t first, int64_t count, const at::Tensor& index) { rows_.before_change(first, count, index); });
 }
 
 double AsyncCheckpointWriter::reserve(const CheckpointContents& contents) {
@@ -189,7 +204,17 @@ std::optional<CheckpointOutcome> AsyncCheckpointWriter::save(const TrainState& s
     staged->backbone = staging_.stage(live.backbone, "backbone");
     staged->train_state = staging_.stage(live.train_state, "train_state");
   }
-  staged->shard = staging_.stage(live.shard, "shard");
+  // The classifier's rows on the CPU: copied by the writer, or by the training before it
+  // changes them (copy_rows_on_write); the rest of the shard now.
+  std::vector<std::pair<at::Tensor, at::Tensor>> on_write;
+  const int64_t rows = fc_ ? fc_->state().front().second.size(0) : 0;
+  staged->shard = staging_.stage(
+      live.shard, "shard",
+      [&](const std::string& name, const at::Tensor& t) {
+        return fc_ && name.rfind("rows/", 0) == 0 && RowStaging::stageable(t, rows);
+      },
+      &on_write);
+  if (!on_write.empty()) rows_.begin(std::move(on_write), rows);
   staging_.fence();
   in_flight_ = CheckpointOutcome{};
   in_flight_.step = live.step;
@@ -198,14 +223,22 @@ std::optional<CheckpointOutcome> AsyncCheckpointWriter::save(const TrainState& s
   in_flight_.stage_s = seconds_since(t_stage);
   in_flight_.previous_s = previous_s;
   in_flight_.wait_s = seconds_since(t0);
+  const double later = rows_.active() ? rows_.bytes() : 0.0;
   log_info("checkpoint step ", live.step, ": the training waited ", format_sig(in_flight_.wait_s), " s (staging ",
-           format_bytes(staging_.bytes()), " in ", format_sig(in_flight_.stage_s), " s, ", format_sig(previous_s),
-           " s for the previous write); written in the background");
+           format_bytes(staging_.bytes() - later), " in ", format_sig(in_flight_.stage_s), " s, ", format_sig(previous_s),
+           " s for the previous write", later > 0 ? ", the classifier's " + format_bytes(later) + " copied on write" : "",
+           "); written in the background");
   thread_ = std::thread([this, staged] {
     CheckpointOutcome& o = in_flight_;
     const auto t_write = Clock::now();
     try {
       if (before_write_) before_write_(staged->step);
+      // The classifier rows not copied yet (the training copies those it changes first).
+      if (!rows_.complete(&abort_)) throw runtime_error("the run ended before its staging was complete");
+      // The training's own copies are part of its wait for this checkpoint.
+      o.rows_on_write = rows_.rows_copied_by_training();
+      o.wait_s += rows_.training_seconds();
+      o.stage_s += rows_.training_seconds();
       staging_.ready();
       StoreAgreement agreement(store_, "faceshard/ckpt/" + run_id_ + "/" + std::to_string(staged->step), rank_, world_,
                                timeout_, &abort_);
@@ -213,7 +246,13 @@ std::optional<CheckpointOutcome> AsyncCheckpointWriter::save(const TrainState& s
                                       staged->shard, agreement);
       o.problem = o.committed ? "" : checkpoints_.last_problem();
       o.bytes = o.committed ? checkpoints_.last_bytes() : 0;
-      if (o.committed) log_info("checkpoint saved: ", checkpoints_.root(), " step ", staged->step, " (in the background)");
+      if (o.committed)
+        log_info("checkpoint saved: ", checkpoints_.root(), " step ", staged->step, " (in the background",
+                 o.rows_on_write > 0 ? "; the training copied " + std::to_string(o.rows_on_write) +
+                                           " classifier rows itself before changing them, in " +
+                                           format_sig(rows_.training_seconds()) + " s"
+                                     : std::string(),
+                 ")");
     } catch (const std::exception& e) {
       o.committed = false;
       o.problem = "rank " + std::to_string(rank_) + ": " + one_line(e);
@@ -290,6 +329,8 @@ std::unique_ptr<CheckpointWriter> make_checkpoint_writer(const TrainJob& job, co
       d.all_reduce(done, ReduceOp::Min);
       return done.item<float>() > 0;
     });
+  // On the CPU the classifier's rows are copied on write: the step does not wait for them.
+  if (job.device.is_cpu()) writer->copy_rows_on_write(*job.fc);
   // The staging buffers now, not at the first checkpoint's step (the plan counted them).
   const double reserve_s = writer->reserve(state.contents());
   log_info("checkpoint staging buffers: ", format_bytes(per_rank), " on this rank, allocated in ", format_sig(reserve_s),

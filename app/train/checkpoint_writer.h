@@ -19,6 +19,8 @@
 #include <thread>
 
 #include "app/io/checkpoint.h"
+#include "app/train/row_staging.h"
+#include "partial_fc/classifier/partial_fc.h"
 #include "app/train/train_state.h"
 
 namespace faceshard {
@@ -34,6 +36,7 @@ struct CheckpointOutcome {
   double write_s = 0;      // this rank's write (fsync and read-back included; the sync save's whole time)
   double bytes = 0;        // this rank's bytes written
   bool background = false;
+  int64_t rows_on_write = 0;  // classifier rows the training copied itself before changing them (row_staging.h)
 };
 
 class CheckpointWriter {
@@ -65,8 +68,11 @@ class SyncCheckpointWriter : public CheckpointWriter {
 class StagingBuffers {
  public:
   // `live`'s entries copied into the buffers of `file`; on a GPU the copies are queued on
-  // a side stream (ready() waits for them).
-  StateDict stage(const StateDict& live, const std::string& file);
+  // a side stream (ready() waits for them). Entries for which `later` says so are not
+  // copied: each (live tensor, its buffer) is added to `deferred` instead (row_staging.h).
+  StateDict stage(const StateDict& live, const std::string& file,
+                  const std::function<bool(const std::string& name, const at::Tensor&)>& later = nullptr,
+                  std::vector<std::pair<at::Tensor, at::Tensor>>* deferred = nullptr);
   // Allocates (and first touches) the buffers `live` will be staged into, so that the first
   // checkpoint does not pay for the allocation and the page faults at its step.
   void reserve(const StateDict& live, const std::string& file);
@@ -106,6 +112,10 @@ class AsyncCheckpointWriter : public CheckpointWriter {
   // flight is skipped. `all_done(mine)` tells whether every rank's previous write is done
   // (collective, at the same step on every rank: the same answer everywhere).
   void skip_when_busy(std::function<bool(bool)> all_done) { all_done_ = std::move(all_done); }
+  // A classifier shard on the CPU: its rows are staged copy-on-write (row_staging.h) instead
+  // of copied at the checkpoint's step: the writer copies them in the background, and `fc`
+  // has the training copy the rows it is about to change first. Uninstalled with the writer.
+  void copy_rows_on_write(PartialFC& fc);
 
   // Called on the background thread before it writes a checkpoint: where tests hold the
   // write back until the training has taken its next step.
@@ -123,6 +133,8 @@ class AsyncCheckpointWriter : public CheckpointWriter {
   std::string run_id_;
   std::chrono::milliseconds timeout_;
   StagingBuffers staging_;
+  RowStaging rows_;
+  PartialFC* fc_ = nullptr;  // copy_rows_on_write's
   std::thread thread_;
   CheckpointOutcome in_flight_;  // the thread's, read after it is joined (its step: set before the thread starts)
   std::function<void(int64_t)> before_write_;

@@ -350,6 +350,7 @@ at::Tensor PartialFC::unscale_(const at::Tensor& inv_scale) {
 void PartialFC::update_chunk(int64_t j, int64_t n, at::Tensor raw, double lr) {
   torch::NoGradGuard ng;
   const at::Tensor ix = samples() ? index_.narrow(0, j, n) : at::Tensor();
+  rows_change(j, n, ix);
   const RowRounding round = rounding();
   // Where the optimiser has a one-pass update of the rows in place (SGD on the CPU), the
   // gradient's radial part is formed there; the factor of loss scaling is linear in it.
@@ -424,8 +425,11 @@ void PartialFC::step(double lr) {
     // path materialises the sampled rows' gradient and the dense one).
     at::Tensor dense = torch::zeros_like(weight_, weight_.options().dtype(at::kFloat).requires_grad(false));
     dense.index_copy_(0, index_, gradient());
+    rows_change(0, weight_.size(0));
     optimizer_.step(weight_, at::Tensor(), dense, lr, rounding());
   } else if (merged_.defined()) {
+    if (samples()) rows_change(0, 0, index_);
+    else rows_change(0, weight_.size(0));
     optimizer_.step(weight_, samples() ? index_ : at::Tensor(), merged_, lr, rounding());
   } else if (deferred) {
     chunked_step(lr);
@@ -464,6 +468,7 @@ void PartialFC::load_state(const ShardRows& rows, const std::string& source) {
       if (std::none_of(rows.begin(), rows.end(), [&](const auto& kv) { return kv.first == m.first; }))
         throw usage_error(source, ": classifier state '", m.first, "' is missing");
   }
+  rows_change(0, weight_.size(0));
   for (const auto& kv : rows)
     std::find_if(mine.begin(), mine.end(), [&](const auto& m) { return m.first == kv.first; })->second.copy_(kv.second);
   rows_ready_ = true;
@@ -471,6 +476,7 @@ void PartialFC::load_state(const ShardRows& rows, const std::string& source) {
 
 void PartialFC::fill_state(const std::function<void(const std::string& name, const at::Tensor& rows)>& fill) {
   torch::NoGradGuard ng;
+  rows_change(0, weight_.size(0));
   for (const auto& kv : state()) fill(kv.first, kv.second);
   rows_ready_ = true;
 }

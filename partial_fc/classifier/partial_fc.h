@@ -198,6 +198,12 @@ class PartialFC {
   // --- state ----------------------------------------------------------------------------
   // "weight" and "opt.<name>" per-class rows of this shard (live tensors, not copies).
   ShardRows state() const;
+  // Called before rows of state() change in place: rows [first, first + count), or, where
+  // `index` is defined (an int64 tensor on the shard's device), the rows it lists. Where a
+  // copy of the rows is being taken meanwhile (a checkpoint staged in the background,
+  // app/train/row_staging.h), the copy of those rows is taken first. Nothing: no hook.
+  using RowsChangeHook = std::function<void(int64_t first, int64_t count, const at::Tensor& index)>;
+  void set_before_rows_change(RowsChangeHook hook) { before_rows_change_ = std::move(hook); }
   // Replaces weight and optimiser rows (shapes checked; errors name `source` and the key).
   // A shard built without initialise_rows needs every entry.
   void load_state(const ShardRows& rows, const std::string& source);
@@ -281,6 +287,11 @@ class PartialFC {
   ChunkSizes chunks_;  // the chunks of the last forward's step (chunk_policy.h)
   at::Tensor lost_;           // [2] int64: RowRounding::lost (bf16 centres)
   bool rows_ready_ = true;  // false from a construction without initialise_rows until filled
+  RowsChangeHook before_rows_change_;
+  // Every writer of state()'s rows calls this first.
+  void rows_change(int64_t first, int64_t count, const at::Tensor& index = at::Tensor()) const {
+    if (before_rows_change_) before_rows_change_(first, count, index);
+  }
 };
 
 }  // namespace faceshard

@@ -1,0 +1,227 @@
+// Copy-on-write staging of the classifier's rows (app/train/row_staging.h): a checkpoint
+// written in the background saves the rows as they were at its step, although the training
+// changes them meanwhile, each row copied once by whichever side gets to it first.
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <atomic>
+#include <condition_variable>
+#include <mutex>
+#include <map>
+#include <random>
+#include <thread>
+#include <vector>
+
+#include "app/config/config.h"
+#include "app/io/checkpoint.h"
+#include "app/train/checkpoint_writer.h"
+#include "app/train/row_staging.h"
+#include "app/train/train_job.h"
+#include "app/train/train_state.h"
+#include "app/train/train_step.h"
+#include "models/state_dict_io.h"
+#include "tests/harness.h"
+
+namespace faceshard {
+namespace {
+
+struct Rows {
+  std::vector<at::Tensor> live, buffers, at_begin;
+  std::vector<std::pair<at::Tensor, at::Tensor>> pairs() const {
+    std::vector<std::pair<at::Tensor, at::Tensor>> p;
+    for (size_t i = 0; i < live.size(); ++i) p.emplace_back(live[i], buffers[i]);
+    return p;
+  }
+};
+
+// A shard's kinds of row tensors: bf16 centres, fp32 momentum, int64 per-row counts.
+Rows make_rows(int64_t rows, uint64_t seed) {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
+  Rows r;
+  r.live = {at::randn({rows, 8}, gen).to(at::kBFloat16), at::randn({rows, 8}, gen),
+            at::randint(0, 1000, {rows}, gen, at::kLong)};
+  for (const at::Tensor& t : r.live) {
+    r.buffers.push_back(at::full_like(t, 7));
+    r.at_begin.push_back(t.clone());
+  }
+  return r;
+}
+
+// What the training does to rows it changes: every value moved.
+void change(Rows& r, int64_t first, int64_t count, const at::Tensor& index) {
+  for (at::Tensor& t : r.live) {
+    if (index.defined()) t.index_fill_(0, index, 3);
+    else t.narrow(0, first, count).add_(1);
+  }
+}
+
+void expect_buffers_hold_the_start(const Rows& r) {
+  for (size_t i = 0; i < r.buffers.size(); ++i)
+    EXPECT_TRUE(torch::equal(r.buffers[i], r.at_begin[i])) << "tensor " << i << ": the buffer is not the rows at begin()";
+}
+
+// The training changes a range and scattered rows before the writer starts: it copies those
+// rows itself (counted once each, repeats included), and the writer the others.
+TEST(RowStaging, RowsChangedBeforeTheWriterGetsThereAreCopiedFirst) {
+  const int64_t rows = 5000;  // five chunks, the last one short
+  Rows r = make_rows(rows, 1);
+  RowStaging s;
+  s.begin(r.pairs(), rows);
+  ASSERT_TRUE(s.active());
+  s.before_change(100, 1400, at::Tensor());
+  change(r, 100, 1400, at::Tensor());
+  const at::Tensor index = torch::tensor({4999, 3, 2048, 2048, 77, 150}, at::kLong);
+  s.before_change(0, 0, index);
+  change(r, 0, 0, index);
+  // The control: the live rows did change.
+  ASSERT_FALSE(torch::equal(r.live[1], r.at_begin[1]));
+  ASSERT_TRUE(s.complete());
+  EXPECT_FALSE(s.active());
+  expect_buffers_hold_the_start(r);
+  // 1400 of the range, and 4999, 3, 2048, 77 (150 was in the range; 2048 twice).
+  EXPECT_EQ(s.rows_copied_by_training(), 1404);
+  // Once complete, changes cost nothing and copy nothing.
+  s.before_change(0, rows, at::Tensor());
+  EXPECT_EQ(s.rows_copied_by_training(), 1404);
+  EXPECT_DOUBLE_EQ(s.bytes(), static_cast<double>(rows) * (8 * 2 + 8 * 4 + 8));
+}
+
+// The writer and the training at once, over and over: whatever the interleaving, the buffers
+// end as the rows were at begin().
+TEST(RowStaging, TheWriterAndTheTrainingAtOnce) {
+  const int64_t rows = 20000;
+  std::mt19937_64 rng(7);
+  for (int trial = 0; trial < 6; ++trial) {
+    Rows r = make_rows(rows, 100 + trial);
+    RowStaging s;
+    s.begin(r.pairs(), rows);
+    std::atomic<bool> go{false};
+    std::thread writer([&] {
+      while (!go.load()) std::this_thread::yield();
+      s.complete();
+    });
+    go = true;
+    for (int k = 0; k < 40; ++k) {
+      if (k % 2) {
+        const int64_t first = static_cast<int64_t>(rng() % rows), count = std::min<int64_t>(1 + rng() % 3000, rows - first);
+        s.before_change(first, count, at::Tensor());
+        change(r, first, count, at::Tensor());
+      } else {
+        std::vector<int64_t> ix(200);
+        for (auto& v : ix) v = static_cast<int64_t>(rng() % rows);
+        const at::Tensor index = torch::tensor(ix, at::kLong);
+        s.before_change(0, 0, index);
+        change(r, 0, 0, index);
+      }
+    }
+    writer.join();
+    expect_buffers_hold_the_start(r);
+  }
+}
+
+TEST(RowStaging, AnAbortedCopyIsGivenUpAndWhatCannotBeStagedIsRefused) {
+  Rows r = make_rows(3000, 2);
+  RowStaging s;
+  s.begin(r.pairs(), 3000);
+  std::atomic<bool> abort{true};
+  EXPECT_FALSE(s.complete(&abort));
+  EXPECT_FALSE(s.active());
+  // A strided source, a buffer of another shape: refused, with what they are.
+  const at::Tensor strided = at::zeros({8, 3000}).t();
+  EXPECT_FALSE(RowStaging::stageable(strided, 3000));
+  EXPECT_THROW(s.begin({{strided, at::zeros({3000, 8})}}, 3000), std::exception);
+  EXPECT_THROW(s.begin({{at::zeros({3000, 8}), at::zeros({3000, 4})}}, 3000), std::exception);
+}
+
+// The training's real steps (TrainStep) while the write of the checkpoint before them is
+// held back: the classifier's file holds the checkpoint step's rows, for every way the
+// classifier changes rows (sampled or all, streamed or buffered logits with the step in the
+// backward or after it, SGD or AdamW, fp32 or bf16 centres, accumulated micro-batches).
+struct RowsCase {
+  std::string name, loss, optim, micro;
+};
+
+void PrintTo(const RowsCase& c, std::ostream* os) { *os << c.name; }
+
+class AsyncCheckpointRows : public ::testing::TestWithParam<RowsCase> {};
+
+TEST_P(AsyncCheckpointRows, TheNextStepsChangesAreNotSaved) {
+  const RowsCase& c = GetParam();
+  const std::string dir = testing::temp_dir("rows_cow");
+  std::shared_ptr<Distributed> dist = Distributed::init(DistEnv{});
+  const Config cfg = load_config_text("output: " + dir + "/out\n" +
+                                          "data: {rec: synthetic, num_classes: 3000, batch_size: 4, num_workers: 1}\n"
+                                          "model: {backbone: mbf, embedding_size: 8}\n"
+                                          "train: {verify_every: 0, tensorboard: false}\n"
+                                          "dist: {device: cpu}\n"
+                                          "loss: {" + c.loss + "}\n"
+                                          "optim: {" + c.optim + c.micro + "}\n",
+                                      "job.yaml");
+  TrainJob job = build_train_job(cfg, dist);
+  job.backbone->train();
+  TrainState state(job);
+  TrainStep step(job);
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(11);
+  auto batch = [&] {
+    Batch b;
+    b.images = at::randn({4, 3, 112, 112}, gen);
+    b.labels = at::randint(0, 3000, {4}, gen, torch::kLong);
+    return b;
+  };
+  step.run(batch, 0);  // the optimiser's state is not all zero at the checkpoint
+  state.progress().step = 1;
+  CheckpointManager checkpoints(dir + "/ck", *dist, 10);
+  AsyncCheckpointWriter writer(checkpoints, 0, 1, nullptr, "t", std::chrono::seconds(60));
+  writer.copy_rows_on_write(*job.fc);
+  std::mutex m;
+  std::condition_variable cv;
+  bool opened = false;
+  writer.set_before_write_hook([&](int64_t) {
+    std::unique_lock<std::mutex> lock(m);
+    cv.wait(lock, [&] { return opened; });
+  });
+  std::map<std::string, at::Tensor> at_step;
+  for (const auto& [name, t] : job.fc->state()) at_step["rows/" + name] = t.clone();
+  EXPECT_FALSE(writer.save(state).has_value());
+  for (int64_t k = 1; k < 3; ++k) step.run(batch, k);
+  // The control: the steps changed the live centres.
+  ASSERT_FALSE(torch::equal(job.fc->state().front().second, at_step["rows/weight"])) << c.name;
+  {
+    std::lock_guard<std::mutex> lock(m);
+    opened = true;
+  }
+  cv.notify_all();
+  const std::optional<CheckpointOutcome> o = writer.finish();
+  ASSERT_TRUE(o.has_value());
+  ASSERT_TRUE(o->committed) << o->problem;
+  // The writer was held back: the rows the steps changed were copied by the training.
+  EXPECT_GT(o->rows_on_write, 0) << c.name;
+  EXPECT_LE(o->rows_on_write, job.fc->state().front().second.size(0));
+  const StateDict got = read_state_dict(dir + "/ck/step_00000001/fc_shard_0.pt");
+  int compared = 0;
+  for (const auto& [name, t] : got) {
+    auto it = at_step.find(name);
+    if (it == at_step.end()) continue;
+    EXPECT_TRUE(torch::equal(t, it->second)) << c.name << ": " << name << " is not the checkpoint step's value";
+    compared++;
+  }
+  EXPECT_EQ(compared, static_cast<int>(at_step.size())) << c.name;
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Cases, AsyncCheckpointRows,
+    ::testing::Values(RowsCase{"all_streamed_sgd", "sample_rate: 1.0, logits: streamed", "optimizer: sgd", ""},
+                      RowsCase{"sampled_streamed_sgd_bf16", "sample_rate: 0.3, logits: streamed",
+                               "optimizer: sgd, fc_weight_dtype: bf16", ""},
+                      RowsCase{"sampled_buffered_sgd", "sample_rate: 0.3, logits: buffer", "optimizer: sgd", ""},
+                      RowsCase{"sampled_all_rows_sgd", "sample_rate: 0.3, logits: buffer",
+                               "optimizer: sgd, fc_update: all", ""},
+                      RowsCase{"all_buffered_adamw", "sample_rate: 1.0, logits: buffer", "optimizer: adamw", ""},
+                      RowsCase{"sampled_streamed_adamw_bf16", "sample_rate: 0.3, logits: streamed",
+                               "optimizer: adamw, fc_weight_dtype: bf16", ""},
+                      RowsCase{"sampled_accumulated_sgd", "sample_rate: 0.3, logits: streamed", "optimizer: sgd",
+                               ", grad_accumulation: 2"}),
+    [](const ::testing::TestParamInfo<RowsCase>& i) { return i.param.name; });
+
+}  // namespace
+}  // namespace faceshard
