@@ -3,6 +3,7 @@
 // centres (read from the checkpoint's shards, saved on any number of ranks) and with the
 // other images; the findings are TSV reports in one folder (app/clean/clean_audit.h).
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -43,6 +44,10 @@ const char* kUsage =
     "                            folder (checkpoints/step_N); saved on any number of ranks\n"
     "  --rec DIR                 DIR/train.rec + train.idx, the set the run trained on\n"
     "  --images DIR              an image folder (one sub-folder per identity) the run trained on\n"
+    "  --embeddings FILE         the set's embeddings written by faceshard-extract with this run's model\n"
+    "                            (--rec/--images DIR --output PREFIX; FILE: PREFIX.npy), one row per image in\n"
+    "                            the set's order: the images are read for their labels and bytes only, not\n"
+    "                            embedded (PREFIX.txt, when there, must name them; --no-flip, --batch: the file's)\n"
     "  --output DIR              report folder (created); reports already there are replaced only once\n"
     "                            every new one is written\n"
     "  --bin FILE [FILE...]      verification sets (insightface .bin) to look for in the training set;\n"
@@ -116,7 +121,7 @@ int main(int argc, char** argv) {
   return run_main("faceshard-clean", [&] {
     ModelSpec spec;
     CleanThresholds t;
-    std::string run, rec, images, output, tests_dir, device_name = "auto";
+    std::string run, rec, images, output, tests_dir, embeddings, device_name = "auto";
     std::vector<std::string> bins;
     int64_t subcenters = 0, limit = 0, chunk = 4096, batch = 64;
     bool flip = true, after_bin = false;
@@ -133,6 +138,7 @@ int main(int argc, char** argv) {
       } else if (a.is("--run")) run = a.value();
       else if (a.is("--rec")) rec = a.value();
       else if (a.is("--images")) images = a.value();
+      else if (a.is("--embeddings")) embeddings = a.value();
       else if (a.is("--output")) output = a.value();
       else if (a.is("--bin")) bins.push_back(a.value()), after_bin = true;
       else if (a.is("--test-identities")) tests_dir = a.value();
@@ -202,9 +208,100 @@ int main(int argc, char** argv) {
              " sub-centres, saved on ", ck.world_size, " ranks); model: ", model.description, " on ", device.str(),
              "; data: ", data, " (", n, " images)");
 
+    // Embeddings from a file: checked against the set and the model before the pass.
+    std::unique_ptr<EmbeddingFile> emb_file;
+    std::ifstream names;
+    std::string names_path;
+    if (!embeddings.empty()) {
+      if (!fs::is_regular_file(embeddings) && fs::is_regular_file(embeddings + ".npy")) embeddings += ".npy";
+      emb_file = std::make_unique<EmbeddingFile>(embeddings);
+      if (emb_file->rows() != int64_t(ds->size()))
+        throw usage_error("--embeddings: '", embeddings, "' has ", emb_file->rows(), " rows, ", data, " has ",
+                          ds->size(), " images");
+      if (emb_file->cols() != emb_size)
+        throw usage_error("--embeddings: '", embeddings, "' has rows of ", emb_file->cols(),
+                          " dimensions, the run's embeddings have ", emb_size);
+      names_path = embeddings.size() > 4 && embeddings.compare(embeddings.size() - 4, 4, ".npy") == 0
+                       ? embeddings.substr(0, embeddings.size() - 4) + ".txt"
+                       : embeddings + ".txt";
+      if (fs::is_regular_file(names_path)) {
+        std::ifstream count(names_path);
+        int64_t lines = 0;
+        for (std::string l; std::getline(count, l);) ++lines;
+        if (lines != emb_file->rows())
+          throw usage_error("--embeddings: '", names_path, "' names ", lines, " images, '", embeddings, "' has ",
+                            emb_file->rows(), " rows");
+        names.open(names_path);
+      } else {
+        names_path.clear();
+      }
+    }
+
     CleanAudit audit(centres, ck.num_classes, k, t, device, output, [ds](int64_t i) { return ds->describe(uint64_t(i)); });
     int64_t unreadable = 0;
-    {
+    // Seconds spent reading the images (with --embeddings: their records and rows) or
+    // reading, decoding and embedding them (the backbone).
+    double input_s = 0;
+    const auto since = [](std::chrono::steady_clock::time_point t) {
+      return std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count();
+    };
+    if (emb_file) {
+      // The file's row i is image i: its label and bytes from the set, its embedding from the
+      // row (unit length as faceshard-extract writes it; rows of --no-normalize files are
+      // normalised here, unit rows are used as they are so that the reports are those of
+      // the images embedded here).
+      Progress bar("cleaning", uint64_t(n), "images");
+      for (int64_t s = 0; s < n; s += chunk) {
+        const int64_t nb = std::min(chunk, n - s);
+        std::vector<int64_t> labels, idx;
+        std::vector<uint64_t> hashes;
+        std::vector<int64_t> keep;
+        const auto t_in = std::chrono::steady_clock::now();
+        for (int64_t i = 0; i < nb; ++i) {
+          std::string line;
+          if (!names_path.empty()) {
+            std::getline(names, line);
+            if (!line.empty() && line.back() == '\r') line.pop_back();
+          }
+          RawSample r;
+          try {
+            ds->read(uint64_t(s + i), r);
+          } catch (const LabelError&) {
+            throw;
+          } catch (const std::exception& e) {
+            if (unreadable++ < 10) log_warn("left out: ", e.what());
+            continue;
+          }
+          if (!names_path.empty()) {
+            const std::string d = ds->describe(uint64_t(s + i));
+            const std::string want = rec.empty() ? d : std::to_string(s + i) + " " + std::to_string(r.label);
+            // faceshard-extract names a .rec's rows "<index> <label>" and a folder's images by
+            // their path under the folder.
+            const bool same = rec.empty() ? line.size() < d.size() && d[d.size() - line.size() - 1] == '/' &&
+                                                d.compare(d.size() - line.size(), line.size(), line) == 0
+                                          : line == want;
+            if (!same)
+              throw usage_error("--embeddings: '", names_path, "' line ", s + i + 1, " is '", faceshard::detail::printable(line),
+                                "', image ", s + i, " of ", data, " is '", want, "' (embeddings of another set or order)");
+          }
+          keep.push_back(i);
+          labels.push_back(r.label);
+          idx.push_back(s + i);
+          hashes.push_back(bytes_hash(r.bytes.data(), r.bytes.size()));
+        }
+        if (keep.empty()) {
+          bar.update(uint64_t(s + nb));
+          continue;
+        }
+        at::Tensor emb = emb_file->read(s, nb);
+        if (int64_t(keep.size()) != nb) emb = emb.index_select(0, torch::tensor(keep, torch::kLong));
+        const at::Tensor norm = emb.norm(2, {1}, true);
+        if ((norm - 1).abs().max().item<float>() > 1e-4f) emb = emb / norm.clamp_min(1e-12);
+        input_s += since(t_in);
+        audit.add(emb, labels, idx, hashes);
+        bar.update(uint64_t(s + nb));
+      }
+    } else {
       Progress bar("cleaning", uint64_t(n), "images");
       for (int64_t s = 0; s < n; s += chunk) {
         const int64_t nb = std::min(chunk, n - s);
@@ -231,7 +328,9 @@ int main(int argc, char** argv) {
             return cv::Mat(112, 112, CV_8UC3, cv::Scalar(0, 0, 0));
           }
         };
+        const auto t_in = std::chrono::steady_clock::now();
         at::Tensor emb = embed_images(*model.backbone, nb, load, batch, device, flip, true, false);
+        input_s += since(t_in);
         std::vector<int64_t> keep;
         for (int64_t i = 0; i < nb; ++i) {
           idx[size_t(i)] = s + i;
@@ -282,6 +381,7 @@ int main(int argc, char** argv) {
             " ranks)",
         "model: " + model.description,
         "data: " + data + (unreadable ? " (" + std::to_string(unreadable) + " unreadable images left out)" : "")};
+    if (emb_file) header.push_back("embeddings: " + embeddings);
     for (const auto& set : sets) header.push_back("test set: " + set.path);
     if (tests_ds) header.push_back("test identities: " + tests_dir);
     const CleanCounts c = audit.write_reports(header, tests);
@@ -289,6 +389,9 @@ int main(int argc, char** argv) {
              " duplicate identity pairs, ", c.overlap, " overlapping identities, ", c.near_duplicates,
              " near-duplicate pairs", k > 1 ? ", " + std::to_string(c.dropped_subcenters) + " dropped sub-centres" : "",
              " (", c.images, " images)");
+    log_info("time: ", emb_file ? "reading the images and embeddings " : "reading and embedding the images ",
+             int64_t(input_s), " s, nearest centres ", int64_t(c.centre_s), " s, near duplicates ",
+             int64_t(c.near_duplicate_s), " s, reports ", int64_t(c.reports_s), " s");
     return 0;
   });
 }

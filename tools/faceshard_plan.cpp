@@ -31,7 +31,7 @@ namespace {
 const char* kUsage =
     "usage: faceshard-plan [--config FILE [--set key=value ...]] [--network NAME] [--batch B]\n"
     "                      [--precision fp32|bf16|fp16] [--checkpointing on|off] [--classes C] [--ranks W]\n"
-    "                      [--sample-rate R] [--optimizer sgd|adamw] [--fc-optimizer sgd|adamw]\n"
+    "                      [--sample-rate R] [--subcenters K] [--optimizer sgd|adamw] [--fc-optimizer sgd|adamw]\n"
     "                      [--fc-update sampled|all] [--fc-state-dtype fp32|bf16] [--fc-weight-dtype fp32|bf16]\n"
     "                      [--logits auto|buffer|streamed] [--grad-accumulation K] [--cuda-graph on|off]\n"
     "                      [--device-memory SIZE] [--reserve SIZE] [--activations FILE] [--json FILE]\n"
@@ -42,6 +42,8 @@ const char* kUsage =
     "                       fp32, the network's checkpointing, 1 rank, sample rate 1.0, sgd\n"
     "  --batch B            images per rank (per micro-batch)\n"    "  --cuda-graph on|off  the backbone's CUDA graphs (train.cuda_graph) and the static tensors they keep\n"
     "  --classes C          identities, e.g. 2059906, 125k, 1.4M, 29M\n"
+    "  --subcenters K       centres per class (loss.subcenters, Sub-center ArcFace; default 1): K x the rows,\n"
+    "                       their state and the classifier GEMMs' columns\n"
     "  --ranks W            ranks (GPUs) the classifier is sharded over (default 1)\n"
     "  --device-memory SIZE one device's memory, e.g. 80GB (10^9 B), 80GiB (2^30 B), 32510MiB: says whether\n"
     "                       the job fits and finds the largest number of classes that does\n"
@@ -109,7 +111,7 @@ std::string choice(const std::string& flag, const std::string& v, std::initializ
       {"classes", "--classes"},        {"num_classes", "--classes"},    {"sample_rate", "--sample-rate"},
       {"optimizer", "--optimizer"},    {"fc_state_dtype", "--fc-state-dtype"},
       {"fc_weight_dtype", "--fc-weight-dtype"}, {"logits", "--logits"},
-      {"grad_accumulation", "--grad-accumulation"}, {"embedding_size", "--embedding (model.embedding_size)"}};
+      {"grad_accumulation", "--grad-accumulation"}, {"subcenters", "--subcenters"}, {"embedding_size", "--embedding (model.embedding_size)"}};
   const auto f = flags.find(e.option());
   if (f == flags.end()) throw e;
   throw usage_error(f->second, ": ", e.detail());
@@ -144,7 +146,7 @@ int main(int argc, char** argv) {
     for (size_t i = 0; i < args.rest.size(); ++i) {
       const std::string& s = args.rest[i];
       static const char* known[] = {"--network", "--batch", "--precision", "--checkpointing", "--classes",
-                                    "--ranks", "--sample-rate", "--optimizer", "--fc-optimizer", "--fc-update",
+                                    "--ranks", "--sample-rate", "--subcenters", "--optimizer", "--fc-optimizer", "--fc-update",
                                     "--fc-state-dtype", "--fc-weight-dtype", "--logits", "--grad-accumulation", "--cuda-graph",
                                     "--device-memory", "--reserve",
                                     "--activations", "--json", "--images", "--epochs", "--gpus-per-host",
@@ -172,6 +174,10 @@ int main(int argc, char** argv) {
     if (has("--checkpointing")) in.checkpointing = choice("--checkpointing", flag["--checkpointing"], {"on", "off"}) == "on";
     if (has("--classes")) in.num_classes = parse_count("--classes", flag["--classes"]);
     if (has("--sample-rate")) in.sample_rate = parse_rate("--sample-rate", flag["--sample-rate"]);
+    if (has("--subcenters")) {
+      in.subcenters = parse_count("--subcenters", flag["--subcenters"]);
+      if (in.subcenters < 1) throw usage_error("--subcenters: expected at least 1 centre per class");
+    }
     if (has("--optimizer")) {
       in.optimizer = choice("--optimizer", flag["--optimizer"], {"sgd", "adamw"});
       if (args.config.empty()) in.fc_optimizer.clear();  // the classifier follows unless told
@@ -328,6 +334,18 @@ int main(int argc, char** argv) {
       } else {
         std::printf("  speed: %s\n", t.rate_note.c_str());
       }
+      if (t.classifier_gemm_flops > 0) {
+        std::printf("  classifier GEMMs: %.4g GFLOP per step on rank 0 (6 x %lld images x %lld columns x %lld%s; "
+                    "columns: sampled rows x %lld sub-centre%s)",
+                    t.classifier_gemm_flops / 1e9, static_cast<long long>(in.batch_per_rank * in.world_size),
+                    static_cast<long long>(t.classifier_columns), static_cast<long long>(in.embedding_size),
+                    in.grad_accumulation > 1 ? (" x " + std::to_string(in.grad_accumulation) + " micro-batches").c_str() : "",
+                    static_cast<long long>(in.subcenters), in.subcenters > 1 ? "s" : "");
+        if (t.rate && t.measured_classifier_gemm_flops > 0)
+          std::printf("; the measured step's: %.4g GFLOP (K = 1)%s", t.measured_classifier_gemm_flops / 1e9,
+                      in.subcenters > 1 ? ": the hours above are of K = 1 steps and leave out the extra GEMMs" : "");
+        std::printf("\n");
+      }
     } else {
       std::printf("time: give --images N (images per epoch) to plan the hours\n");
     }
@@ -354,7 +372,7 @@ int main(int argc, char** argv) {
       js.precision(15);
       js << "{\"network\":\"" << json_escape(in.network) << "\",\"precision\":\"" << in.precision
          << "\",\"checkpointing\":" << (plan.checkpointing ? "true" : "false") << ",\"batch_per_rank\":" << in.batch_per_rank
-         << ",\"ranks\":" << in.world_size << ",\"classes\":" << in.num_classes << ",\"sample_rate\":" << in.sample_rate
+         << ",\"ranks\":" << in.world_size << ",\"classes\":" << in.num_classes << ",\"sample_rate\":" << in.sample_rate << ",\"subcenters\":" << in.subcenters
          << ",\"optimizer\":\"" << in.optimizer << "\",\"fc_optimizer\":\"" << fc_opt << "\",\"fc_state_dtype\":\""
          << in.fc_state_dtype << "\",\"fc_weight_dtype\":\"" << in.fc_weight_dtype << "\",\"logits\":\""
          << (c.streamed ? "streamed" : "buffer") << "\",\"parameters\":"
@@ -374,7 +392,9 @@ int main(int argc, char** argv) {
         const TimePlan& t = *time;
         js << ",\"time\":{\"images\":" << tin.images << ",\"epochs\":" << tin.epochs << ",\"global_batch\":"
            << t.global_batch << ",\"steps_per_epoch\":" << t.steps_per_epoch << ",\"total_steps\":" << t.total_steps
-           << ",\"gpus_per_host\":" << t.gpus_per_host;
+           << ",\"gpus_per_host\":" << t.gpus_per_host << ",\"classifier_columns\":" << t.classifier_columns
+           << ",\"classifier_gemm_flops\":" << t.classifier_gemm_flops;
+        if (t.rate) js << ",\"measured_classifier_gemm_flops\":" << t.measured_classifier_gemm_flops;
         if (t.rate)
           js << ",\"images_per_s_per_gpu\":" << t.images_per_s_per_gpu << ",\"measured_on\":\""
              << json_escape(t.rate->card) << "\",\"measured_batch\":" << t.rate->batch_per_rank << ",\"hours\":" << t.hours

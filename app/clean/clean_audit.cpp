@@ -1,12 +1,15 @@
 #include "app/clean/clean_audit.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cerrno>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
 #include <numeric>
+#include <regex>
 
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "app/io/checkpoint.h"
@@ -56,6 +59,63 @@ uint64_t bytes_hash(const uint8_t* data, size_t size) {
     h *= 1099511628211ull;
   }
   return h ? h : 1;
+}
+
+EmbeddingFile::EmbeddingFile(const std::string& path) : path_(path) {
+  f_ = std::fopen(path.c_str(), "rb");
+  if (!f_) throw usage_error(path, ": cannot open embeddings file: ", std::strerror(errno));
+  struct stat st {};
+  if (::fstat(::fileno(f_), &st) != 0) throw usage_error(path, ": cannot stat embeddings file: ", std::strerror(errno));
+  const uint64_t size = uint64_t(st.st_size);
+  unsigned char pre[12];
+  if (size < 10 || std::fread(pre, 1, 10, f_) != 10 || std::memcmp(pre, "\x93NUMPY", 6) != 0)
+    throw usage_error(path, ": not a .npy file (faceshard-extract writes PREFIX.npy)");
+  uint64_t header_len = 0, preamble = 10;
+  if (pre[6] == 1) {
+    header_len = pre[8] | (uint64_t(pre[9]) << 8);
+  } else if (pre[6] == 2 || pre[6] == 3) {
+    if (std::fread(pre + 10, 1, 2, f_) != 2) throw usage_error(path, ": truncated .npy preamble");
+    for (int i = 0; i < 4; ++i) header_len |= uint64_t(pre[8 + i]) << (8 * i);
+    preamble = 12;
+  } else {
+    throw usage_error(path, ": .npy format version ", int(pre[6]), " is not 1, 2 or 3");
+  }
+  if (header_len > 65536 || preamble + header_len > size)
+    throw usage_error(path, ": .npy header of ", header_len, " bytes does not fit the file");
+  std::string header(header_len, '\0');
+  if (std::fread(header.data(), 1, header_len, f_) != header_len) throw usage_error(path, ": truncated .npy header");
+  std::smatch m;
+  static const std::regex descr_re("'descr'\\s*:\\s*'<f4'"), order_re("'fortran_order'\\s*:\\s*False"),
+      shape_re("'shape'\\s*:\\s*\\(\\s*([0-9]{1,12})\\s*,\\s*([0-9]{1,12})\\s*,?\\s*\\)");
+  if (!std::regex_search(header, descr_re) || !std::regex_search(header, order_re) ||
+      !std::regex_search(header, m, shape_re))
+    throw usage_error(path, ": expected a C-order float32 (N, E) matrix as faceshard-extract writes, header: ",
+                      detail::printable(header.substr(0, 80)));
+  rows_ = std::stoll(m[1].str());
+  cols_ = std::stoll(m[2].str());
+  data_at_ = preamble + header_len;
+  if (cols_ > 0 && rows_ > (int64_t(1) << 40) / cols_) throw usage_error(path, ": .npy shape is too large");
+  const uint64_t want = uint64_t(rows_) * uint64_t(cols_) * 4;
+  if (size - data_at_ != want)
+    throw usage_error(path, ": holds ", size - data_at_, " bytes of rows, its shape (", rows_, ", ", cols_,
+                      ") announces ", want, " (a truncated or damaged copy)");
+}
+
+EmbeddingFile::~EmbeddingFile() {
+  if (f_) std::fclose(f_);
+}
+
+at::Tensor EmbeddingFile::read(int64_t first, int64_t n) const {
+  if (first < 0 || n < 0 || first + n > rows_)
+    throw runtime_error(path_, ": rows [", first, ", ", first + n, ") of ", rows_);
+  at::Tensor out = at::empty({n, cols_}, at::kFloat);
+  const size_t bytes = size_t(n) * size_t(cols_) * 4;
+  // Little-endian hosts only (x86-64, aarch64), as write_npy_float32.
+  if (bytes && (::fseeko(f_, off_t(data_at_ + uint64_t(first) * uint64_t(cols_) * 4), SEEK_SET) != 0 ||
+                std::fread(out.data_ptr<float>(), 1, bytes, f_) != bytes))
+    throw runtime_error(path_, ": cannot read rows ", first, "..", first + n - 1, ": ",
+                        std::ferror(f_) ? std::strerror(errno) : "the file ends before them (changed while read?)");
+  return out;
 }
 
 std::vector<std::vector<int64_t>> bin_identities(const std::vector<uint64_t>& image_hashes,
@@ -153,6 +213,8 @@ void CleanAudit::add(const at::Tensor& embeddings, const std::vector<int64_t>& l
     throw runtime_error("CleanAudit::add: ", b, " embeddings with ", labels.size(), " labels, ", indices.size(),
                         " indices, ", hashes.size(), " hashes");
   if (b == 0) return;
+  using clock = std::chrono::steady_clock;
+  const auto t0 = clock::now();
   for (int64_t i = 0; i < b; ++i) {
     const int64_t l = labels[size_t(i)];
     if (l < 0 || l >= c_)
@@ -205,8 +267,11 @@ void CleanAudit::add(const at::Tensor& embeddings, const std::vector<int64_t>& l
     std::memcpy(rec.data() + sizeof h, ow + i * k_, size_t(k_) * sizeof(float));
     if (std::fwrite(rec.data(), 1, rec.size(), scratch_) != rec.size())
       throw runtime_error("cannot write '", folder_, "/.scratch.partial': ", std::strerror(errno));
-    near_duplicates(ep + i * e_, indices[size_t(i)], l, oc[i], hashes[size_t(i)]);
   }
+  const auto t1 = clock::now();
+  for (int64_t i = 0; i < b; ++i) near_duplicates(ep + i * e_, indices[size_t(i)], labels[size_t(i)], oc[i], hashes[size_t(i)]);
+  centre_s_ += std::chrono::duration<double>(t1 - t0).count();
+  near_s_ += std::chrono::duration<double>(clock::now() - t1).count();
   images_ += b;
 }
 
@@ -306,8 +371,11 @@ at::Tensor CleanAudit::identity_vectors(const std::vector<int64_t>& dom) const {
 
 CleanCounts CleanAudit::write_reports(const std::vector<std::string>& header, const std::vector<TestIdentity>& tests) {
   torch::NoGradGuard ng;
+  const auto t0 = std::chrono::steady_clock::now();
   CleanCounts n;
   n.images = images_;
+  n.centre_s = centre_s_;
+  n.near_duplicate_s = near_s_;
   n.classes_seen_after_eviction = seen_after_eviction_;
   n.near_duplicates = near_rows_;
   const std::vector<int64_t> dom = dominant();
@@ -513,6 +581,7 @@ CleanCounts CleanAudit::write_reports(const std::vector<std::string>& header, co
     if (ec) throw runtime_error("cannot rename '", folder_, "/", name, ".partial': ", ec.message());
   }
   partial_.clear();
+  n.reports_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   return n;
 }
 

@@ -52,6 +52,9 @@ struct CleanCounts {
   // Classes whose near-duplicate buffer was evicted and whose images came back later (their
   // images before and after the eviction were not compared).
   int64_t classes_seen_after_eviction = 0;
+  // Where the time went (seconds): the nearest-centre search with the sums and the scratch
+  // records, the near-duplicate search, and write_reports (pairs of classes, overlap, files).
+  double centre_s = 0, near_duplicate_s = 0, reports_s = 0;
 };
 
 class CleanAudit {
@@ -112,6 +115,7 @@ class CleanAudit {
   std::function<std::string(int64_t)> describe_;
   int64_t chunk_rows_;
   int64_t images_ = 0, last_index_ = -1;
+  double centre_s_ = 0, near_s_ = 0;
   std::FILE* scratch_ = nullptr;
   std::FILE* near_ = nullptr;
   std::vector<std::string> partial_;  // report names with a .partial file
@@ -122,6 +126,29 @@ class CleanAudit {
   int64_t buffer_bytes_ = 0;
   std::vector<bool> evicted_;
   int64_t seen_after_eviction_ = 0;
+};
+
+// The rows of a float32 N x E .npy matrix, as faceshard-extract writes them, read a chunk
+// at a time so that memory does not grow with N (a whole WebFace42M file is 87 GB). The
+// constructor refuses, with a usage error naming the file, anything but a C-order '<f4'
+// 2-D array whose data is exactly the bytes its shape announces (a truncated copy).
+class EmbeddingFile {
+ public:
+  explicit EmbeddingFile(const std::string& path);
+  ~EmbeddingFile();
+  EmbeddingFile(const EmbeddingFile&) = delete;
+  EmbeddingFile& operator=(const EmbeddingFile&) = delete;
+  int64_t rows() const { return rows_; }
+  int64_t cols() const { return cols_; }
+  const std::string& path() const { return path_; }
+  // Rows [first, first + n) as a [n, E] float CPU tensor.
+  at::Tensor read(int64_t first, int64_t n) const;
+
+ private:
+  std::string path_;
+  std::FILE* f_ = nullptr;
+  int64_t rows_ = 0, cols_ = 0;
+  uint64_t data_at_ = 0;
 };
 
 // The identities of an insightface .bin (image 2i and 2i+1 form pair i): images joined by a

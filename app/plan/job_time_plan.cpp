@@ -120,6 +120,18 @@ const StepRate* StepRateTable::find(const std::string& network, const std::strin
   return best;
 }
 
+double classifier_gemm_flops(const JobPlanInputs& job, int64_t* columns) {
+  PartialFCOptions po;
+  po.num_classes = job.num_classes;
+  po.embedding_size = job.embedding_size;
+  po.sample_rate = job.sample_rate;
+  po.subcenters = job.subcenters;
+  const ClassifierMemoryPlan c = classifier_memory_plan(po, job.world_size, 0, job.batch_per_rank);
+  const int64_t cols = c.sampled_rows * c.subcenters;
+  if (columns) *columns = cols;
+  return 6.0 * double(c.global_batch) * double(cols) * double(job.embedding_size) * double(job.grad_accumulation);
+}
+
 TimePlan plan_job_time(const JobPlanInputs& job, const TimePlanInputs& in, const StepRateTable& rates) {
   if (in.images < 1) throw option_error("images", "must be at least 1, got ", in.images);
   if (in.epochs < 1) throw option_error("epochs", "must be at least 1, got ", in.epochs);
@@ -130,6 +142,7 @@ TimePlan plan_job_time(const JobPlanInputs& job, const TimePlanInputs& in, const
   p.steps_per_epoch = std::max<int64_t>(1, in.images / p.global_batch);
   p.total_steps = in.total_steps.value_or(p.steps_per_epoch * in.epochs);
   p.gpus_per_host = in.gpus_per_host > 0 ? in.gpus_per_host : std::min(job.world_size, 8);
+  if (job.num_classes > 0) p.classifier_gemm_flops = classifier_gemm_flops(job, &p.classifier_columns);
   const StepRate* r = rates.find(job.network, job.precision, job.batch_per_rank);
   if (!r) {
     std::string measured;
@@ -144,6 +157,16 @@ TimePlan plan_job_time(const JobPlanInputs& job, const TimePlanInputs& in, const
   }
   p.rate = *r;
   p.images_per_s_per_gpu = r->images_per_s_per_gpu;
+  if (r->classes > 0) {
+    JobPlanInputs m;
+    m.num_classes = r->classes;
+    m.sample_rate = r->sample_rate;
+    m.world_size = r->world_size;
+    m.batch_per_rank = r->batch_per_rank;
+    m.embedding_size = job.embedding_size;
+    m.subcenters = 1;
+    p.measured_classifier_gemm_flops = classifier_gemm_flops(m);
+  }
   p.rate_note = "measured: " + r->network + ", " + r->precision + ", batch " + std::to_string(r->batch_per_rank) +
                 (r->channels_last ? ", channels-last" : ", NCHW") + ", " + num(double(r->classes)) +
                 " classes at sample rate " + num(r->sample_rate) + " on " + std::to_string(r->world_size) + " x " +
@@ -219,6 +242,7 @@ CheckpointPlan plan_checkpoint(const JobPlanInputs& job, const ActivationTable& 
   po.num_classes = job.num_classes;
   po.embedding_size = job.embedding_size;
   po.sample_rate = job.sample_rate;
+  po.subcenters = job.subcenters;  // K rows (and their state) per class
   po.optimizer.kind = job.fc_optimizer.empty() ? job.optimizer : job.fc_optimizer;
   po.optimizer.state_dtype = job.fc_state_dtype == "bf16" ? at::kBFloat16 : at::kFloat;
   po.weight_dtype = job.fc_weight_dtype == "bf16" ? at::kBFloat16 : at::kFloat;
@@ -226,7 +250,9 @@ CheckpointPlan plan_checkpoint(const JobPlanInputs& job, const ActivationTable& 
   const std::string shards = job.world_size == 1 ? "fc_shard_0.pt" : "fc_shard_0.pt .. fc_shard_" +
                                                                          std::to_string(job.world_size - 1) + ".pt";
   c.files.push_back({shards, whole.weight_bytes + whole.state_bytes,
-                     num(double(job.num_classes)) + " rows x (" + num(double(job.embedding_size)) + " x " +
+                     num(double(job.num_classes)) +
+                         (job.subcenters > 1 ? " classes x " + num(double(job.subcenters)) + " sub-centres" : "") +
+                         " rows x (" + num(double(job.embedding_size)) + " x " +
                          (job.fc_weight_dtype == "bf16" ? "2" : "4") + " B + their " + po.optimizer.kind + " state in " +
                          job.fc_state_dtype + ")"});
   for (const auto& f : c.files) c.bytes += f.bytes;

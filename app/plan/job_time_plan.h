@@ -67,7 +67,20 @@ struct TimePlan {
   double images_per_s_per_gpu = 0;
   double hours = 0;              // total_steps x global batch / (images/s per GPU x ranks) / 3600
   double decode_per_host = 0;    // images/s per GPU x GPUs per host: what the host's loaders must decode
+  // The classifier's GEMMs on rank 0 (the largest shard) per step: the logits [global batch,
+  // sampled rows x K] and the two products of their backward, 2 x rows x columns x E FLOPs
+  // each, over the micro-batches. K sub-centres make the columns, and these FLOPs, K times
+  // as many. The measured step rates are of K = 1 steps: `measured_classifier_gemm_flops`
+  // is the measured step's own (its classes, sample rate, batch and ranks at K = 1).
+  int64_t classifier_columns = 0;        // rank 0's sampled rows x K
+  double classifier_gemm_flops = 0;      // 6 x global batch x columns x E x micro-batches
+  double measured_classifier_gemm_flops = 0;
 };
+
+// 6 x (batch per rank x ranks) x (rank 0's sampled rows x K) x E x micro-batches: the
+// classifier GEMMs' FLOPs per step on rank 0 (see TimePlan); `columns`, when given, gets
+// rank 0's sampled rows x K.
+double classifier_gemm_flops(const JobPlanInputs& job, int64_t* columns = nullptr);
 
 // Usage error (naming --images / --epochs) when the counts are not positive.
 TimePlan plan_job_time(const JobPlanInputs& job, const TimePlanInputs& in, const StepRateTable& rates);
