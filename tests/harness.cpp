@@ -93,12 +93,15 @@ namespace {
 struct TempDirs {
   std::mutex mu;
   std::vector<std::string> paths;
-  ~TempDirs() {
+  void remove() {
+    std::lock_guard<std::mutex> lock(mu);
     for (const auto& p : paths) {
       std::error_code ec;
       std::filesystem::remove_all(p, ec);
     }
+    paths.clear();
   }
+  ~TempDirs() { remove(); }
 };
 TempDirs& temp_dirs() {
   static TempDirs dirs;
@@ -118,6 +121,8 @@ std::string temp_dir(const std::string& tag) {
   dirs.paths.push_back(path);
   return path;
 }
+
+void remove_temp_dirs() { temp_dirs().remove(); }
 
 std::string read_text(const std::string& path) {
   std::ifstream f(path, std::ios::binary);

@@ -52,6 +52,8 @@ bool in_rank_process();
 
 // Path of a fresh temporary directory (removed at exit of the parent test process).
 std::string temp_dir(const std::string& tag);
+// Removes the folders temp_dir() made in this process (main() calls it before leaving).
+void remove_temp_dirs();
 
 // Whole files as text (empty when missing) and back.
 std::string read_text(const std::string& path);
