@@ -41,6 +41,7 @@
 #endif
 
 #include "app/config/config.h"
+#include "app/io/checkpoint.h"
 #include "app/io/metrics_log.h"
 #include "app/plan/activation_probe.h"
 #include "app/plan/activation_table.h"
@@ -175,11 +176,11 @@ int64_t parse_int(const std::string& flag, const std::string& v) {
   return x;
 }
 
+// A --json file that cannot be written is an error (one line, exit 1), never a silent loss
+// of the measurement: written whole under a temporary name, synced, renamed.
 void write_json(const std::string& path, const std::string& text) {
   if (path.empty()) return;
-  std::string tmp = path + ".tmp";
-  std::ofstream(tmp) << text << "\n";
-  std::rename(tmp.c_str(), path.c_str());
+  faceshard::write_text_durably(text + "\n", path);
 }
 
 // Does the classifier still learn with its centres in bf16? The classifier alone, trained on

@@ -15,6 +15,13 @@ OMP_NUM_THREADS=1 "$bin/faceshard-bench" --mode step --network mbf --batch 4 --c
 OMP_NUM_THREADS=1 "$bin/faceshard-bench" --mode classifier --classes-per-shard 2000,4000 --sample-rate 1.0,0.5 \
   --precision fp32,bf16 --batch 16 --dim 64 --steps 1 --windows 1 --warmup 1 --json "$work/cls.json" \
   > "$work/cls.log" 2>&1 || { cat "$work/cls.log"; fail "classifier mode"; }
+# A --json that cannot be written: one line naming it, a non-zero exit (the measurement is
+# not lost silently).
+OMP_NUM_THREADS=1 "$bin/faceshard-bench" --mode classifier --classes-per-shard 2000 --sample-rate 1.0 --precision fp32 \
+  --batch 16 --dim 64 --steps 1 --windows 1 --warmup 1 --json "$work/no/such/dir/cls.json" > "$work/nojson.log" 2>&1
+rc=$?
+[ "$rc" -ne 0 ] || { cat "$work/nojson.log"; fail "an unwritable --json was accepted"; }
+grep -q "cannot write '$work/no/such/dir/cls.json" "$work/nojson.log" || { cat "$work/nojson.log"; fail "the --json error does not name the file"; }
 "$py" - "$work/step.json" "$work/cls.json" <<'PY' || exit 1
 import json, sys
 step = json.load(open(sys.argv[1]))
