@@ -12,20 +12,8 @@ work=$(mktemp -d); [ -n "${KEEP_WORK:-}" ] || trap 'rm -rf "$work"' EXIT
 fail() { echo "FAIL: $*"; exit 1; }
 py="$root/.venv/bin/python"; [ -x "$py" ] || py=python3
 
-"$bin/faceshard-synth" --output "$work/data" --identities 16 --images 8 --holdout 8 --pairs 40 --seed 5 > /dev/null \
-  || fail "faceshard-synth"
-cat > "$work/tiny.yaml" <<YAML
-base: $root/configs/base.yaml
-output: $work/out
-seed: 7
-data: {rec: $work/data, num_classes: 16, batch_size: 8, num_workers: 1, val_targets: []}
-model: {backbone: mbf, embedding_size: 64}
-loss: {margin: [1.0, 0.0, 0.4], scale: 16, subcenters: 3}
-optim: {lr: 0.05, epochs: 1, warmup_epochs: 0, total_steps: 4}
-train: {log_every: 1, verify_every: 0, checkpoint_every: 4, keep_checkpoints: 1}
-YAML
-"$root/tools/launch.sh" --nproc 1 --grace-s 20 -- "$bin/faceshard-train" --config "$work/tiny.yaml" > "$work/train.log" 2>&1 \
-  || { tail -20 "$work/train.log"; fail "training failed"; }
+source "$root/tests/e2e/clean_run.sh"
+trained_k3_run 5 1
 
 clean() { "$bin/faceshard-clean" --device cpu --run "$work/out" --rec "$work/data" --bin "$work/data/synth.bin" \
   --near-duplicate-cos 0.9 "$@"; }
