@@ -294,6 +294,10 @@ int main(int argc, char** argv) {
           continue;
         }
         at::Tensor emb = emb_file->read(s, nb);
+        // The file is untrusted: a row of NaN or inf would make every cosine of its image NaN.
+        if (const at::Tensor bad = (~torch::isfinite(emb)).any(1).nonzero(); bad.numel() > 0)
+          throw usage_error("--embeddings: '", embeddings, "' row ", s + bad[0][0].item<int64_t>(),
+                            " holds a value that is not finite");
         if (int64_t(keep.size()) != nb) emb = emb.index_select(0, torch::tensor(keep, torch::kLong));
         const at::Tensor norm = emb.norm(2, {1}, true);
         if ((norm - 1).abs().max().item<float>() > 1e-4f) emb = emb / norm.clamp_min(1e-12);

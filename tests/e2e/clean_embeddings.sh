@@ -3,8 +3,8 @@
 # equal, row for row, the reports of the clean that embeds the images itself (a tiny run with
 # three sub-centres, so all five reports have rows to compare); then the refusals of a file
 # that does not match the set: too few rows, rows of another dimension, not a .npy, a
-# truncated copy, names of another order. Each refusal is one error line and a non-zero
-# exit, and leaves the reports already in the folder as they were.
+# truncated copy, a value that is not finite, names of another order. Each refusal is one
+# error line and a non-zero exit, and leaves the reports already in the folder as they were.
 # usage: clean_embeddings.sh SOURCE_DIR BIN_DIR
 set -u
 root="$1"; bin="$2"
@@ -55,6 +55,7 @@ np.save(w + "/dims.npy", np.concatenate([e, e[:, :1]], axis=1))               # 
 np.save(w + "/f64.npy", e.astype(np.float64))                                 # float64
 open(w + "/corrupt.npy", "wb").write(b"PK\x03\x04" + open(w + "/emb.npy", "rb").read()[4:])  # a zip, not a .npy
 b = open(w + "/emb.npy", "rb").read(); open(w + "/cut.npy", "wb").write(b[:-100])           # truncated copy
+n = e.copy(); n[77, 5] = np.nan; np.save(w + "/nan.npy", n)                   # a row that is not finite
 shutil.copy(w + "/emb.npy", w + "/order.npy")                                 # names of another order
 names = open(w + "/emb.txt").read().splitlines()
 names[8], names[16] = names[16], names[8]
@@ -65,6 +66,7 @@ refused dims "rows of 65 dimensions, the run's embeddings have 64" "$work/dims.n
 refused dtype "expected a C-order float32 (N, E) matrix" "$work/f64.npy"
 refused corrupt "not a .npy file" "$work/corrupt.npy"
 refused truncated "announces 32768 (a truncated or damaged copy)" "$work/cut.npy"
+refused nan "nan.npy' row 77 holds a value that is not finite" "$work/nan.npy"
 refused order "order.txt' line 9 is '16 2', image 8 of .* is '8 1'" "$work/order.npy"
 refused missing "cannot open embeddings file" "$work/none.npy"
 echo "PASS: reports from --embeddings equal the images' ($rows rows); 7 refusals"
