@@ -4,7 +4,9 @@
 // dies, throws or times out.
 #pragma once
 #include <chrono>
+#include <condition_variable>
 #include <functional>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -49,6 +51,25 @@ double relative_error(const at::Tensor& a, const at::Tensor& b, ErrorNorm norm =
 
 // True inside a rank process.
 bool in_rank_process();
+
+// Holds another thread back (e.g. a background checkpoint write, from the writer's thread)
+// until the test opens it.
+struct Gate {
+  std::mutex m;
+  std::condition_variable cv;
+  bool opened = false;
+  void wait() {
+    std::unique_lock<std::mutex> lock(m);
+    cv.wait(lock, [&] { return opened; });
+  }
+  void open() {
+    {
+      std::lock_guard<std::mutex> lock(m);
+      opened = true;
+    }
+    cv.notify_all();
+  }
+};
 
 // Path of a fresh temporary directory (removed at exit of the parent test process).
 std::string temp_dir(const std::string& tag);

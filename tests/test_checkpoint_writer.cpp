@@ -48,23 +48,7 @@ dist: {device: cpu}
 )", "job.yaml");
 }
 
-// Holds a background write back (from the writer's thread) until the test opens it.
-struct Gate {
-  std::mutex m;
-  std::condition_variable cv;
-  bool opened = false;
-  void wait() {
-    std::unique_lock<std::mutex> lock(m);
-    cv.wait(lock, [&] { return opened; });
-  }
-  void open() {
-    {
-      std::lock_guard<std::mutex> lock(m);
-      opened = true;
-    }
-    cv.notify_all();
-  }
-};
+using testing::Gate;
 
 StateDict cloned(const StateDict& live) {
   StateDict out;

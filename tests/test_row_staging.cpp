@@ -5,8 +5,6 @@
 #include <torch/torch.h>
 
 #include <atomic>
-#include <condition_variable>
-#include <mutex>
 #include <map>
 #include <random>
 #include <thread>
@@ -171,26 +169,19 @@ TEST_P(AsyncCheckpointRows, TheNextStepsChangesAreNotSaved) {
   step.run(batch, 0);  // the optimiser's state is not all zero at the checkpoint
   state.progress().step = 1;
   CheckpointManager checkpoints(dir + "/ck", *dist, 10);
+  // Declared before the writer, which joins its thread (held here) when destroyed.
+  testing::Gate gate;
   AsyncCheckpointWriter writer(checkpoints, 0, 1, nullptr, "t", std::chrono::seconds(60));
   writer.copy_rows_on_write(*job.fc);
-  std::mutex m;
-  std::condition_variable cv;
-  bool opened = false;
-  writer.set_before_write_hook([&](int64_t) {
-    std::unique_lock<std::mutex> lock(m);
-    cv.wait(lock, [&] { return opened; });
-  });
+  writer.set_before_write_hook([&](int64_t) { gate.wait(); });
   std::map<std::string, at::Tensor> at_step;
   for (const auto& [name, t] : job.fc->state()) at_step["rows/" + name] = t.clone();
   EXPECT_FALSE(writer.save(state).has_value());
   for (int64_t k = 1; k < 3; ++k) step.run(batch, k);
   // The control: the steps changed the live centres.
-  ASSERT_FALSE(torch::equal(job.fc->state().front().second, at_step["rows/weight"])) << c.name;
-  {
-    std::lock_guard<std::mutex> lock(m);
-    opened = true;
-  }
-  cv.notify_all();
+  const bool changed = !torch::equal(job.fc->state().front().second, at_step["rows/weight"]);
+  gate.open();  // before any assertion can return: the writer's thread waits on it
+  ASSERT_TRUE(changed) << c.name;
   const std::optional<CheckpointOutcome> o = writer.finish();
   ASSERT_TRUE(o.has_value());
   ASSERT_TRUE(o->committed) << o->problem;
