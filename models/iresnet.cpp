@@ -5,6 +5,7 @@
 
 #include "models/prelu.h"
 #include "models/checkpoint.h"
+#include "models/gate_conditioning.h"
 #include "models/model_stats.h"
 #include "partial_fc/runtime/error.h"
 
@@ -27,8 +28,10 @@ SqueezeExcitationImpl::SqueezeExcitationImpl(int64_t channels, int64_t reduction
 
 torch::Tensor SqueezeExcitationImpl::scale(const torch::Tensor& x) {
   // The mean over H and W is the global average pool; [B, C, 1, 1] keeps the 1x1 convs.
-  torch::Tensor s = counted_conv(fc1_, x.mean({2, 3}, /*keepdim=*/true));
-  return torch::sigmoid(counted_conv(fc2_, torch::relu(s)));
+  const torch::Tensor pooled = x.mean({2, 3}, /*keepdim=*/true);
+  const torch::Tensor s = counted_conv(fc2_, torch::relu(counted_conv(fc1_, pooled)));
+  assess_gates(pooled, s, fc1_->weight, fc2_->weight);  // only inside a GateConditioningScope
+  return torch::sigmoid(s);
 }
 
 IBasicBlockImpl::IBasicBlockImpl(int64_t inplanes, int64_t planes, int64_t stride, int64_t se_reduction) {

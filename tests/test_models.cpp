@@ -2,6 +2,7 @@
 // and MAC counts against closed forms, weight interchange with Python torch both ways
 // against an independent reference written here with torch.nn.functional ops, and
 // activation checkpointing against the plain backward.
+#include <ATen/Parallel.h>
 #include <ATen/autocast_mode.h>
 #include <caffe2/serialize/inline_container.h>
 #include <gtest/gtest.h>
@@ -20,6 +21,7 @@
 #include "models/backbone.h"
 #include "models/backbone_registry.h"
 #include "models/checkpoint.h"
+#include "models/gate_conditioning.h"
 #include "models/iresnet.h"
 #include "models/model_stats.h"
 #include "models/norm_layer.h"
@@ -769,6 +771,103 @@ std::vector<std::string> ci_sized_backbones() {
 }
 
 INSTANTIATE_TEST_SUITE_P(Backbone, BackboneForward, ::testing::ValuesIn(ci_sized_backbones()),
+                         [](const auto& info) { return info.param; });
+
+// ---- the eval forward does not depend on the batch, the threads or the layout --------------
+
+// Sets ATen's intra-op threads for one scope (the test binary runs on one unless told).
+class IntraOpThreads {
+ public:
+  explicit IntraOpThreads(int n) : previous_(at::get_num_threads()) { at::set_num_threads(n); }
+  ~IntraOpThreads() { at::set_num_threads(previous_); }
+
+ private:
+  int previous_;
+};
+
+// The rows of x through the model `batch` at a time.
+torch::Tensor embed_in_batches(Backbone& model, const torch::Tensor& x, int64_t batch) {
+  torch::NoGradGuard no_grad;
+  std::vector<torch::Tensor> parts;
+  for (int64_t s = 0; s < x.size(0); s += batch) parts.push_back(model.forward(x.narrow(0, s, std::min(batch, x.size(0) - s))));
+  return torch::cat(parts);
+}
+
+// Per row: max |a - b| / max |b|; the worst row.
+double worst_row_error(const torch::Tensor& a, const torch::Tensor& b) {
+  const torch::Tensor d = (a.to(torch::kDouble) - b.to(torch::kDouble)).abs().amax(1);
+  return (d / b.to(torch::kDouble).abs().amax(1)).max().item<double>();
+}
+
+class BackboneInvariance : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(BackboneInvariance, SameEmbeddingsAtAnyBatchThreadsAndLayout) {
+  // Fan-in scaled weights and random BatchNorm statistics: a well-conditioned network, whose
+  // float32 forward agrees with itself to ~1e-6 however the work is split. (A network whose
+  // squeeze-excitation gates rounding decides cannot: models/gate_conditioning.h.)
+  REQUIRE_PYTHON_TORCH();
+  const std::string name = GetParam();
+  BackboneOptions o = opts(name, 128);
+  o.channels_last = false;
+  auto nchw = make_backbone(o);
+  randomise_state(*nchw, 11);
+  {
+    torch::NoGradGuard no_grad;
+    for (auto& w : nchw->parameters())
+      if (w.dim() == 4) w.normal_(0.0, std::sqrt(1.0 / (w.size(1) * w.size(2) * w.size(3))));
+  }
+  o.channels_last = true;
+  auto cl = make_backbone(o);
+  cl->load_state_dict(nchw->state_dict(), "the NCHW model");
+  for (const auto& w : cl->parameters())
+    if (w.dim() == 4 && w.size(2) * w.size(3) > 1) {
+      ASSERT_TRUE(w.is_contiguous(at::MemoryFormat::ChannelsLast));
+    }
+  nchw->eval();
+  cl->eval();
+  torch::manual_seed(5);
+  const torch::Tensor x = torch::randn({7, 3, 112, 112});
+  GateConditioning gates;
+  GateConditioningScope scope(gates);
+  torch::Tensor ref;
+  {
+    IntraOpThreads one(1);
+    ref = embed_in_batches(*nchw, x, 1);
+  }
+  struct Variant {
+    const char* what;
+    Backbone* model;
+    int64_t batch;
+    int threads;
+  };
+  // Every pair of two settings (batch x threads, batch x layout, threads x layout) is met by
+  // one variant; the larger networks whose code a smaller one of their family runs in full
+  // (r18/r50, ir_se50, mbf, vit_t) take the three that meet every value of each.
+  std::vector<Variant> variants = {{"batch 7, 2 threads, channels-last", cl.get(), 7, 2},
+                                   {"batch 4, 2 threads, NCHW", nchw.get(), 4, 2},
+                                   {"batch 4, 1 thread, channels-last", cl.get(), 4, 1}};
+  const std::set<std::string> full = {"r18", "r50", "ir_se50", "mbf", "mbf_small", "vit_t"};
+  if (full.count(name))
+    variants.insert(variants.end(), {{"batch 7, 1 thread, NCHW", nchw.get(), 7, 1},
+                                     {"batch 1, 2 threads, channels-last", cl.get(), 1, 2},
+                                     {"batch 1, 2 threads, NCHW", nchw.get(), 1, 2}});
+  torch::Tensor for_python;  // batch 7, 2 threads, channels-last
+  for (const Variant& v : variants) {
+    IntraOpThreads threads(v.threads);
+    const torch::Tensor y = embed_in_batches(*v.model, x, v.batch);
+    EXPECT_LT(worst_row_error(y, ref), 1e-5) << name << ", " << v.what << " against batch 1, 1 thread, NCHW";
+    if (!for_python.defined()) for_python = y;
+  }
+  EXPECT_EQ(gates.undecided, 0) << describe_gate_conditioning(gates, name);
+  // And both against the Python reference (plain torch.nn.functional ops on the same weights).
+  const std::string dir = testing::temp_dir("models_invariance");
+  save_backbone_weights(*nchw, dir + "/cpp_weights.pt");
+  write_state_dict({{"input", x}, {"eval", for_python}}, dir + "/cpp_io.pt");
+  auto [rc, out] = run_reference(dir, "check '" + dir + "' " + name + " 128");
+  EXPECT_EQ(rc, 0) << out;
+}
+
+INSTANTIATE_TEST_SUITE_P(Backbone, BackboneInvariance, ::testing::ValuesIn(ci_sized_backbones()),
                          [](const auto& info) { return info.param; });
 
 TEST(BackboneForward, VitHugeEvalForwardOfOne) {

@@ -1,6 +1,7 @@
 #include "app/eval/evaluation.h"
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <filesystem>
 #include <optional>
@@ -11,6 +12,7 @@
 
 #include "data/image_transform.h"
 #include "data/verification_bin.h"
+#include "models/gate_conditioning.h"
 #include "partial_fc/runtime/error.h"
 #include "partial_fc/runtime/log.h"
 #include "partial_fc/runtime/progress.h"
@@ -20,6 +22,14 @@ namespace faceshard {
 namespace {
 
 constexpr int64_t kImageFloats = 3 * 112 * 112;
+
+// The embeddings just computed are float32 rounding's more than the model's
+// (models/gate_conditioning.h): one warning per process, the first time it is seen.
+void warn_if_gates_undecided(const GateConditioning& c, const Backbone& model) {
+  static std::atomic<bool> warned{false};
+  const std::string line = describe_gate_conditioning(c, model.options().name);
+  if (!line.empty() && !warned.exchange(true)) log_warn(line);
+}
 
 std::string image_where(const std::string& path, int64_t i) {
   return detail::concat(path, ": pair ", i / 2, ", image ", i);
@@ -100,6 +110,8 @@ std::pair<at::Tensor, at::Tensor> flip_pass_embeddings(Backbone& model, const Ve
   const int64_t n = data.num_images();
   std::vector<at::Tensor> plain, mirrored;
   at::Tensor images = torch::empty({std::min(batch, std::max<int64_t>(n, 1)), 3, 112, 112});
+  GateConditioning gates;
+  GateConditioningScope gate_scope(gates);
   for (int64_t s = 0; s < n; s += batch) {
     const int64_t b = std::min(batch, n - s);
     data.fill(s, b, images.data_ptr<float>());
@@ -109,6 +121,7 @@ std::pair<at::Tensor, at::Tensor> flip_pass_embeddings(Backbone& model, const Ve
     if (bar) bar->update(static_cast<uint64_t>(s + b));
   }
   model.train(was_training);
+  warn_if_gates_undecided(gates, model);
   if (plain.empty()) {
     const at::Tensor none = torch::zeros({0, model.embedding_size()}, torch::kDouble);
     return {none, none};
@@ -126,6 +139,8 @@ at::Tensor embed_images(Backbone& model, int64_t n, const ImageSource& load, int
   model.eval();
   at::Tensor out = torch::empty({n, model.embedding_size()});
   at::Tensor images = torch::empty({std::min(batch, std::max<int64_t>(n, 1)), 3, 112, 112});
+  GateConditioning gates;
+  GateConditioningScope gate_scope(gates);
   for (int64_t s = 0; s < n; s += batch) {
     const int64_t b = std::min(batch, n - s);
     float* dst = images.data_ptr<float>();
@@ -143,6 +158,7 @@ at::Tensor embed_images(Backbone& model, int64_t n, const ImageSource& load, int
     if (bar) bar->update(static_cast<uint64_t>(s + b));
   }
   model.train(was_training);
+  warn_if_gates_undecided(gates, model);
   if (normalize) out = torch::nn::functional::normalize(out, torch::nn::functional::NormalizeFuncOptions().dim(1));
   return out;
 }
