@@ -5,6 +5,8 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <unistd.h>
+
 #include <condition_variable>
 #include <filesystem>
 #include <mutex>
@@ -97,6 +99,62 @@ TEST(AsyncCheckpoint, SavesTheStateOfItsStepNotOfTheNextStep) {
   expect_file_equals(step_dir + "/fc_shard_0.pt", shard, "fc_shard_0.pt");
   EXPECT_EQ(verify_checkpoint(step_dir, *dist), "");
   EXPECT_FALSE(writer.finish().has_value());  // one save, finished once
+}
+
+// The same on a GPU, where the staging is a copy on a side stream into pinned buffers that the
+// training stream waits for (fence) before its next kernel: right after save(), the training
+// changes every saved tensor in place on its stream while the write is held back; the files
+// hold the step's values (backbone, classifier shard and the train state).
+TEST(AsyncCheckpointCuda, SavesTheStateOfItsStepWhileTrainingGoesOn) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
+  const std::string dir = testing::temp_dir("async_ckpt_cuda");
+  DistEnv env;
+  env.master_port = 20000 + static_cast<int>((::getpid() + 17) % 20000);
+  DistOptions options;
+  options.use_cuda = true;
+  std::shared_ptr<Distributed> dist = Distributed::init(env, options);
+  const Config cfg = load_config_text("output: " + dir + "/out\n" + R"(data: {rec: synthetic, num_classes: 10, batch_size: 4, num_workers: 1}
+model: {backbone: mbf, embedding_size: 8}
+train: {verify_every: 0, tensorboard: false}
+dist: {device: cuda}
+)", "job.yaml");
+  {
+    TrainJob job = build_train_job(cfg, dist);
+    ASSERT_TRUE(job.device.is_cuda());
+    TrainState state(job);
+    state.progress().step = 2;
+    CheckpointManager checkpoints(dir + "/ck", *dist, 10);
+    AsyncCheckpointWriter writer(checkpoints, 0, 1, nullptr, "t", std::chrono::seconds(60));
+    Gate gate;
+    writer.set_before_write_hook([&](int64_t) { gate.wait(); });
+    const CheckpointContents at_step = state.contents();
+    const StateDict backbone = cloned(at_step.backbone), shard = cloned(at_step.shard),
+                    train_state = cloned(at_step.train_state);
+    EXPECT_FALSE(writer.save(state).has_value());
+    {
+      // Queued on the training stream (current while the job lives) right after save(): the
+      // fence must order them after the side stream's copies.
+      at::NoGradGuard no_grad;
+      for (auto& kv : job.backbone->state_dict())
+        if (kv.second.is_floating_point()) kv.second.mul_(3.0).add_(1.0);
+      for (auto& kv : job.fc->state())
+        if (kv.second.is_floating_point()) kv.second.mul_(3.0).add_(1.0);
+      for (auto& kv : state.contents().train_state)
+        if (kv.second.defined() && kv.second.is_floating_point()) kv.second.add_(1.0);
+      state.progress().step = 3;
+    }
+    ASSERT_FALSE(torch::equal(job.backbone->state_dict().front().second.cpu(), backbone.front().second.cpu()));
+    gate.open();
+    const std::optional<CheckpointOutcome> o = writer.finish();
+    ASSERT_TRUE(o.has_value());
+    ASSERT_TRUE(o->committed) << o->problem;
+    EXPECT_EQ(o->step, 2);
+    const std::string step_dir = dir + "/ck/step_00000002";
+    expect_file_equals(step_dir + "/backbone.pt", backbone, "backbone.pt");
+    expect_file_equals(step_dir + "/fc_shard_0.pt", shard, "fc_shard_0.pt");
+    expect_file_equals(step_dir + "/train_state.pt", train_state, "train_state.pt");
+  }
+  dist->shutdown();
 }
 
 // train.checkpoint_when_busy skip: a checkpoint due while the previous write is still held
@@ -248,6 +306,23 @@ TEST(StoreAgreement, ARankThatNeverReportsFailsTheStage) {
 // The staging plan by hand: 10 classes over 3 ranks puts ceil(10/3) = 4 rows on rank 0, so
 // its shard stages 4/10 of the shards' 1000 B; rank 0 adds the backbone (100 B) and the train
 // state (50 B); a host of 2 ranks holds rank 0's 550 B and another rank's 400 B.
+// A GPU tensor's staging buffer is pinned memory, handed out in powers of two by LibTorch's
+// caching host allocator: the fit check counts the block, not the tensor's bytes.
+TEST(CheckpointStagingPlan, PinnedBuffersCountTheirBlocks) {
+  EXPECT_EQ(pinned_block_bytes(0), 0);
+  EXPECT_EQ(pinned_block_bytes(1), 1);
+  EXPECT_EQ(pinned_block_bytes(3), 4);
+  EXPECT_EQ(pinned_block_bytes(4096), 4096);
+  EXPECT_EQ(pinned_block_bytes(4097), 8192);
+  // 2M classes x 512 fp32 centres: 4.0 GiB exactly; plus one byte, twice that.
+  EXPECT_EQ(pinned_block_bytes(2097152.0 * 2048), 4294967296.0);
+  EXPECT_EQ(pinned_block_bytes(2097152.0 * 2048 + 1), 8589934592.0);
+  // CPU tensors (the CPU's buffers are not pinned) count their own bytes.
+  CheckpointContents c;
+  c.shard = {{"rows/weight", torch::zeros({3, 5})}};
+  EXPECT_EQ(staging_bytes(c, 1), 60);
+}
+
 TEST(CheckpointStagingPlan, RankAndHostBytesByHand) {
   CheckpointPlan ck;
   ck.files = {{"backbone.pt", 100, ""}, {"train_state.pt", 50, ""}, {"fc_shard_0.pt .. fc_shard_2.pt", 1000, ""}};

@@ -2,8 +2,16 @@
 results.json and the summary table (stdout).
 
   python3 tools/gpu_check_report.py JSON_DIR RESULTS_JSON [--device cuda|cpu]
+  python3 tools/gpu_check_report.py --run-tests BINARY --list FILE --out DIR [--test-limit-s S]
+  python3 tools/gpu_check_report.py --plan DOC --check GPU_CHECK_SH --benchmarks DIR
+  python3 tools/gpu_check_report.py --calls DOC [--call X]
 
-results.json holds "card", "date", "env", "sections" (each item's exit status, seconds and
+(--run-tests: gpu_check.sh's tests item, all the listed tests in one process under a limit per
+test; --plan: gpu_check.sh --plan, each documented call's items and seconds against its
+timeout and its lease; --calls: the calls docs/gpu.md gives, for their test.)
+
+results.json holds "card", "date", "env", "planned" (the items the check planned before its
+first, from check.json), "sections" (each item's exit status, seconds and
 whether it is required; "skipped": not started, its budget spent), "tests" (the GPU tests the
 binary lists and what each did), "train" (losses, verification, and the resume against the
 uninterrupted run), "records" (one per step cell: who, network, batch, precision,
@@ -15,16 +23,22 @@ pipeline each change), "targets" (the step's targets on a GPU, held or not: repo
 failed check), "classifier" (bytes per class measured and planned), "classifier_vs_arcface_torch"
 (faceshard's classifier step per cell beside arcface_torch's PartialFC_V2 alone at the same
 classes per shard and rate: GEMMs, bytes, floor, arcface_torch / faceshard), "capacity",
-"loader", "two_ranks" and "problems".
+"loader", "two_ranks", "checkpoint" (with its goals, held or not) and "problems".
 
 A check that could not fail proves nothing, so each of these is a problem (exit status 1):
-an item that failed or ran past its limit; a required item not started (the budget spent);
-zero GPU tests, a test the binary lists that did not run or did not pass, a skipped test on
-a GPU, a name of MIN_GPU_TESTS the binary does not list; a graph cell whose graphs were not
+the check's refusal before its first item (a required item's limit cut by the budget); an
+item that failed or ran past its limit; a required item not started (the budget spent), not
+in status.tsv, or without its JSON; no list of the planned items; a section asked with nothing
+in status.tsv; zero GPU tests, a test the binary lists that did not run or did not pass, a
+skipped test on a GPU, a test that hung or crashed, a name of MIN_GPU_TESTS the binary does
+not list; a step section without a graph cell or without arcface_torch's cell; a graph cell whose graphs were not
 captured on a GPU, or whose losses differ from its eager cell's; a resumed run without its
 "resumed from ... at step N" line or whose losses do not continue the uninterrupted run's;
 the loss not falling; faceshard-verify disagreeing with the trainer; the classifier's bytes
-per class more than 10% from the plan; two_ranks.json not "ok".
+per class more than 10% from the plan; a capacity plan without a class count, or the largest
+count not trained; on a GPU, the checkpoint goals not held (the wait at a background
+checkpoint at least 20x shorter than at a synchronous one, a step during a background write
+at most 10% slower); two_ranks.json not "ok".
 """
 
 import argparse
@@ -204,6 +218,9 @@ MIN_GPU_TESTS = [
     "PartialFCCuda.FirstStepsWithoutHostSynchronisation",
     "ElasticFaceDrawsCuda.SameAsTheCpuWithoutHostSync",
     "FineTune.CudaGraphsRefusedWhileFreezing",
+    "RowUpdateCuda.SameAsTheCpuLoop",
+    "PReLU.FailedCudaLaunchNamesTheKernel",
+    "AsyncCheckpointCuda.SavesTheStateOfItsStepWhileTrainingGoesOn",
 ]
 
 # A graph cell's per-step losses against its eager cell's (the same job, seed and batches):
@@ -274,10 +291,12 @@ def judge_tests(d, device, problems):
                             f"gpu_check_report.py's MIN_GPU_TESTS)")
     results = {}
     paths = sorted(glob.glob(os.path.join(d, "gtest", "*.json"))) + [os.path.join(d, "gtest.json")]
+    tests["processes"] = 0
     for path in paths:
         g = load(path)
         if not g:
             continue
+        tests["processes"] += 1
         for suite in g.get("testsuites", []):
             for t in suite.get("testsuite", []):
                 results[f"{suite['name']}.{t['name']}"] = t
@@ -296,11 +315,83 @@ def judge_tests(d, device, problems):
         problems.append(f"tests: {n} is listed by the test binary but has no result (did not run, crashed or hung)")
     if tests["failed"]:
         problems.append(f"tests: {tests['failed']} GPU test(s) failed: {', '.join(f['test'] for f in tests['failures'])}")
+    for f_ in tests["failures"]:
+        # The runner's own verdicts (gpu_check_report.py --run-tests): a hang or a crash.
+        if f_["message"].startswith(("hung:", "crashed:", "killed at")):
+            problems.append(f"tests: {f_['test']} {f_['message'].split(';')[0]}")
     if device == "cuda" and tests["skipped"]:
         problems.append(f"tests: {tests['skipped']} GPU test(s) skipped on a GPU: {', '.join(tests['skipped_names'])}")
     if tests["passed"] == 0:
         problems.append("tests: zero tests passed")
     return tests
+
+
+# Which section an item belongs to, by its name: for a folder whose check.json has no plan.
+SECTION_PREFIXES = [("env", ("env", "tools_load")), ("tests", ("tests", "test_")),
+                    ("train", ("train_", "export_", "verify_")), ("step", ("step_", "jpeg_data")),
+                    ("classifier", ("classifier", "plan_", "arcface_classifier")), ("capacity", ("cap_",)),
+                    ("loader", ("loader",)), ("tworanks", ("tworanks",)), ("checkpoint", ("checkpoint",))]
+
+
+def section_of(name, planned_sections):
+    if name in planned_sections:
+        return planned_sections[name]
+    for sec, prefixes in SECTION_PREFIXES:
+        if name.startswith(prefixes):
+            return sec
+    return None
+
+
+def judge_planned(d, check, asked, items, plan_problems, problems):
+    """The required items the check planned (check.json's "planned", written before its first
+    item): each must be in status.tsv and, where it exited 0, have left its JSON; and every
+    section asked must have left something in status.tsv. A result that lacks work it was
+    asked for proves nothing about that work."""
+    planned = check.get("planned")
+    if plan_problems:
+        return planned if isinstance(planned, list) else []
+    if asked and not isinstance(planned, list):
+        problems.append("check.json: no list of the items the check planned ('planned'): its required items "
+                        "cannot be held to their results")
+        planned = []
+    planned = [p for p in planned if isinstance(p, dict) and p.get("name")]
+    ran = {s["name"]: s for s in items}
+    for p in planned:
+        if p.get("need") != "required":
+            continue
+        s = ran.get(p["name"])
+        if s is None:
+            problems.append(f"{p['name']}: a required item of the {p.get('section') or '?'} section, planned by the "
+                            f"check, is not in status.tsv (it never ran)")
+        elif s["exit"] == "0" and p.get("json") and load(os.path.join(d, p["json"])) is None:
+            problems.append(f"{p['name']}: no {p['json']} (the result of a required item)")
+    sections = {p["name"]: p.get("section") for p in planned}
+    for sec in asked:
+        if not any(section_of(s["name"], sections) == sec for s in items if s["name"] != "total"):
+            problems.append(f"{sec}: asked, but nothing of it in status.tsv")
+    return planned
+
+
+# Call d's goals for checkpoints written in the background (tools/checkpoint_stall.py): the
+# training waits at least 20x less than while a synchronous checkpoint is written (median over
+# the checkpoints: the first background one also allocates its pinned staging), and a step
+# during a background write takes at most 10% longer than the others.
+CHECKPOINT_WAIT_RATIO = 20.0
+CHECKPOINT_STEP_SLOWDOWN = 1.10
+
+
+def checkpoint_goals(checkpoint):
+    import statistics
+    ratios = [number(r.get("wait_ratio")) for r in checkpoint.get("checkpoints", []) if isinstance(r, dict)]
+    ratios = [x for x in ratios if x is not None]
+    wr = statistics.median(ratios) if ratios else None
+    doa = number((checkpoint.get("background_steps") or {}).get("during_over_away"))
+    return [{"goal": "wait", "what": "the training's wait at a synchronous checkpoint over its wait at a background one "
+                                     f"(median of {len(ratios)})", "value": wr, "target": f">= {CHECKPOINT_WAIT_RATIO:g}",
+             "held": wr is not None and wr >= CHECKPOINT_WAIT_RATIO},
+            {"goal": "step", "what": "a step's time during a background write over the other steps' (medians)",
+             "value": doa, "target": f"<= {CHECKPOINT_STEP_SLOWDOWN:.2f}",
+             "held": doa is not None and doa <= CHECKPOINT_STEP_SLOWDOWN}]
 
 
 def losses_of(rows):
@@ -403,6 +494,394 @@ def judge_graph_cells(records, raw_variant, cells, device, problems):
     return checks
 
 
+# ---------------------------------------------------------------- the GPU tests' runner
+# gpu_check.sh's tests item: every listed test in one process of the test binary (a process
+# per test pays LibTorch CUDA's load and cuDNN's start-up each time), with a time limit per
+# test read from the console's "[ RUN      ]" lines. A test that hangs past the limit, or
+# during which the process dies, gets a failed result that says so, and the tests after it
+# run again in a new process; a process's GoogleTest JSON (written only at its normal end) or,
+# where it did not end normally, the results its console printed, go to OUT/runN.json.
+GTEST_RESULT = re.compile(r"^\[\s+(OK|FAILED|SKIPPED)\s+\] (\S+) \(\d+ ms\)")
+GTEST_RUN = re.compile(r"^\[ RUN      \] (\S+)")
+
+
+def gtest_doc(results):
+    """GoogleTest's JSON layout for {name: (result, failure message or None)}."""
+    suites = {}
+    for name, (result, failure) in results.items():
+        suite, test = name.split(".", 1)
+        t = {"name": test, "status": "RUN", "result": result}
+        if failure is not None:
+            t["failures"] = [{"failure": failure, "type": ""}]
+        suites.setdefault(suite, []).append(t)
+    return {"tests": len(results), "testsuites": [{"name": s, "testsuite": ts} for s, ts in suites.items()]}
+
+
+def run_tests(argv):
+    import signal
+    import subprocess
+    import threading
+    import time
+    p = argparse.ArgumentParser(prog="gpu_check_report.py --run-tests")
+    p.add_argument("binary")
+    p.add_argument("--list", required=True, help="the tests to run, one full name a line")
+    p.add_argument("--out", required=True, help="the folder of each process's GoogleTest JSON")
+    p.add_argument("--test-limit-s", type=float, default=90.0)
+    p.add_argument("--limit-s", type=float, default=None,
+                   help="the whole run's limit (default: $GPU_CHECK_ITEM_LIMIT_S, the item's limit in gpu_check.sh)")
+    a = p.parse_args(argv)
+    try:
+        with open(a.list) as f:
+            remaining = [l.strip() for l in f if l.strip()]
+    except OSError as e:
+        print(f"--run-tests: cannot read the list of tests {a.list}: {e.strerror}")
+        return 2
+    limit = a.limit_s if a.limit_s is not None else float(os.environ.get("GPU_CHECK_ITEM_LIMIT_S") or 0) or None
+    # Ends a little before the item's limit kills it, so that what ran is written down.
+    deadline = time.monotonic() + limit - 5 if limit else None
+    os.makedirs(a.out, exist_ok=True)
+    state = {"child": None}
+
+    def stop(signum, frame):
+        raise KeyboardInterrupt
+    signal.signal(signal.SIGTERM, stop)
+    all_ok, attempt = True, 0
+    print(f"{len(remaining)} test(s), each under {a.test_limit_s:g} s" + (f", all within {limit:g} s" if limit else ""),
+          flush=True)
+    while remaining:
+        attempt += 1
+        json_path = os.path.join(a.out, f"run{attempt}.json")
+        cmd = [a.binary, "--gtest_filter=" + ":".join(remaining), "--gtest_output=json:" + json_path]
+        print(f"-- process {attempt}: {len(remaining)} test(s)", flush=True)
+        child = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace",
+                                 bufsize=1, start_new_session=True)
+        state["child"] = child
+        seen = {}        # name -> (result, failure) from the console
+        current = {"name": None, "t0": 0.0, "lines": []}
+        lock = threading.Lock()
+
+        def reader():
+            for line in child.stdout:
+                sys.stdout.write(line)
+                sys.stdout.flush()
+                with lock:
+                    m = GTEST_RUN.match(line)
+                    if m:
+                        current.update(name=m.group(1), t0=time.monotonic(), lines=[])
+                        continue
+                    m = GTEST_RESULT.match(line)
+                    if m and m.group(2) == current["name"]:
+                        kind = m.group(1)
+                        seen[m.group(2)] = ("SKIPPED" if kind == "SKIPPED" else "COMPLETED",
+                                            "".join(current["lines"])[-2000:] or "failed" if kind == "FAILED" else None)
+                        current.update(name=None, lines=[])
+                    elif current["name"] is not None and len(current["lines"]) < 200:
+                        current["lines"].append(line)
+        th = threading.Thread(target=reader, daemon=True)
+        th.start()
+        culprit, why = None, None
+        try:
+            while child.poll() is None:
+                time.sleep(0.2)
+                with lock:
+                    name, t0 = current["name"], current["t0"]
+                now = time.monotonic()
+                if name is not None and now - t0 > a.test_limit_s:
+                    culprit, why = name, f"hung: no result within {a.test_limit_s:g} s; the process was killed " \
+                                         f"and the tests after it run again in a new process"
+                elif deadline is not None and now > deadline:
+                    culprit, why = name, "killed at the tests' time limit (the item's limit)"
+                if why:
+                    os.killpg(child.pid, signal.SIGKILL)
+                    break
+        except KeyboardInterrupt:
+            culprit, why = current["name"], "killed at the tests' time limit (the item's limit)"
+            os.killpg(child.pid, signal.SIGKILL)
+        child.wait()
+        th.join(timeout=5)
+        rc = child.returncode
+        if why is None and rc != 0 and not os.path.exists(json_path):
+            culprit = current["name"]
+            how = f"was killed by signal {-rc}" if rc < 0 else f"ended with status {rc}"
+            why = f"crashed: the test binary {how} during this test; the tests after it run again in a new process"
+        results = {}
+        if why is None and load(json_path):
+            pass  # the process ended normally and wrote its own JSON
+        else:
+            results = dict(seen)
+            if culprit:
+                results[culprit] = ("COMPLETED", why)
+            with open(json_path, "w") as f:
+                json.dump(gtest_doc(results), f, indent=1)
+        done = set()
+        for suite in (load(json_path) or {}).get("testsuites", []):
+            for t in suite.get("testsuite", []):
+                full = f"{suite['name']}.{t['name']}"
+                done.add(full)
+                if t.get("failures"):
+                    all_ok = False
+        if rc != 0:
+            all_ok = False
+        left = [n for n in remaining if n not in done]
+        if why and why.startswith("killed at the tests' time limit"):
+            print(f"-- stopped at the time limit; {len(left)} test(s) not run", flush=True)
+            return 124
+        if len(left) == len(remaining):
+            print(f"-- process {attempt} left no result for any test (status {rc}); {len(left)} not run", flush=True)
+            return 1
+        if left and why is None:
+            # A normal end without every test: the binary does not have them (the report names
+            # each as listed without a result).
+            print(f"-- {len(left)} test(s) without a result: {', '.join(left)}", flush=True)
+            return 1
+        remaining = left
+    return 0 if all_ok else 1
+
+
+# ---------------------------------------------------------------- the calls and their plan
+# docs/gpu.md gives each call of a GPU lease as the exact command a device run takes, under a
+# "### Lease N" heading, with its "**x**:" letter and its timeout_s; the calls' test
+# (tests/e2e/gpu_check_calls.sh) and the plan (gpu_check.sh --plan) read them from there, so
+# that neither can drift from what the page tells a reader to run.
+LEASE_S = 900         # device time a lease gives, its machine's start included
+START_S = 240         # the machine's start, at its longest (120-240 s)
+COMMAND_S = 600       # the longest one command may run
+GRACE_S = 40          # gpu_check.sh's grace past its budget
+UNPACK_S = 10         # per call: unpacking the bundle, the check's own plan of its items
+ITEM_OVERHEAD_S = 1   # per item: a free port, the time limit's process
+REPORT_S = 3          # per section and at the end: the report and the logs' tarball
+
+# Items no GPU run has timed yet (or whose work has changed since): seconds guessed from what
+# they do, or from a measured item they resemble, until a run's JSON holds them. Each: a
+# pattern of the item's name, the measured item it follows (a template of the pattern's
+# groups, or None), a factor and seconds added, and why.
+GUESSED = [
+    (r"^env$", None, 0, 5, "imports torch"),
+    (r"^tests_list$", None, 0, 2, "lists the tests"),
+    (r"^tests$", None, 0, 90, "6 GPU tests took 25 s in one process on an H200; 19 now, some of them r50 steps and "
+                               "graph captures"),
+    (r"^train_bf16_full$", "train_bf16_part1", 1.0, 8, "47 steps where the first part runs 37"),
+    (r"^step_faceshard_(.+)_graph$", r"step_faceshard_\1", 1.0, 10, "its eager cell and the capture's warm-up"),
+    (r"^step_faceshard_(.+)_(unfused|atenprelu)$", r"step_faceshard_\1", 1.2, 0, "its base cell, slower"),
+    (r"^step_faceshard_(.+)_jpeg$", r"step_faceshard_\1", 1.0, 5, "its base cell and the JPEG loader's start"),
+    (r"^step_faceshard_(.+)_bf16_cl$", None, 0, 25, "a step cell"),
+    (r"^step_faceshard_(.+)_nchw$", r"step_faceshard_\1_cl", 1.5, 0, "its channels-last cell, slower"),
+    (r"^step_", None, 0, 25, "a step cell"),
+    (r"^jpeg_data$", None, 0, 20, "faceshard-synth writes 20,000 JPEG images"),
+    (r"^arcface_classifier$", None, 0, 90, "runs cells until 20 s before its limit"),
+    (r"^tworanks$", None, 0, 120, "4 demo trainings at world 2 (2 on the GPU, 2 on the CPU) and the *GlooCuda* tests"),
+    (r"^cap_plan_", None, 0, 1, "faceshard-plan"),
+    (r"^cap_largest_", None, 0, 60, "about 38M classes drawn and 2 steps"),
+    (r"^cap_storage$", None, 0, 45, "16 classifier runs at 1M and 2M classes"),
+    (r"^cap_gathered$", None, 0, 40, "4 classifier runs at batch 8192"),
+    (r"^cap_200k$", None, 0, 30, "4 classifier runs at 200k classes"),
+    (r"^cap_step_r50_", "step_faceshard_r50_256_bf16_cl", 1.0, 0, "the r50 step cell"),
+    (r"^checkpoint_stall$", None, 0, 150, "two r50 trainings of 60 steps at 2M classes, 3 checkpoints of 4 GB each"),
+    (r"^plan_", None, 0, 1, "faceshard-plan"),
+]
+
+
+# Items whose work has changed since the GPU results timed them: their guess stands instead.
+CHANGED_SINCE_TIMED = {"env": "an item of its own since (it was not timed)",
+                       "tests": "the H200's run timed 6 GPU tests"}
+
+
+def parse_calls(doc):
+    """[{lease, call, command, args, timeout_s}] from docs/gpu.md's lease headings and blocks."""
+    import shlex
+    calls, lease, call, block = [], None, None, None
+    for line in open(doc):
+        m = re.match(r"^### Lease (\d+)\b", line)
+        if m:
+            lease, call = int(m.group(1)), None
+            continue
+        if line.startswith("## "):
+            lease = None
+        m = re.match(r"^\*\*([a-z])\*\*:", line)
+        if m:
+            call = m.group(1)
+        if line.startswith("```"):
+            if block is None:
+                block = {}
+            else:
+                if "command" in block and lease is not None and call is not None:
+                    m = re.search(r"gpu_check\.sh \$OUT (.*?) 2>&1", block["command"])
+                    if not m:
+                        raise ValueError(f"call {call}: no 'gpu_check.sh $OUT ... 2>&1' in its command")
+                    calls.append({"lease": lease, "call": call, "command": block["command"],
+                                  "args": shlex.split(m.group(1)), "timeout_s": int(block.get("timeout_s", 0))})
+                    call = None
+                block = None
+            continue
+        if block is not None:
+            m = re.match(r"^(command|carry|timeout_s):\s*(.*)$", line.rstrip("\n"))
+            if m:
+                block[m.group(1)] = m.group(2)
+    return calls
+
+
+def gpu_timings(folder):
+    """Per item, its seconds on a GPU: the newest results first (by date, then name), each
+    item from the newest file that timed it."""
+    runs = []
+    for path in glob.glob(os.path.join(folder, "*.json")):
+        j = load(path)
+        if isinstance(j, dict) and j.get("device") == "cuda" and isinstance(j.get("sections"), list):
+            runs.append((str(j.get("date", "")), os.path.basename(path), j))
+    runs.sort(reverse=True)
+    seconds = {}
+    for _, name, j in runs:
+        for s in j["sections"]:
+            if s.get("exit") not in ("skipped", "absent") and s.get("name") not in seconds and \
+                    number(s.get("seconds")) is not None and s["name"] != "total":
+                seconds[s["name"]] = (float(s["seconds"]), name)
+    return seconds, [name for _, name, _ in runs]
+
+
+def estimate(name, timed, limit):
+    if name in timed and name not in CHANGED_SINCE_TIMED:
+        return timed[name][0], timed[name][1]
+    for pattern, follows, factor, add, why in GUESSED:
+        m = re.match(pattern, name)
+        if not m:
+            continue
+        if follows:
+            base = m.expand(follows)
+            if base in timed:
+                return timed[base][0] * factor + add, f"guessed: {why} ({base})"
+            continue
+        return float(add), f"guessed: {why}" + (f" ({CHANGED_SINCE_TIMED[name]})" if name in CHANGED_SINCE_TIMED else "")
+    return float(limit), "guessed: its time limit (nothing known)"
+
+
+def dry_run(check, args):
+    import subprocess
+    p = subprocess.run(["bash", check, "--dry-run"] + args, capture_output=True, text=True)
+    if p.returncode != 0:
+        raise ValueError(f"gpu_check.sh --dry-run {' '.join(args)} exited {p.returncode}: {p.stderr.strip()[-300:]}")
+    items = []
+    for line in p.stdout.splitlines():
+        name, need, limit, js, sec = line.split("\t")
+        items.append({"name": name, "need": need, "limit_s": int(limit), "json": js, "section": sec})
+    return items
+
+
+def plan_call(c, check, timed):
+    """The items of one call in the order they run, each with its estimate; the call's
+    expected seconds (the budget's cuts applied) and its longest (the budget and its grace);
+    and why it does not fit, if it does not."""
+    args = c["args"]
+    budget = int(args[args.index("--budget-s") + 1]) if "--budget-s" in args else 420
+    sections = args[args.index("--sections") + 1].split(",") if "--sections" in args else []
+    items = dry_run(check, args)
+    why = []
+    t = 0.0
+    required_end = 0.0  # the required items' seconds, uncut by the budget
+    for it in items:
+        est, src = estimate(it["name"], timed, it["limit_s"])
+        it.update(estimate_s=est, source=src)
+        if it["need"] == "required" and budget and it["limit_s"] > budget + GRACE_S:
+            why.append(f"{it['name']}'s limit of {it['limit_s']} s is past --budget-s {budget} + {GRACE_S} s")
+        if budget and t >= budget:
+            it["runs"] = False
+            if it["need"] == "required":
+                why.append(f"{it['name']} (required) would not start: the budget of {budget} s is spent by then")
+            continue
+        lim = it["limit_s"] if not budget else min(it["limit_s"], budget - t + GRACE_S)
+        it["runs"] = True
+        t += min(est, lim) + ITEM_OVERHEAD_S
+        if it["need"] == "required":
+            required_end += min(est, it["limit_s"]) + ITEM_OVERHEAD_S
+    reports = REPORT_S * (len(sections) + 1)
+    expected = UNPACK_S + t + reports
+    if budget:
+        longest = UNPACK_S + min(budget + GRACE_S + ITEM_OVERHEAD_S, sum(i["limit_s"] + ITEM_OVERHEAD_S for i in items)) \
+            + reports
+    else:
+        longest = UNPACK_S + sum(i["limit_s"] + ITEM_OVERHEAD_S for i in items) + reports
+    if budget and required_end > budget:
+        why.append(f"its required items are expected to take {required_end:.0f} s, past --budget-s {budget}")
+    if longest > c["timeout_s"]:
+        why.append(f"it may run {longest:.0f} s (the budget, its grace and the reports), past its timeout_s "
+                   f"{c['timeout_s']}")
+    if c["timeout_s"] > COMMAND_S:
+        why.append(f"timeout_s {c['timeout_s']} is past the {COMMAND_S} s a command may run")
+    return {"items": items, "budget": budget, "expected_s": expected, "required_s": UNPACK_S + required_end,
+            "longest_s": longest, "why": why}
+
+
+def plan(argv):
+    p = argparse.ArgumentParser(prog="gpu_check_report.py --plan")
+    p.add_argument("doc")
+    p.add_argument("--check", required=True, help="gpu_check.sh (its --dry-run lists a call's items)")
+    p.add_argument("--benchmarks", required=True, help="the folder of the GPU results (docs/benchmarks)")
+    p.add_argument("--start-s", type=int, default=START_S)
+    p.add_argument("--lease-s", type=int, default=LEASE_S)
+    a = p.parse_args(argv)
+    try:
+        calls = parse_calls(a.doc)
+    except (OSError, ValueError) as e:
+        print(f"gpu_check.sh --plan: refused: cannot read the calls of {a.doc}: {e}", file=sys.stderr)
+        return 1
+    if not calls:
+        print(f"gpu_check.sh --plan: refused: {a.doc} has no call under a '### Lease N' heading", file=sys.stderr)
+        return 1
+    timed, sources = gpu_timings(a.benchmarks)
+    print(f"== the GPU check's calls ({a.doc}); seconds from {', '.join(sources) or 'no GPU results'}, "
+          f"guessed where no run has timed an item")
+    refused = []
+    leases = {}
+    for c in calls:
+        leases.setdefault(c["lease"], []).append(c)
+    for lease, cs in sorted(leases.items()):
+        total = sum(c["timeout_s"] for c in cs) + a.start_s
+        fits = total <= a.lease_s
+        print(f"-- lease {lease}: calls {', '.join(c['call'] for c in cs)}: timeouts "
+              f"{' + '.join(str(c['timeout_s']) for c in cs)} s + a start of {a.start_s} s = {total} s of {a.lease_s}: "
+              f"{'fits' if fits else 'does not fit'}")
+        if not fits:
+            refused.append(f"lease {lease}: its calls' timeouts and a start of {a.start_s} s make {total} s, "
+                           f"past {a.lease_s}")
+        for c in cs:
+            try:
+                q = plan_call(c, a.check, timed)
+            except ValueError as e:
+                refused.append(f"call {c['call']}: {e}")
+                continue
+            sec = c["args"][c["args"].index("--sections") + 1] if "--sections" in c["args"] else "(default)"
+            print(f"   call {c['call']}: {sec}, --budget-s {q['budget']}, timeout_s {c['timeout_s']}: expected "
+                  f"{q['expected_s']:.0f} s (required items done at {q['required_s']:.0f} s), at most "
+                  f"{q['longest_s']:.0f} s: {'fits' if not q['why'] else 'does not fit'}")
+            for it in q["items"]:
+                print(f"      {it['name']:40} {it['need']:8} limit {it['limit_s']:>4} s  "
+                      f"{'~%5.0f s' % it['estimate_s'] if it['runs'] else '  not started'}  {it['source']}")
+            refused += [f"call {c['call']}: {w}" for w in q["why"]]
+    if refused:
+        print("gpu_check.sh --plan: refused: " + "; ".join(refused), file=sys.stderr)
+        return 1
+    print("-- every call and every lease fits")
+    return 0
+
+
+def print_calls(argv):
+    """The documented calls, for the calls' test: "LEASE CALL TIMEOUT_S" then the check's
+    arguments, tab-separated, one call a line (--call X: that call's arguments, one a line)."""
+    p = argparse.ArgumentParser(prog="gpu_check_report.py --calls")
+    p.add_argument("doc")
+    p.add_argument("--call", default=None)
+    a = p.parse_args(argv)
+    calls = parse_calls(a.doc)
+    if a.call:
+        c = [c for c in calls if c["call"] == a.call]
+        if not c:
+            print(f"no call {a.call!r} in {a.doc} (calls: {', '.join(c['call'] for c in calls)})", file=sys.stderr)
+            return 1
+        print("\n".join(c[0]["args"]))
+        return 0
+    for c in calls:
+        print("\t".join([str(c["lease"]), c["call"], str(c["timeout_s"])] + c["args"]))
+    return 0
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("json_dir")
@@ -419,9 +898,14 @@ def main():
         prefixes = {"env": "env", "tests": "test", "train": "train", "step": "step_", "classifier": "classifier",
                     "capacity": "cap_", "loader": "loader", "tworanks": "tworanks", "checkpoint": "checkpoint_"}
         asked = [k for k, v in prefixes.items() if any(s["name"].startswith(v) for s in items)]
-    if not items:
+    # A call the check refused before its first item (a required item's limit cut by the
+    # budget): its reasons are the problems.
+    plan_problems = [str(x) for x in check.get("plan_problems") or []]
+    problems.extend(plan_problems)
+    if not items and not plan_problems:
         problems.append("no item ran (status.tsv is empty or missing)")
     skipped = judge_items(items, problems)
+    planned_items = judge_planned(d, check, asked, items, plan_problems, problems)
 
     env = load(os.path.join(d, "env.json"), {})
     card = "cpu"
@@ -523,9 +1007,14 @@ def main():
     for s in items:
         if s["name"].startswith("step_") and s["exit"] == "0" and not os.path.exists(os.path.join(d, s["name"] + ".json")):
             problems.append(f"{s['name']}: no result")
-    if "step" in asked and not any(s["name"].startswith("step_faceshard_") and s["exit"] not in ("skipped",)
-                                   for s in items):
-        problems.append("step: no cell ran")
+    if "step" in asked and not plan_problems:
+        if not any(s["name"].startswith("step_faceshard_") and s["exit"] not in ("skipped",) for s in items):
+            problems.append("step: no cell ran")
+        # What the step section is for, whatever the plan said: a graph cell and arcface_torch's.
+        if not any(raw_variant.get(id(r)) in ("graph", "graph-eager") for r in records if r["who"] == "faceshard"):
+            problems.append("step: no graph cell (train.cuda_graph=true) among the step cells' results")
+        if not any(r["who"] == "arcface_torch" for r in records):
+            problems.append("step: no arcface_torch cell beside faceshard's")
     graph_checks = judge_graph_cells(records, raw_variant, cells, a.device, problems)
     ratios = []
     for r in records:
@@ -599,6 +1088,16 @@ def main():
         c = load(os.path.join(d, f"{name}.json"))
         if c:
             capacity[name] = c.get("bytes_per_class", [])
+    if "capacity" in asked and not plan_problems:
+        ran = {s["name"]: s for s in items}
+        plan3 = load(os.path.join(d, "cap_plan_3GiB.json"))
+        if ran.get("cap_plan_3GiB", {}).get("exit") == "0":
+            most = plan3.get("max_classes") if isinstance(plan3, dict) else None
+            if not isinstance(most, int) or isinstance(most, bool) or most <= 0:
+                problems.append(f"capacity: faceshard-plan found no class count for this card (max_classes {most!r} "
+                                f"in cap_plan_3GiB.json): nothing to train")
+        if not any(v.get("trained") for k, v in capacity.items() if k.endswith("GiB")):
+            problems.append("capacity: the largest class count was not trained (no cap_largest_*GiB.json)")
 
     loader = load(os.path.join(d, "loader.json"), {})
 
@@ -613,6 +1112,16 @@ def main():
                 problems.append("checkpoint: no checkpoint_stall.json")
             else:
                 checkpoint = j
+                # Judged on a GPU, where the background write is meant to pay; a CPU's tiny
+                # run only shows the plumbing, and its figures are reported.
+                checkpoint["goals"] = checkpoint_goals(j)
+                for g in checkpoint["goals"] if a.device == "cuda" else []:
+                    if g["held"]:
+                        continue
+                    if g["value"] is None:
+                        problems.append(f"checkpoint: {g['what']}: not measured (goal {g['target']}): not held")
+                    else:
+                        problems.append(f"checkpoint: {g['what']}: {g['value']:.3g}, the goal {g['target']}: not held")
 
     # two ranks (tools/gpu_two_ranks.sh)
     two_ranks = {}
@@ -633,7 +1142,8 @@ def main():
                 elif j.get("problems"):
                     problems.append("tworanks: ok, yet problems listed: " + "; ".join(map(str, j["problems"])))
 
-    results = {"card": card, "date": date, "device": a.device, "asked": asked, "env": env, "sections": items,
+    results = {"card": card, "date": date, "device": a.device, "asked": asked, "planned": planned_items, "env": env,
+               "sections": items,
                "skipped": skipped, "tests": tests, "train": train, "records": records, "graph_checks": graph_checks,
                "ratios": ratios, "contributions": contributions, "targets": targets, "classifier": classifier,
                "classifier_vs_arcface_torch": fc_vs_at, "capacity": capacity, "loader": loader, "two_ranks": two_ranks,
@@ -656,7 +1166,8 @@ def main():
             n + ("" if next(s for s in items if s["name"] == n)["required"] else " (optional)") for n in skipped))
     if tests:
         print(f"-- GPU tests: {len(tests['expected'])} listed, {tests['passed']} passed, {tests['failed']} failed, "
-              f"{tests['skipped']} skipped, {len(tests['missing'])} without a result")
+              f"{tests['skipped']} skipped, {len(tests['missing'])} without a result "
+              f"({tests.get('processes', 0)} process(es))")
         for f_ in tests["failures"]:
             print(f"   FAILED {f_['test']}: {f_['message'].splitlines()[0] if f_['message'] else ''}")
     for prec, t in train.items():
@@ -745,6 +1256,9 @@ def main():
         b = checkpoint["background_steps"]
         print(f"-- steps during a background write: {b['during_over_away']:.2f}x the others' time "
               f"({len(b['during_write_steps'])} steps beside {len(b['away_steps'])})")
+    for g in checkpoint.get("goals", []):
+        print(f"-- checkpoint goal: {g['what']}: {fmt(g['value'], 3)} (goal {g['target']}): "
+              f"{'held' if g['held'] else 'not held'}{'' if a.device == 'cuda' else ' (judged on a GPU only)'}")
     if two_ranks:
         print("-- two ranks: " + ("not run: " + two_ranks["why"] if not two_ranks["ran"] else
                                   "ok" if two_ranks.get("ok") else "NOT ok"))
@@ -758,4 +1272,10 @@ def main():
 
 
 if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "--run-tests":
+        sys.exit(run_tests(sys.argv[2:]))
+    if len(sys.argv) > 1 and sys.argv[1] == "--plan":
+        sys.exit(plan(sys.argv[2:]))
+    if len(sys.argv) > 1 and sys.argv[1] == "--calls":
+        sys.exit(print_calls(sys.argv[2:]))
     sys.exit(main())

@@ -207,13 +207,15 @@ if [ -x "$bin/faceshard-train" ]; then
     t0=$(date +%s.%N)
     # Per-step losses, no verification or TensorBoard (the comparison needs only the
     # losses); fp32 with TF32 off so that the device computes what the CPU does;
-    # no warm-up, so that a few dozen steps run at the learning rate asked for.
+    # no warm-up, so that a few dozen steps run at the learning rate asked for; cuDNN's
+    # benchmark off (it may pick another algorithm per run, which the tight pair would see).
     FACESHARD_LOG_ALL_RANKS=1 timeout 900 "$home/tools/launch.sh" --nproc 2 --grace-s 20 -- \
       "$bin/faceshard-train" --config "$home/configs/demo.yaml" \
       --set output="$work/$name" --set data.rec="$work/data" \
       --set dist.device="$dev" --set dist.backend=gloo --set dist.timeout_s=120 \
       --set model.sync_bn=true --set loss.sample_rate="$rate" --set data.batch_size="$batch" --set 'data.val_targets=[]' \
-      --set train.precision=fp32 --set train.tf32=false --set optim.lr="$lr" --set optim.warmup_epochs=0 \
+      --set train.precision=fp32 --set train.tf32=false --set train.cudnn_benchmark=false \
+      --set optim.lr="$lr" --set optim.warmup_epochs=0 \
       --set train.max_steps="$n" --set train.log_every=1 --set train.verify_every=0 \
       --set train.checkpoint_every=0 --set train.tensorboard=false \
       > "$out/logs/$name.log" 2>&1

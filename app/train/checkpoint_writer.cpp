@@ -39,19 +39,31 @@ std::optional<CheckpointOutcome> SyncCheckpointWriter::save(const TrainState& st
   return o;
 }
 
+double pinned_block_bytes(double bytes) {
+  if (bytes <= 0) return 0;
+  double block = 1;
+  while (block < bytes) block *= 2;
+  return block;
+}
+
 double staging_bytes(const CheckpointContents& c, int rank) {
   double b = 0;
   for (const StateDict* sd : {&c.backbone, &c.train_state, &c.shard})
     if (rank == 0 || sd == &c.shard)
-      for (const auto& kv : *sd) b += tensor_bytes(kv.second);
+      for (const auto& kv : *sd)
+        // A GPU tensor's buffer is pinned host memory, which LibTorch's caching host allocator
+        // hands out in blocks of powers of two: what the host gives up is the block.
+        b += kv.second.defined() && kv.second.is_cuda() ? pinned_block_bytes(tensor_bytes(kv.second))
+                                                         : tensor_bytes(kv.second);
   return b;
 }
 
 struct StagingBuffers::Device {
 #ifdef FACESHARD_WITH_CUDA
-  std::optional<c10::cuda::CUDAStream> side;
+  std::optional<c10::cuda::CUDAStream> side;      // one for the buffers' life
   std::optional<c10::cuda::CUDAStream> training;
   at::cuda::CUDAEvent copied;
+  bool started = false;  // this checkpoint's copies have begun (the side stream waits for the training's work)
 #endif
 };
 
@@ -103,12 +115,18 @@ StateDict StagingBuffers::stage(const StateDict& live, const std::string& file,
       // The copy runs on a side stream that first waits for the training stream's work so
       // far (the step that produced these values), so the host never waits here.
       if (!device_) device_ = std::make_shared<Device>();
-      if (!device_->side) {
+      if (!device_->started) {
         device_->training = c10::cuda::getCurrentCUDAStream(t.device().index());
-        device_->side = c10::cuda::getStreamFromPool(false, t.device().index());
+        // One side stream for the buffers' life, and never the training stream itself:
+        // LibTorch's pool hands out its streams in turn, and the training stream is one of
+        // them (a stream taken per checkpoint would be it once every 32 checkpoints, and the
+        // copy would no longer overlap the training).
+        for (int i = 0; i < 64 && (!device_->side || *device_->side == *device_->training); ++i)
+          device_->side = c10::cuda::getStreamFromPool(false, t.device().index());
         at::cuda::CUDAEvent produced;
         produced.record(*device_->training);
         produced.block(*device_->side);
+        device_->started = true;
       }
       c10::cuda::CUDAStreamGuard guard(*device_->side);
       // The source's memory stays allocated until the side stream is done with it.
@@ -126,12 +144,12 @@ StateDict StagingBuffers::stage(const StateDict& live, const std::string& file,
 
 void StagingBuffers::fence() {
 #ifdef FACESHARD_WITH_CUDA
-  if (device_ && device_->side) {
+  if (device_ && device_->started) {
     device_->copied.record(*device_->side);
     // The training stream's next kernel (the next optimiser step among them) starts only once
     // the copies have read what it would change; the host goes on at once.
     device_->copied.block(*device_->training);
-    device_->side.reset();  // the next checkpoint waits for the training stream afresh
+    device_->started = false;  // the next checkpoint waits for the training stream afresh
   }
 #endif
 }

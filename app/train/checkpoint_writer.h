@@ -89,9 +89,13 @@ class StagingBuffers {
   std::shared_ptr<Device> device_;  // the side stream and its event (GPU only)
 };
 
-// The bytes one checkpoint of `c` stages on `rank` (what its StagingBuffers hold): rank 0
-// the backbone, the train state and its shard; the others their shard.
+// The bytes one checkpoint of `c` stages on `rank` (what its StagingBuffers take from the
+// host): rank 0 the backbone, the train state and its shard; the others their shard; a GPU
+// tensor's buffer counted as its pinned block (pinned_block_bytes).
 double staging_bytes(const CheckpointContents& c, int rank);
+// The host memory a pinned buffer of `bytes` takes: LibTorch's caching host allocator gives
+// blocks of the next power of two.
+double pinned_block_bytes(double bytes);
 
 class AsyncCheckpointWriter : public CheckpointWriter {
  public:

@@ -8,6 +8,7 @@
 #include <c10/core/GradMode.h>
 
 #include "partial_fc/runtime/error.h"
+#include "partial_fc/runtime/designed_host_sync.h"
 
 namespace faceshard {
 
@@ -71,7 +72,11 @@ bool LossScaler::update(const at::Tensor& found_inf) {
   at::_amp_update_scale_(scale_, growth_tracker_, f, opts_.growth_factor, opts_.backoff_factor,
                          opts_.growth_interval);
   // The one host sync of a step: the skip decision and the new scale together.
-  const at::Tensor host = at::cat({f, scale_}).to(at::kCPU);
+  at::Tensor host;
+  {
+    DesignedHostSync sync("loss scaler: the skip decision and the new scale");
+    host = at::cat({f, scale_}).to(at::kCPU);
+  }
   host_scale_ = static_cast<double>(host[1].item<float>());
   return host[0].item<float>() > 0;
 }

@@ -419,6 +419,12 @@ TrainJob build_train_job(const Config& cfg, std::shared_ptr<Distributed> dist, C
   TrainJob j;
   j.cfg = cfg;
   j.device = pick_device(cfg, DistEnv::from_environment());
+#ifdef FACESHARD_WITH_CUDA
+  // The job's GPU current for this thread before anything of the job exists, whatever the
+  // backend: NCCL's set-up does it, Gloo's does not, and a capture (train.cuda_graph) on
+  // another device than the current one is refused.
+  if (j.device.is_cuda()) c10::cuda::set_device(j.device.index());
+#endif
   j.stream = std::make_shared<TrainingStream>(j.device);
   j.dist = std::move(dist);
   j.cfg.train.precision = resolve_precision(cfg.train.precision, device_has_bf16(j.device));

@@ -10,6 +10,7 @@
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 
 #include "app/train/grad_clip.h"
+#include "partial_fc/runtime/designed_host_sync.h"
 
 namespace faceshard {
 namespace {
@@ -112,7 +113,11 @@ StepResult TrainStep::run(const BatchSource& next, int64_t step) {
   if (j.loss_scaling) {
     at::Tensor found_inf = torch::maximum(j.scaler->unscale_(j.backbone_params), j.fc->unscale_(j.scaler->inv_scale()));
     // Every rank must take the same decision (the shards' gradients differ).
-    at::Tensor f = found_inf.to(torch::kCPU).to(torch::kFloat).reshape({1}).clone();
+    at::Tensor f;
+    {
+      DesignedHostSync sync("loss scaler: found_inf to the host, for the ranks' one skip decision");
+      f = found_inf.to(torch::kCPU).to(torch::kFloat).reshape({1}).clone();
+    }
     j.dist->all_reduce(f, ReduceOp::Max);
     r.skipped = j.scaler->update(f.to(found_inf.device()));
   }

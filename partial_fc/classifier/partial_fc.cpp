@@ -11,6 +11,7 @@
 #include "partial_fc/classifier/streamed_softmax.h"
 #include "partial_fc/classifier/subcenter.h"
 #include "partial_fc/parallel/all_gather.h"
+#include "partial_fc/runtime/designed_host_sync.h"
 #include "partial_fc/runtime/error.h"
 
 namespace faceshard {
@@ -318,7 +319,12 @@ void PartialFC::merge_accumulated() {
   accumulate();  // the last micro-batch's gradient joins the others
   if (samples()) {
     at::Tensor index = torch::cat(pending_index_), grad = torch::cat(pending_grad_);
-    auto uniq = at::_unique(index, /*sorted=*/true, /*return_inverse=*/true);
+    // How many distinct rows the micro-batches sampled is known on the device only.
+    std::tuple<at::Tensor, at::Tensor> uniq;
+    {
+      DesignedHostSync sync("classifier: the distinct rows of the accumulated micro-batches");
+      uniq = at::_unique(index, /*sorted=*/true, /*return_inverse=*/true);
+    }
     at::Tensor rows = std::get<0>(uniq);
     merged_ = torch::zeros({rows.size(0), grad.size(1)}, grad.options()).index_add_(0, std::get<1>(uniq), grad);
     index_ = rows;

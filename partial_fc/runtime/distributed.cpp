@@ -852,8 +852,9 @@ at::Tensor Distributed::reduce_scatter(const at::Tensor& in_t, const std::vector
   if (in.is_cuda() && !nccl_) {
     // Gloo and CUDA: LibTorch's Gloo has CUDA works for all_reduce, broadcast, all_gather,
     // gather, scatter, reduce and all_to_all, none for reduce-scatter. Staged through the
-    // host here (the copy out waits for the current stream, the copy back is queued on it),
-    // the CPU path below computes the same sums as a CPU run does.
+    // host here with two blocking copies (the copy out waits for the current stream's work;
+    // the copy back, from pageable memory, returns once the host's bytes are taken), so the
+    // CPU path below computes the same sums as a CPU run does.
     return reduce_scatter(in.cpu(), counts).to(in.device());
   }
   const int64_t mx = *std::max_element(counts.begin(), counts.end());

@@ -1,40 +1,53 @@
 #!/usr/bin/env python3
-"""What a GPU check call's results.json must show for the check to have checked something
-(docs/gpu.md: a = env,tests,train; b = step; c = tworanks,classifier,capacity; budget = the
-step call with a 1-second budget). Read by tests/e2e/gpu_check_calls.sh (calls c and budget,
-run on their own) and tests/e2e/bundle.sh (calls a and b: the bundle's check runs their
-sections in one run).
+"""What a GPU check call's results.json must show for the check to have checked something:
+the call's sections as docs/gpu.md gives them (a letter of its calls), each section's own
+checks below, on the CPU at tiny sizes. Read by tests/e2e/gpu_check_calls.sh (each documented
+call run on its own, and "budget": a call the check must refuse) and tests/e2e/bundle.sh
+(calls a and b: the bundle's one check run holds their sections).
 
-usage: gpu_check_expect.py RESULTS_JSON a|b|c|budget SOURCE_DIR"""
-import json, os, sys
+usage: gpu_check_expect.py RESULTS_JSON CALL|budget SOURCE_DIR"""
+import json, os, re, sys, tarfile
 r = json.load(open(sys.argv[1]))
 call, root = sys.argv[2], sys.argv[3]
+sys.path.insert(0, os.path.join(root, "tools"))
+import gpu_check_report  # noqa: E402
 names = {s["name"]: s for s in r["sections"]}
-if call == "a":
-    assert not r["problems"], r["problems"]
+
+
+def env():
+    assert names["env"]["exit"] == "0" and r["env"].get("torch"), (names.get("env"), r["env"])
+    return "torch %s" % r["env"]["torch"]
+
+
+def tests():
     t = r["tests"]
-    sys.path.insert(0, os.path.join(root, "tools"))
-    from gpu_check_report import MIN_GPU_TESTS
-    # The binary's list under the tiny filter (*Cuda*:LossScaler.*), every one run as its
-    # own item: the committed minimum among them, the LossScaler ones passed.
-    assert set(MIN_GPU_TESTS) <= set(t["expected"]), sorted(set(MIN_GPU_TESTS) - set(t["expected"]))
+    # The binary's list under the tiny filter (*Cuda*:LossScaler.*), all run by one process
+    # (none hung or crashed): the committed minimum among them, the LossScaler ones passed.
+    missing = sorted(set(gpu_check_report.MIN_GPU_TESTS) - set(t["expected"]))
+    assert not missing, "MIN_GPU_TESTS the test binary does not list: %s" % missing
     assert t["missing"] == [] and sorted(t["names"]) == sorted(t["expected"]), t
-    assert all("test_" + n.replace("/", "_") in names for n in t["expected"]), sorted(names)
+    assert names["tests"]["exit"] == "0" and t["processes"] == 1, (names["tests"], t["processes"])
     assert t["passed"] >= 1 and t["failed"] == 0 and t["passed"] + t["skipped"] == len(t["expected"]), t
     assert all("Cuda" in n for n in t["skipped_names"]), t["skipped_names"]
+    return "%d GPU tests listed, %d passed, %d skipped (no GPU), in %d process" % (
+        len(t["expected"]), t["passed"], t["skipped"], t["processes"])
+
+
+def train():
     q = r["train"]["bf16"]["resume"]
     assert q["resumed_at"] == 3 and q["stop_step"] == 3, q
     assert q["compared_steps"] == [4, 5, 6], q
     assert q["max_relative_difference"] is not None and q["max_relative_difference"] <= q["tolerance"], q
-    assert [s for s, _ in r["train"]["bf16"]["losses"]] == [1, 2, 3, 4, 5, 6], r["train"]["bf16"]["losses"]
+    # The first run's steps 1-5 (two past its step-3 checkpoint, written in the background while
+    # they ran), then the resumed run's 4-6.
+    assert [s for s, _ in r["train"]["bf16"]["losses"]] == [1, 2, 3, 4, 5, 4, 5, 6], r["train"]["bf16"]["losses"]
     for n in ("train_bf16_part1", "train_bf16_resume", "train_bf16_full", "export_bf16", "verify_bf16"):
         assert names[n]["exit"] == "0", names[n]
-    print("call a: %d GPU tests listed, %d passed, %d skipped (no GPU); resumed at step %d, steps %s within %.2g"
-          % (len(t["expected"]), t["passed"], t["skipped"], q["resumed_at"], q["compared_steps"],
-             q["max_relative_difference"]))
-elif call == "b":
-    assert not r["problems"], r["problems"]
-    assert not r["skipped"], r["skipped"]
+    return "resumed at step %d, steps %s within %.2g" % (q["resumed_at"], q["compared_steps"],
+                                                        q["max_relative_difference"])
+
+
+def step():
     who = sorted({x["who"] for x in r["records"]})
     assert who == ["arcface_torch", "faceshard"], who
     graph = [x for x in r["records"] if x.get("cell", "").endswith("_graph")]
@@ -49,30 +62,49 @@ elif call == "b":
     [c] = r["graph_checks"]
     assert c["base"] == "step_faceshard_mbf_small_8_fp32_cl" and c["steps"] == 7, c
     assert c["max_relative_difference"] <= c["tolerance"], c
+    # The optional cells that ran against their base cell (an uncaptured graph cell is no
+    # graph cell); at tiny sizes they all run within the documented budget.
+    ran = {n for n, s in names.items() if s["exit"] == "0"}
+    want = sorted(v for v in ("jpeg", "unfused") if "step_faceshard_mbf_small_8_fp32_cl_" + v in ran)
     got = sorted(q["variant"] for q in r["contributions"])
-    assert got == ["jpeg", "unfused"], r["contributions"]  # an uncaptured graph cell is no graph cell
+    assert got == want == ["jpeg", "unfused"], (got, want, r["contributions"])
     assert r["targets"] == [], r["targets"]
-    print("call b: %d cells; graph cell not captured (%s), losses of %d steps within %.2g of the eager cell's"
-          % (len(r["records"]), g["reason"], c["steps"], c["max_relative_difference"]))
-elif call == "c":
-    assert not r["problems"], r["problems"]
+    return "%d cells; graph cell not captured (%s), losses of %d steps within %.2g of the eager cell's" % (
+        len(r["records"]), g["reason"], c["steps"], c["max_relative_difference"])
+
+
+def loader():
+    assert len(r["loader"]["results"]) == 2, r["loader"]
+    return "%d worker counts" % len(r["loader"]["results"])
+
+
+def classifier():
     assert any("bytes_per_class" in c and c.get("planned_bytes_per_class") for c in r["classifier"]), r["classifier"]
-    assert r["capacity"]["3GiB"]["trained"], r["capacity"]
-    assert r["capacity"].get("cap_storage"), r["capacity"]
-    # arcface_torch's classifier alone beside every faceshard classifier cell (tiny: 2 x 2 cells).
+    # arcface_torch's classifier alone beside every faceshard classifier cell (tiny: 2 x 2
+    # cells), where the budget left it time (optional).
     fc = r["classifier_vs_arcface_torch"]
-    assert len(fc) == 4 and all(q["arcface_torch_step_ms"] and q["arcface_torch_over_faceshard"] for q in fc), fc
-    two = os.path.exists(os.path.join(root, "tools", "gpu_two_ranks.sh"))
-    if two:
+    if names.get("arcface_classifier", {}).get("exit") == "0":
+        assert len(fc) == 4 and all(q["arcface_torch_step_ms"] and q["arcface_torch_over_faceshard"] for q in fc), fc
+    return "bytes per class beside the plan; arcface_torch's classifier %s" % names.get("arcface_classifier", {}).get("exit")
+
+
+def capacity():
+    assert r["capacity"]["3GiB"]["trained"] and r["capacity"]["3GiB"]["max_classes"] > 0, r["capacity"]
+    assert r["capacity"].get("cap_storage"), r["capacity"]
+    return "planned %d classes, trained" % r["capacity"]["3GiB"]["max_classes"]
+
+
+def tworanks():
+    if os.path.exists(os.path.join(root, "tools", "gpu_two_ranks.sh")):
         assert r["two_ranks"]["ran"] and r["two_ranks"]["ok"], r["two_ranks"]
     else:
         assert r["two_ranks"] == {"ran": False, "why": "tools/gpu_two_ranks.sh is not in this build"}, r["two_ranks"]
-    print("call c: classifier and capacity measured; two ranks:", r["two_ranks"])
-elif call == "d":
+    return "two ranks %s" % r["two_ranks"]
+
+
+def checkpoint():
     # The same run synchronous and in the background: a row per checkpoint step of both, the
     # figures those runs' own log lines printed (logs.tar.gz), the ratio of the two waits.
-    assert not r["problems"], r["problems"]
-    import re, tarfile
     ck = r["checkpoint"]
     rows = ck["checkpoints"]
     assert [q["step"] for q in rows] == [3, 6, 9], rows
@@ -91,16 +123,30 @@ elif call == "d":
     assert set(b["during_write_steps"]).isdisjoint(b["away_steps"]), b
     assert not {3, 6, 9} & set(b["during_write_steps"] + b["away_steps"]), b  # checkpoint steps are neither
     assert b["away_steps"], b
-    print("call d: checkpoints at steps %s, waits sync/async %s; %d steps during a write, %d away"
-          % ([q["step"] for q in rows], ["%.2g/%.2g" % (q["sync_wait_s"], q["async_wait_s"]) for q in rows],
-             len(b["during_write_steps"]), len(b["away_steps"])))
-else:
-    # The budget spent after the first item: the rest reported as skipped, the required
-    # cells as problems, the optional ones not.
-    req = [n for n, s in names.items() if s["exit"] == "skipped" and s["required"]]
-    opt = [n for n, s in names.items() if s["exit"] == "skipped" and not s["required"]]
-    assert "step_faceshard_mbf_small_8_fp32_cl_graph" in req and "step_faceshard_mbf_small_8_fp32_nchw" in opt, names
-    for n in req:
-        assert f"{n}: not started, the budget was spent (a required item)" in r["problems"], (n, r["problems"])
-    assert not any(n in p for n in opt for p in r["problems"]), r["problems"]
-    print("budget: skipped (required) %s; skipped (optional) %s" % (req, opt))
+    # The goals are judged (held or not) and reported; on the CPU they are no problem.
+    assert [g["goal"] for g in ck["goals"]] == ["wait", "step"] and all(isinstance(g["held"], bool) for g in ck["goals"]), ck
+    return "checkpoints at steps %s, waits sync/async %s; %d steps during a write, %d away; goals %s" % (
+        [q["step"] for q in rows], ["%.2g/%.2g" % (q["sync_wait_s"], q["async_wait_s"]) for q in rows],
+        len(b["during_write_steps"]), len(b["away_steps"]),
+        ", ".join("%s %s" % (g["goal"], "held" if g["held"] else "not held") for g in ck["goals"]))
+
+
+if call == "budget":
+    # Refused before its first item: the checkpoint measurement's limit (240 s) past the
+    # budget and its grace (100 s) is named, and nothing ran.
+    want = "checkpoint_stall: a required item with a time limit of 240 s, which --budget-s 60 would cut to 100 s"
+    assert any(p.startswith(want) for p in r["problems"]), r["problems"]
+    assert r["sections"] == [], r["sections"]
+    print("budget: refused before its first item: %s" % r["problems"])
+    sys.exit(0)
+
+[c] = [c for c in gpu_check_report.parse_calls(os.path.join(root, "docs", "gpu.md")) if c["call"] == call]
+asked = c["args"][c["args"].index("--sections") + 1].split(",")
+assert not r["problems"], r["problems"]
+# The required items the check planned all ran and passed.
+planned = [p for p in r["planned"] if p["need"] == "required"]
+assert planned and all(names.get(p["name"], {}).get("exit") == "0" for p in planned), \
+    [(p["name"], names.get(p["name"])) for p in planned]
+assert set(asked) <= {p["section"] for p in planned}, (planned, asked)  # e2e.bundle's run holds a's and b's
+for sec in asked:
+    print("call %s, %s: %s" % (call, sec, globals()[sec]()))

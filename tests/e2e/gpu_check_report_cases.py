@@ -1,8 +1,9 @@
 """The GPU check's report (tools/gpu_check_report.py) on hand-made result folders: one that
 holds, and one per way a check can prove nothing or find something wrong, each of which must
 make the report exit 1 naming that problem. A folder is what tools/gpu_check.sh leaves in its
-JSON folder: status.tsv, check.json, the test binary's list and each test's GoogleTest JSON,
-the training runs' metrics and the resumed run's log, the step cells' JSON.
+JSON folder: status.tsv, check.json (the sections asked and the items the check planned), the
+test binary's list and its tests' GoogleTest JSON, the training runs' metrics and the resumed
+run's log, the step cells' JSON, and each further section's JSON where a case asks for it.
 
   python3 gpu_check_report_cases.py SOURCE_DIR CASE     (CASE: one of CASES, or "all")
 """
@@ -18,7 +19,7 @@ import tempfile
 
 # The GPU tests the hand-made binary lists: the report's committed minimum (read from the
 # report under test, in main) and one more beyond it.
-EXTRA_GPU_TEST = "PReLU.FailedCudaLaunchNamesTheKernel"
+EXTRA_GPU_TEST = "PartialFCCuda.ATestBeyondTheMinimum"
 GPU_TESTS = []
 STOP, FULL, LAST = 37, 47, 62
 BASE = "step_faceshard_r50_256_bf16_cl"
@@ -54,8 +55,8 @@ def gtest_json(name, result="COMPLETED", failure=None):
 def holding_folder():
     """Everything a call of sections env,tests,train,step,tworanks leaves when all holds."""
     f = {}
-    items = [("env", "0", "required"), ("tools_load", "0", "required"), ("tests_list", "0", "required")]
-    items += [("test_" + t, "0", "required") for t in GPU_TESTS]
+    items = [("env", "0", "required"), ("tools_load", "0", "required"), ("tests_list", "0", "required"),
+             ("tests", "0", "required")]
     items += [(n, "0", "required") for n in ("train_data", "train_bf16_part1", "train_bf16_resume", "train_bf16_full",
                                              "export_bf16", "verify_bf16")]
     items += [(ARC, "0", "required"), (BASE, "0", "required"), (GRAPH, "0", "required"),
@@ -63,6 +64,11 @@ def holding_folder():
     f["items"] = items
     f["nvidia-smi.csv"] = "NVIDIA H200, 580.159.04, 143771 MiB, 9.0, 1980 MHz\n"
     f["check.json"] = {"sections": "env,tests,train,step,tworanks", "device": "cuda", "tiny": False, "budget_s": 170}
+    # The items the check planned: by default every item of status.tsv as it ran (a case
+    # adds a planned item that did not run to "planned_extra", or sets "planned" to None).
+    f["planned"] = "auto"
+    f["planned_extra"] = []
+    f["json"] = {"env.json": {"torch": "2.11.0+cu130", "cuda": "13.0", "cudnn": 91900, "gpus": []}}
     f["gtest_expected.txt"] = list(GPU_TESTS)
     f["gtest"] = {t: gtest_json(t) for t in GPU_TESTS}
     f["train_resume.json"] = {"precision": "bf16", "stop_step": STOP, "full_steps": FULL}
@@ -84,11 +90,37 @@ def holding_folder():
     return f
 
 
+# The JSON each item leaves (gpu_check.sh's --json of the item), and its section.
+def json_of(name):
+    if name.startswith(("step_", "verify_", "cap_plan_", "cap_largest_")) or name in (
+            "env", "classifier", "arcface_classifier", "cap_storage", "loader", "checkpoint_stall"):
+        return name + ".json"
+    return {"tworanks": "two_ranks.json"}.get(name)
+
+
+def section_of(name):
+    for sec, prefixes in (("env", ("env", "tools_load")), ("tests", ("tests",)), ("train", ("train_", "export_", "verify_")),
+                          ("step", ("step_", "jpeg_data")), ("classifier", ("classifier", "plan_", "arcface_")),
+                          ("capacity", ("cap_",)), ("loader", ("loader",)), ("tworanks", ("tworanks",)),
+                          ("checkpoint", ("checkpoint",))):
+        if name.startswith(prefixes):
+            return sec
+    return None
+
+
 def write(folder, d):
     with open(os.path.join(d, "status.tsv"), "w") as out:
         for name, rc, need in folder["items"]:
             out.write(f"{name}\t{rc}\t{1.0 if rc not in ('skipped', 'absent') else 0}\t{need}\n")
-    for name in ("check.json", "train_resume.json", "verify_bf16.json", "two_ranks.json"):
+    check = dict(folder["check.json"])
+    if folder["planned"] == "auto":
+        check["planned"] = [{"name": n, "need": need, "limit_s": 60, "json": json_of(n), "section": section_of(n)}
+                            for n, rc, need in folder["items"] if rc != "absent"] + folder["planned_extra"]
+    elif folder["planned"] is not None:
+        check["planned"] = folder["planned"]
+    with open(os.path.join(d, "check.json"), "w") as out:
+        json.dump(check, out)
+    for name in ("train_resume.json", "verify_bf16.json", "two_ranks.json"):
         if name in folder:
             with open(os.path.join(d, name), "w") as out:
                 json.dump(folder[name], out)
@@ -96,10 +128,12 @@ def write(folder, d):
         out.write(folder["nvidia-smi.csv"])
     with open(os.path.join(d, "gtest_expected.txt"), "w") as out:
         out.write("".join(t + "\n" for t in folder["gtest_expected.txt"]))
+    # One process ran them all (gpu_check_report.py --run-tests): one GoogleTest JSON.
     os.makedirs(os.path.join(d, "gtest"))
-    for t, j in folder["gtest"].items():
-        with open(os.path.join(d, "gtest", t + ".json"), "w") as out:
-            json.dump(j, out)
+    if folder["gtest"]:
+        with open(os.path.join(d, "gtest", "run1.json"), "w") as out:
+            json.dump({"tests": len(folder["gtest"]),
+                       "testsuites": [s for j in folder["gtest"].values() for s in j["testsuites"]]}, out)
     for name in ("train_bf16_metrics.jsonl", "train_bf16_full_metrics.jsonl"):
         with open(os.path.join(d, name), "w") as out:
             out.write("".join(json.dumps(r) + "\n" for r in folder[name]))
@@ -132,14 +166,12 @@ def case_optional_cell_skipped(f):
 
 def case_zero_tests(f):
     f["gtest"] = {}
-    f["items"] = [x for x in f["items"] if not x[0].startswith("test_")]
     return r"tests: zero tests passed"
 
 
 def case_known_test_missing(f):
     # The binary lists a GPU test that left no result (it crashed, hung, or was never run).
     del f["gtest"]["GraphedBackboneCuda.FailedCaptureKeepsMemoryFlat"]
-    f["items"] = [x for x in f["items"] if x[0] != "test_GraphedBackboneCuda.FailedCaptureKeepsMemoryFlat"]
     return r"GraphedBackboneCuda\.FailedCaptureKeepsMemoryFlat is listed by the test binary but has no result"
 
 
@@ -158,14 +190,26 @@ def case_test_skipped(f):
 
 def case_test_failed(f):
     f["gtest"]["PartialFCCuda.MatchesCpu"] = gtest_json("PartialFCCuda.MatchesCpu", failure="Expected equality")
-    set_item(f, "test_PartialFCCuda.MatchesCpu", "1")
+    set_item(f, "tests", "1")
     return r"1 GPU test\(s\) failed: PartialFCCuda\.MatchesCpu"
 
 
 def case_test_timed_out(f):
+    # The tests' process(es) killed at the item's limit: what had not run has no result.
     del f["gtest"]["AppOptim.CudaMatchesCpu"]
-    set_item(f, "test_AppOptim.CudaMatchesCpu", "124")
-    return r"test_AppOptim\.CudaMatchesCpu exited 124 \(killed at its time limit\)"
+    set_item(f, "tests", "124")
+    return [r"^tests exited 124 \(killed at its time limit\)",
+            r"AppOptim\.CudaMatchesCpu is listed by the test binary but has no result"]
+
+
+def case_test_hung(f):
+    # A test past its own limit: the runner killed the process, gave the test a failed result
+    # saying so and ran the tests after it again.
+    f["gtest"]["AppOptim.CudaMatchesCpu"] = gtest_json(
+        "AppOptim.CudaMatchesCpu", failure="hung: no result within 90 s; the process was killed and the tests after "
+                                           "it run again in a new process")
+    set_item(f, "tests", "1")
+    return r"tests: AppOptim\.CudaMatchesCpu hung: no result within 90 s"
 
 
 def case_required_cell_skipped(f):
@@ -255,6 +299,131 @@ def case_two_ranks_without_json(f):
     return r"tworanks: no two_ranks\.json"
 
 
+# What each section asked must leave, whatever the check's plan said (a hand-made folder, or
+# a check that planned wrongly): the step section's graph cell and arcface_torch's cell; a
+# capacity plan that found a class count; something of each section in status.tsv.
+def case_step_without_graph_cell(f):
+    f["items"] = [x for x in f["items"] if x[0] != GRAPH]
+    del f["step"][GRAPH]
+    return r"step: no graph cell \(train\.cuda_graph=true\) among the step cells' results"
+
+
+def case_step_without_arcface_cell(f):
+    f["items"] = [x for x in f["items"] if x[0] != ARC]
+    del f["step"][ARC]
+    return r"step: no arcface_torch cell beside faceshard's"
+
+
+def with_capacity(f, max_classes):
+    f["check.json"]["sections"] += ",capacity"
+    f["items"] += [("cap_plan_3GiB", "0", "required")]
+    f["json"]["cap_plan_3GiB.json"] = {"max_classes": max_classes}
+    if max_classes > 0:
+        f["items"] += [("cap_largest_3GiB", "0", "required")]
+        f["json"]["cap_largest_3GiB.json"] = {"images_per_s": 900.0, "peak_memory_mb": 79000.0}
+    else:
+        # The check stops at a plan without a class count: the largest run never starts.
+        f["planned_extra"] += [{"name": "cap_largest_3GiB", "need": "required", "limit_s": 180,
+                                "json": "cap_largest_3GiB.json", "section": "capacity"}]
+    f["items"] += [("cap_storage", "0", "required")]
+    f["json"]["cap_storage.json"] = {"bytes_per_class": [{"sample_rate": 1.0, "bytes_per_class": 2054.0}]}
+
+
+def case_capacity_holds(f):
+    with_capacity(f, 37965059)
+    return None
+
+
+def case_capacity_plan_zero(f):
+    with_capacity(f, 0)
+    return [r"capacity: faceshard-plan found no class count for this card \(max_classes 0 in cap_plan_3GiB\.json\)",
+            r"cap_largest_3GiB: a required item of the capacity section, planned by the check, is not in status\.tsv"]
+
+
+def asked_without_items(f, section):
+    f["check.json"]["sections"] += "," + section
+    return re.escape(section) + r": asked, but nothing of it in status\.tsv"
+
+
+def case_checkpoint_nothing_in_status(f):
+    return asked_without_items(f, "checkpoint")
+
+
+def case_capacity_nothing_in_status(f):
+    return asked_without_items(f, "capacity")
+
+
+def case_loader_nothing_in_status(f):
+    return asked_without_items(f, "loader")
+
+
+def case_tworanks_nothing_in_status(f):
+    # Not even the line saying the bundle lacks tools/gpu_two_ranks.sh.
+    f["items"] = [x for x in f["items"] if x[0] != "tworanks"]
+    return r"tworanks: asked, but nothing of it in status\.tsv"
+
+
+# The items the check planned (check.json's "planned"): each required one must have run and
+# left its JSON; a folder without the list cannot be held to it.
+def case_required_item_not_run(f):
+    f["items"] = [x for x in f["items"] if x[0] != "verify_bf16"]
+    f["planned_extra"] += [{"name": "verify_bf16", "need": "required", "limit_s": 60, "json": "verify_bf16.json",
+                            "section": "train"}]
+    return r"verify_bf16: a required item of the train section, planned by the check, is not in status\.tsv"
+
+
+def case_required_item_without_json(f):
+    del f["verify_bf16.json"]
+    return r"verify_bf16: no verify_bf16\.json \(the result of a required item\)"
+
+
+def case_no_planned_list(f):
+    f["planned"] = None
+    return r"check\.json: no list of the items the check planned"
+
+
+def case_plan_refused(f):
+    # The check refused before its first item: the budget would have cut a required item.
+    f["check.json"]["sections"] = "checkpoint"
+    f["check.json"]["plan_problems"] = [
+        "checkpoint_stall: a required item with a time limit of 240 s, which --budget-s 60 would cut to 100 s (its "
+        "limit needs --budget-s 200 or more); not started"]
+    f["items"] = []
+    f["planned"] = [{"name": "checkpoint_stall", "need": "required", "limit_s": 240, "json": "checkpoint_stall.json",
+                     "section": "checkpoint"}]
+    f["check"] = "refused"
+    return r"checkpoint_stall: a required item with a time limit of 240 s, which --budget-s 60 would cut to 100 s"
+
+
+# Call d: checkpoints written in the background, judged against their goals on a GPU (the
+# training's wait at least 20x less than a synchronous checkpoint's, the steps during a write
+# within 10% of the others).
+def with_checkpoint(f, sync_s, async_s, during_over_away):
+    f["check.json"]["sections"] += ",checkpoint"
+    f["items"] += [("checkpoint_stall", "0", "required")]
+    rows = [{"step": s, "bytes": 4.1e9, "sync_wait_s": sync_s, "async_wait_s": async_s, "async_stage_s": async_s,
+             "async_previous_wait_s": 0.0, "async_write_s": 2.5, "wait_ratio": sync_s / async_s} for s in (20, 40, 60)]
+    f["json"]["checkpoint_stall.json"] = {
+        "classes": 2000000, "backbone": "r50", "batch": 128, "every": 20, "steps": 60, "checkpoints": rows,
+        "background_steps": {"during_write_steps": [21, 22, 41, 42], "away_steps": [5, 6, 30, 31, 50],
+                             "during_write_median_s": 0.04 * during_over_away, "away_median_s": 0.04,
+                             "during_over_away": during_over_away}}
+
+
+def case_checkpoint_goals_held(f):
+    with_checkpoint(f, 2.6, 0.05, 1.04)
+    return None
+
+
+def case_checkpoint_goals_not_held(f):
+    # The background wait 4.5x the synchronous one, and steps 3.5x slower during a write.
+    with_checkpoint(f, 0.4, 1.8, 3.5)
+    return [r"checkpoint: the training's wait at a synchronous checkpoint over its wait at a background one "
+            r"\(median of 3\): 0\.222, the goal >= 20: not held",
+            r"checkpoint: a step's time during a background write over the other steps' \(medians\): 3\.5, "
+            r"the goal <= 1\.10: not held"]
+
+
 # The classifier section: faceshard-bench's classifier runs (classifier.json) beside
 # arcface_torch's PartialFC_V2 alone (arcface_classifier.json) per cell. faceshard's runs:
 # (classes per shard, rate, weight dtype, logits, step ms, and the per-run fields of the
@@ -284,12 +453,12 @@ def with_classifier(f, arcface):
              "gemm_ms": ms / 9, "peak_memory_mb": cps * 4608 / 2 ** 20, "peak_tensor_mb": cps * 4608 / 2 ** 20}
         r.update(extra or {})
         runs.append(r)
-    f["json"] = {"classifier.json": {
+    f["json"]["classifier.json"] = {
         "mode": "classifier", "device": "cuda", "world_size": 1, "batch_per_rank": 128, "dim": 512, "runs": runs,
         "bytes_per_class": [{"head": "combined", "precision": "fp32", "fc_state_dtype": "fp32", "fc_weight_dtype": "fp32",
                              "logits": "buffer", "row_update": "onepass", "sample_rate": rate, "from": 1000000,
                              "to": 10000000, "bytes_per_class": 4619.0, "tensor_bytes_per_class": 4619.0}
-                            for rate in (1.0, 0.1)]}}
+                            for rate in (1.0, 0.1)]}
     if arcface:
         f["json"]["arcface_classifier.json"] = {
             "mode": "classifier", "who": "arcface_torch", "device": "cuda", "card": "NVIDIA H200", "world_size": 1,
@@ -390,21 +559,26 @@ def run_case(source, name):
             assert [q["variant"] for q in r["contributions"]] == ["graph", "unfused"][:len(r["contributions"])], \
                 r["contributions"]
             assert r["two_ranks"] == {"ran": False, "why": "tools/gpu_two_ranks.sh is not in this build"}, r["two_ranks"]
-            if "check" in folder:
+            if callable(folder.get("check")):
                 return folder["check"](r, p.stdout)
             return None
         if p.returncode != 1:
             print(p.stdout, p.stderr)
             return f"the report should exit 1, exited {p.returncode}"
-        if not any(re.search(want, x) for x in problems):
-            print(p.stdout)
-            return f"no problem matching {want!r} among {problems}"
+        wants = want if isinstance(want, list) else [want]
+        for w in wants:
+            if not any(re.search(w, x) for x in problems):
+                print(p.stdout)
+                return f"no problem matching {w!r} among {problems}"
+        if folder.get("check") == "refused" and len(problems) != 1:
+            return f"a refused check's report should name its reason alone: {problems}"
         if name == "graph_not_captured":
             r = json.load(open(res))
             if any(q["variant"] == "graph" for q in r["contributions"]) or \
                     any(t.get("variant") == "graph" for t in r["targets"]):
                 return f"an uncaptured graph cell counted as a graph cell: {r['contributions']} {r['targets']}"
-        print(f"{name}: exit 1, '{next(x for x in problems if re.search(want, x))}'")
+        for w in wants:
+            print(f"{name}: exit 1, '{next(x for x in problems if re.search(w, x))}'")
         return None
 
 
