@@ -19,7 +19,25 @@ constexpr double kPooledRelativeError = 64.0 * 1.1920928955078125e-07;
 }  // namespace
 
 GateConditioningScope::GateConditioningScope(GateConditioning& into) : previous_(g_scope) { g_scope = &into; }
-GateConditioningScope::~GateConditioningScope() { g_scope = previous_; }
+GateConditioningScope::~GateConditioningScope() {
+  settle_gate_conditioning(*g_scope);
+  g_scope = previous_;
+}
+
+void settle_gate_conditioning(GateConditioning& c) {
+  if (c.pending.empty()) return;
+  std::vector<at::Tensor> parts;
+  for (const auto& p : c.pending) parts.push_back(p.second);
+  const at::Tensor host = torch::stack(parts).to(torch::kCPU, torch::kDouble).contiguous();  // [blocks, 2]
+  const double* v = host.data_ptr<double>();
+  for (size_t i = 0; i < c.pending.size(); ++i) {
+    const auto undecided = static_cast<int64_t>(v[2 * i]);
+    c.undecided += undecided;
+    if (undecided > 0 && c.first_block < 0) c.first_block = c.pending[i].first;
+    c.largest_input = std::max(c.largest_input, v[2 * i + 1]);
+  }
+  c.pending.clear();
+}
 
 void assess_gates(const torch::Tensor& pooled, const torch::Tensor& gate_input, const torch::Tensor& fc1_weight,
                   const torch::Tensor& fc2_weight) {
@@ -36,11 +54,10 @@ void assess_gates(const torch::Tensor& pooled, const torch::Tensor& gate_input, 
   const torch::Tensor s = gate_input.detach().to(torch::kDouble).flatten(1);          // [B, C]
   const torch::Tensor bound = m.matmul(w1.t()).matmul(w2.t()) * kPooledRelativeError;
   const torch::Tensor change = torch::sigmoid(s + bound) - torch::sigmoid(s - bound);
-  const int64_t undecided = change.gt(kUndecidedGateChange).sum().item<int64_t>();
   c->gates += s.numel();
-  c->undecided += undecided;
-  if (undecided > 0 && c->first_block < 0) c->first_block = block;
-  if (s.numel() > 0) c->largest_input = std::max(c->largest_input, s.abs().max().item<double>());
+  if (s.numel() == 0) return;
+  // Kept on the device: settle_gate_conditioning reads every block's at once.
+  c->pending.emplace_back(block, torch::stack({change.gt(kUndecidedGateChange).sum().to(torch::kDouble), s.abs().max()}));
 }
 
 std::string describe_gate_conditioning(const GateConditioning& c, const std::string& network) {

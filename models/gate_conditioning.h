@@ -12,6 +12,8 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
+#include <vector>
 
 namespace faceshard {
 
@@ -21,13 +23,20 @@ struct GateConditioning {
   int64_t blocks = 0;     // SE block forwards seen
   int64_t first_block = -1;     // the first block (0-based, in forward order) with such a gate
   double largest_input = 0.0;   // the largest |gate input| seen
+  // Each assessed block's (block, [undecided, largest |input|]) on the forward's device, read
+  // into the fields above by settle_gate_conditioning (one host read for all of them: a GPU's
+  // evaluation waits once, not twice a block).
+  std::vector<std::pair<int64_t, at::Tensor>> pending;
 };
+
+// Reads what is pending into the counts (the scope's end does it too).
+void settle_gate_conditioning(GateConditioning& c);
 
 // How far a gate may move under the rounding of its input before it counts as undecided.
 inline constexpr double kUndecidedGateChange = 0.05;
 
 // While alive, the SE gates computed on this thread in fp32 without gradients (eval forwards)
-// are assessed into `into`. Scopes nest: the innermost receives.
+// are assessed into `into`, settled when the scope ends. Scopes nest: the innermost receives.
 class GateConditioningScope {
  public:
   explicit GateConditioningScope(GateConditioning& into);

@@ -858,6 +858,8 @@ TEST_P(BackboneInvariance, SameEmbeddingsAtAnyBatchThreadsAndLayout) {
     EXPECT_LT(worst_row_error(y, ref), 1e-5) << name << ", " << v.what << " against batch 1, 1 thread, NCHW";
     if (!for_python.defined()) for_python = y;
   }
+  settle_gate_conditioning(gates);
+  EXPECT_EQ(gates.blocks > 0, name.rfind("ir_se", 0) == 0) << name;
   EXPECT_EQ(gates.undecided, 0) << describe_gate_conditioning(gates, name);
   // And both against the Python reference (plain torch.nn.functional ops on the same weights).
   const std::string dir = testing::temp_dir("models_invariance");

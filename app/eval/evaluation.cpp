@@ -25,8 +25,9 @@ constexpr int64_t kImageFloats = 3 * 112 * 112;
 
 // The embeddings just computed are float32 rounding's more than the model's
 // (models/gate_conditioning.h): one warning per process, the first time it is seen.
-void warn_if_gates_undecided(const GateConditioning& c, const Backbone& model) {
+void warn_if_gates_undecided(GateConditioning& c, const Backbone& model) {
   static std::atomic<bool> warned{false};
+  settle_gate_conditioning(c);
   const std::string line = describe_gate_conditioning(c, model.options().name);
   if (!line.empty() && !warned.exchange(true)) log_warn(line);
 }
