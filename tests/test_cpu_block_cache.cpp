@@ -121,5 +121,45 @@ TEST(CpuBlockCache, TensorsRunOnReusedBlocks) {
   EXPECT_GE(CpuBlockCache::hits() - hits, 4);
 }
 
+// Poison (FACESHARD_CPU_POISON): every block handed out, new or from the cache, small or
+// large, holds the poison byte before its owner writes it; a block reused after its owner
+// wrote it is poisoned again; off again, a kept block comes back with its last contents.
+TEST(CpuBlockCache, PoisonFillsEveryBlockHandedOut) {
+  c10::Allocator* a = CpuBlockCache::allocator();
+  ASSERT_NE(a, nullptr);
+  Limit limit(int64_t(64) * kMiB);
+  struct Off {
+    ~Off() { CpuBlockCache::set_poison(-1); }
+  } off;
+  auto all_are = [](const void* p, size_t n, unsigned char b) {
+    const auto* c = static_cast<const unsigned char*>(p);
+    for (size_t i = 0; i < n; ++i)
+      if (c[i] != b) return false;
+    return true;
+  };
+  for (const int byte : {0xff, 0x00, 0x7f}) {
+    CpuBlockCache::set_poison(byte);
+    EXPECT_EQ(CpuBlockCache::poison(), byte);
+    for (const size_t n : {size_t(100), size_t(3) * kMiB}) {
+      c10::DataPtr p = a->allocate(n);
+      EXPECT_TRUE(all_are(p.get(), n, static_cast<unsigned char>(byte))) << n << " bytes, poison " << byte;
+      std::memset(p.get(), 0x5a, n);  // written by its owner, then freed (kept when large)
+    }
+  }
+  CpuBlockCache::set_poison(-1);
+  c10::DataPtr p = a->allocate(3 * kMiB);
+  EXPECT_TRUE(all_are(p.get(), 3 * kMiB, 0x5a)) << "without poison a kept block comes back as it was left";
+  EXPECT_EQ(CpuBlockCache::parse_poison("0xff"), 255);
+  EXPECT_EQ(CpuBlockCache::parse_poison("7"), 7);
+  for (const char* bad : {"256", "-1", "ff", "", "0x1g"}) {
+    try {
+      CpuBlockCache::parse_poison(bad);
+      ADD_FAILURE() << "'" << bad << "' accepted";
+    } catch (const std::exception& e) {
+      EXPECT_NE(std::string(e.what()).find("FACESHARD_CPU_POISON"), std::string::npos) << e.what();
+    }
+  }
+}
+
 }  // namespace
 }  // namespace faceshard

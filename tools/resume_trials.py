@@ -3,7 +3,9 @@
 same run uninterrupted, repeated, so that a resume that depends on timing shows up as a rate.
 
 Each trial, for each setting (precision x checkpoints in the background or synchronously):
-  part 1     the run to step STOP (its last checkpoint), then --resume to FULL
+  part 1     the run to step STOP (its last checkpoint), then --resume to FULL; with --past K
+             the run goes K steps past its checkpoint at STOP (written in the background
+             while those steps run), its later checkpoint is removed, and --resume takes STOP's
   full       the same run uninterrupted to FULL (a checkpoint at STOP written while it goes on)
 and compares the per-step losses of metrics.jsonl after STOP (and the final weights) bit for
 bit: on the CPU the two compute the same numbers or the resume is wrong. --load N keeps N busy
@@ -11,7 +13,8 @@ processes beside the trials (CI runs tests two at a time). Prints one line per t
 summary; exits 1 when any trial differs.
 
 usage: resume_trials.py --bin build/bin --trials 30 [--precisions bf16,fp32]
-                        [--checkpoints async,sync] [--load 1] [--work DIR] [--keep]
+                        [--checkpoints async,sync] [--load 1] [--past K] [--poison BYTE]
+                        [--work DIR] [--keep]
 """
 import argparse
 import hashlib
@@ -54,9 +57,9 @@ def weights_digest(run_dir):
     return steps[-1], h.hexdigest()[:16]
 
 
-def train(bindir, args, log):
+def train(bindir, args, log, env=None):
     with open(log, "w") as f:
-        p = subprocess.run([os.path.join(bindir, "faceshard-train")] + args, stdout=f, stderr=subprocess.STDOUT)
+        p = subprocess.run([os.path.join(bindir, "faceshard-train")] + args, stdout=f, stderr=subprocess.STDOUT, env=env)
     if p.returncode != 0:
         sys.exit("faceshard-train failed (exit %d), see %s" % (p.returncode, log))
 
@@ -72,6 +75,8 @@ def main():
     ap.add_argument("--workers", type=int, default=4)
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--load", type=int, default=1, help="busy processes beside the trials")
+    ap.add_argument("--past", type=int, default=0, help="steps part 1 runs past its checkpoint at STOP")
+    ap.add_argument("--poison", default="", help="FACESHARD_CPU_POISON for every run (a byte)")
     ap.add_argument("--work", default="")
     ap.add_argument("--keep", action="store_true", help="keep the folders of trials that differ")
     a = ap.parse_args()
@@ -81,6 +86,9 @@ def main():
     if not os.path.exists(os.path.join(data, "train.rec")):
         subprocess.run([os.path.join(a.bin, "faceshard-synth"), "--output", data], check=True,
                        stdout=subprocess.DEVNULL)
+    env = dict(os.environ)
+    if a.poison:
+        env["FACESHARD_CPU_POISON"] = a.poison
     stop = multiprocessing.Event()
     burners = [multiprocessing.Process(target=burn, args=(stop,), daemon=True) for _ in range(a.load)]
     for b in burners:
@@ -103,12 +111,14 @@ def main():
                               "--set", "train.checkpoint_async=" + ("on" if ck == "async" else "off")]
                     r, full = os.path.join(d, "resumed"), os.path.join(d, "full")
                     t0 = time.time()
-                    train(a.bin, common + ["--set", "output=" + r, "--set", "train.max_steps=%d" % a.stop],
-                          os.path.join(d, "part1.log"))
+                    train(a.bin, common + ["--set", "output=" + r, "--set", "train.max_steps=%d" % (a.stop + a.past)],
+                          os.path.join(d, "part1.log"), env)
+                    if a.past:
+                        shutil.rmtree(os.path.join(r, "checkpoints", "step_%08d" % (a.stop + a.past)))
                     train(a.bin, common + ["--set", "output=" + r, "--set", "train.max_steps=%d" % a.full,
-                                           "--resume"], os.path.join(d, "resume.log"))
+                                           "--resume"], os.path.join(d, "resume.log"), env)
                     train(a.bin, common + ["--set", "output=" + full, "--set", "train.max_steps=%d" % a.full],
-                          os.path.join(d, "full.log"))
+                          os.path.join(d, "full.log"), env)
                     lr, lf = losses(r), losses(full)
                     steps = [s for s in range(1, a.full + 1)]
                     diff = [s for s in steps if lr.get(s) != lf.get(s)]

@@ -22,8 +22,11 @@ const char* chunk_policy_name(ChunkPolicy p) {
 }
 
 ChunkSizes chunk_sizes(const ChunkInputs& in) {
-  const int64_t d = std::max<int64_t>(1, in.embedding_size), N = std::max<int64_t>(1, in.global_rows);
-  const double row_bytes = update_row_bytes(d, in.fused_update), col_bytes = column_bytes(d, N);
+  ChunkInputs sized = in;
+  sized.embedding_size = std::max<int64_t>(1, in.embedding_size);
+  sized.global_rows = std::max<int64_t>(1, in.global_rows);
+  const int64_t d = sized.embedding_size;
+  const double row_bytes = update_row_bytes(sized), col_bytes = column_bytes(sized);
   ChunkSizes out;
   if (in.fixed_rows > 0) {
     out.update_rows = in.fixed_rows;

@@ -38,6 +38,10 @@ struct ChunkInputs {
   // kernel): its only temporary is the chunk's raw gradient. Otherwise (AdamW, the generic
   // path) fp32 copies of the rows and their state come on top.
   bool fused_update = true;
+  // The GEMMs run in a reduced precision (PartialFCOptions::gemm_dtype bf16/fp16): each
+  // chunk's slice of the logits' gradient G' [global_rows, chunk] is converted for them, a
+  // copy of 2 B an element beside the fp32 one.
+  bool reduced_gemm = false;
 };
 
 struct ChunkSizes {
@@ -52,16 +56,28 @@ constexpr int64_t kDefaultChunkBudget = int64_t(2) << 30;
 
 // The temporaries one row of the update's chunk brings, in bytes: its fp32 raw gradient (4 B
 // an element), and without the one-pass update an fp32 copy of the row and of up to two state
-// rows and the rounded result (12 B more).
-inline double update_row_bytes(int64_t embedding_size, bool fused_update) {
-  return (fused_update ? 4.0 : 16.0) * static_cast<double>(embedding_size);
+// rows and the rounded result (12 B more); with reduced-precision GEMMs the row's column of
+// G' converted for dW = G'^T E (2 B for each of the `global_rows` logits rows: at d = 512 an
+// eighth more at batch 128, eight times as much at 8,192).
+inline double update_row_bytes(int64_t embedding_size, bool fused_update, int64_t global_rows = 0,
+                               bool reduced_gemm = false) {
+  return (fused_update ? 4.0 : 16.0) * static_cast<double>(embedding_size) +
+         (reduced_gemm ? 2.0 * static_cast<double>(global_rows) : 0.0);
 }
 // The temporaries one column (class) of a pass over the logits brings: the fp32 column read
 // from the shard and its reduced-precision copy for the GEMM (6 B an element), and three fp32
 // logits of each of the N rows (the chunk's logits and the temporaries of the head's and the
-// softmax's arithmetic on them).
-inline double column_bytes(int64_t embedding_size, int64_t global_rows) {
-  return 6.0 * static_cast<double>(embedding_size) + 12.0 * static_cast<double>(global_rows);
+// softmax's arithmetic on them); with reduced-precision GEMMs the column of G' converted for
+// the backward's GEMMs as well (2 B for each of the N rows).
+inline double column_bytes(int64_t embedding_size, int64_t global_rows, bool reduced_gemm = false) {
+  return 6.0 * static_cast<double>(embedding_size) + (reduced_gemm ? 14.0 : 12.0) * static_cast<double>(global_rows);
+}
+// The bytes of both for `in` (its rows, its GEMMs' precision).
+inline double update_row_bytes(const ChunkInputs& in) {
+  return update_row_bytes(in.embedding_size, in.fused_update, in.global_rows, in.reduced_gemm);
+}
+inline double column_bytes(const ChunkInputs& in) {
+  return column_bytes(in.embedding_size, in.global_rows, in.reduced_gemm);
 }
 
 ChunkSizes chunk_sizes(const ChunkInputs& in);

@@ -38,18 +38,25 @@ at::Generator sampling_generator(const torch::Device& dev, uint64_t seed) {
   return at::make_generator<at::CPUGeneratorImpl>(seed);
 }
 
-// The chunks of the chunked passes for a forward over `global_rows` logits rows
-// (chunk_policy.h).
-ChunkSizes chunks_for(const PartialFCOptions& o, const torch::Device& dev, int64_t global_rows) {
+// What the chunk policy is given for a forward over `global_rows` logits rows on `cuda` or
+// the CPU (chunk_policy.h): the one place the options become chunk inputs, for the
+// classifier's passes and for its memory plan alike.
+ChunkInputs chunk_inputs(const PartialFCOptions& o, bool cuda, int64_t global_rows) {
   ChunkInputs in;
-  in.cuda = dev.is_cuda();
+  in.cuda = cuda;
   in.policy = o.chunking;
   in.fixed_rows = o.update_chunk_rows;
   in.budget_bytes = o.chunk_budget_bytes;
   in.embedding_size = o.embedding_size;
   in.global_rows = global_rows;
   in.fused_update = o.optimizer.kind == "sgd" && o.optimizer.fused_cpu_rows;
-  return chunk_sizes(in);
+  in.reduced_gemm = o.gemm_dtype != at::kFloat;
+  return in;
+}
+
+// The chunks of the chunked passes for a forward over `global_rows` logits rows.
+ChunkSizes chunks_for(const PartialFCOptions& o, const torch::Device& dev, int64_t global_rows) {
+  return chunk_sizes(chunk_inputs(o, dev.is_cuda(), global_rows));
 }
 
 const PartialFCOptions& checked(const PartialFCOptions& o) {
@@ -103,19 +110,12 @@ ClassifierMemoryPlan classifier_memory_plan(const PartialFCOptions& o, int world
   // the streamed pass 1 / ||w|| per row.
   p.logits_bytes = o.streamed_logits ? s * 4.0
                                      : static_cast<double>(p.global_batch) * classes * (o.subcenters > 1 ? 5.0 : 4.0);
-  ChunkInputs ci;
-  ci.cuda = cuda;
-  ci.policy = o.chunking;
-  ci.fixed_rows = o.update_chunk_rows;
-  ci.budget_bytes = o.chunk_budget_bytes;
-  ci.embedding_size = o.embedding_size;
-  ci.global_rows = p.global_batch;
-  ci.fused_update = o.optimizer.kind == "sgd";
+  const ChunkInputs ci = chunk_inputs(o, cuda, p.global_batch);
   const ChunkSizes cs = chunk_sizes(ci);
   // A shard smaller than a chunk brings its own rows' temporaries only.
   const double rows_at_once = std::max(1.0, s);
-  p.chunk_bytes = std::max(std::min<double>(cs.update_rows, rows_at_once) * update_row_bytes(o.embedding_size, ci.fused_update),
-                           std::min<double>(cs.logits_columns, rows_at_once) * column_bytes(o.embedding_size, p.global_batch));
+  p.chunk_bytes = std::max(std::min<double>(cs.update_rows, rows_at_once) * update_row_bytes(ci),
+                           std::min<double>(cs.logits_columns, rows_at_once) * column_bytes(ci));
   return p;
 }
 

@@ -1,6 +1,7 @@
 #include "partial_fc/runtime/cpu_block_cache.h"
 
 #include <atomic>
+#include <cstdlib>
 #include <cstring>
 #include <map>
 #include <mutex>
@@ -8,6 +9,8 @@
 
 #include <c10/core/Allocator.h>
 #include <c10/core/CPUAllocator.h>
+
+#include "partial_fc/runtime/error.h"
 
 namespace faceshard {
 namespace {
@@ -19,6 +22,7 @@ constexpr size_t kHeader = 64;
 c10::Allocator* g_base = nullptr;  // the system allocator wrapped (c10's default)
 std::atomic<bool> g_installed{false};
 std::atomic<int64_t> g_limit{0}, g_cached{0}, g_hits{0}, g_misses{0};
+std::atomic<int> g_poison{-1};  // the byte every block handed out is filled with (-1: none)
 std::mutex g_mutex;
 std::multimap<size_t, void*>* g_free = nullptr;  // block size (header included) -> block
 c10::Allocator* g_allocator = nullptr;
@@ -84,6 +88,7 @@ class CachingAllocator final : public c10::Allocator {
       std::memcpy(block, &size, sizeof size);
     }
     void* data = static_cast<char*>(block) + kHeader;
+    if (const int p = g_poison.load(std::memory_order_relaxed); p >= 0) std::memset(data, p, n);
     return {data, data, &cached_delete, c10::Device(c10::DeviceType::CPU)};
   }
   c10::DeleterFnPtr raw_deleter() const override { return &cached_delete; }
@@ -97,6 +102,7 @@ class CachingAllocator final : public c10::Allocator {
 void CpuBlockCache::install() {
   static CachingAllocator* const allocator = [] {
     g_base = c10::GetCPUAllocator();
+    if (const char* v = std::getenv("FACESHARD_CPU_POISON"); v && *v) set_poison(parse_poison(v));
     g_free = new std::multimap<size_t, void*>();
     // Never destroyed: storages keep a pointer to their allocator for as long as they live.
     auto* a = new CachingAllocator();
@@ -128,6 +134,17 @@ void CpuBlockCache::set_limit(int64_t bytes) {
 }
 
 int64_t CpuBlockCache::limit() { return g_limit.load(); }
+
+void CpuBlockCache::set_poison(int byte) { g_poison = byte < 0 ? -1 : (byte & 0xff); }
+int CpuBlockCache::poison() { return g_poison.load(); }
+
+int CpuBlockCache::parse_poison(const std::string& text) {
+  char* end = nullptr;
+  const long v = std::strtol(text.c_str(), &end, 0);
+  if (end == text.c_str() || *end != '\0' || v < 0 || v > 255)
+    throw usage_error("FACESHARD_CPU_POISON: '", text, "' is not a byte (0-255, e.g. 0xff)");
+  return static_cast<int>(v);
+}
 int64_t CpuBlockCache::cached_bytes() { return g_cached.load(); }
 int64_t CpuBlockCache::hits() { return g_hits.load(); }
 int64_t CpuBlockCache::misses() { return g_misses.load(); }

@@ -13,6 +13,7 @@
 #pragma once
 #include <cstddef>
 #include <cstdint>
+#include <string>
 
 namespace c10 {
 struct Allocator;
@@ -41,6 +42,15 @@ class CpuBlockCache {
   static int64_t cached_bytes();
   static int64_t hits();
   static int64_t misses();
+  // Poison: every block handed out from now on (cached or new, of any size) is filled with
+  // `byte` first (a negative byte: no fill, the default). Two runs poisoned with different
+  // bytes compute the same numbers unless something reads memory it never wrote: how a result
+  // that changes with what the allocator happened to hand out (timing, other threads'
+  // blocks) is found. install() takes FACESHARD_CPU_POISON (a byte: 0-255, 0x.. accepted).
+  static void set_poison(int byte);
+  static int poison();
+  // FACESHARD_CPU_POISON's value as a byte; anything else is a usage error naming it.
+  static int parse_poison(const std::string& text);
   // Gives every kept block back to the system.
   static void release_all();
 };
