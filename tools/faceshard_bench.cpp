@@ -63,6 +63,7 @@
 #include "partial_fc/runtime/log.h"
 #include "partial_fc/classifier/partial_fc.h"
 #include "partial_fc/runtime/op_counter.h"
+#include "partial_fc/runtime/flag_once.h"
 
 using namespace faceshard;
 
@@ -788,11 +789,12 @@ int run_activations(const Args& a) {
 int main(int argc, char** argv) {
   return run_main("faceshard-bench", [&] {
     Args a;
+    FlagOnce once;
     for (int i = 1; i < argc; ++i) {
       std::string s = argv[i];
       auto value = [&]() -> std::string {
         if (i + 1 >= argc) throw usage_error(s, " needs a value");
-        return argv[++i];
+        return once.take(s, argv[++i]);
       };
       if (s == "--help" || s == "-h") {
         std::fputs(kUsage, stdout);
@@ -823,7 +825,10 @@ int main(int argc, char** argv) {
       else if (s == "--checkpointing") a.checkpointing = value();
       else if (s == "--batches") a.batches = value();
       else if (s == "--config") a.config = value();
-      else if (s == "--set") a.overrides.push_back(value());
+      else if (s == "--set") {  // repeatable
+        if (i + 1 >= argc) throw usage_error(s, " needs a value");
+        a.overrides.push_back(argv[++i]);
+      }
       else if (s == "--json") a.json = value();
       else if (s == "--row-update") a.updates = value();
       else if (s == "--chunking") a.chunking = value();

@@ -140,7 +140,7 @@ int main(int argc, char** argv) {
       else if (a.is("--images")) images = a.value();
       else if (a.is("--embeddings")) embeddings = a.value();
       else if (a.is("--output")) output = a.value();
-      else if (a.is("--bin")) bins.push_back(a.value()), after_bin = true;
+      else if (a.is("--bin")) bins.push_back(a.repeated_value()), after_bin = true;
       else if (a.is("--test-identities")) tests_dir = a.value();
       else if (a.is("--mislabeled-angle")) t.mislabeled_angle = a.number();
       else if (a.is("--identity-cos")) t.identity_cos = a.number();

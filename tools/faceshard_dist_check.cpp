@@ -17,6 +17,7 @@
 #include "partial_fc/runtime/distributed.h"
 #include "partial_fc/runtime/error.h"
 #include "partial_fc/runtime/log.h"
+#include "partial_fc/runtime/flag_once.h"
 
 using namespace faceshard;
 
@@ -69,10 +70,12 @@ int main(int argc, char** argv) {
     double interval_ms = 100, timeout_s = 30, rendezvous_timeout_s = 300;
     bool cuda = false;
     std::string output, trace;
+    FlagOnce once;
     for (int i = 1; i < argc; ++i) {
       std::string a = argv[i];
       auto value = [&]() -> const char* {
         if (i + 1 >= argc) throw usage_error(a, " needs a value");
+        once.take(a, argv[i + 1]);
         return argv[++i];
       };
       if (a == "--help" || a == "-h") {

@@ -10,15 +10,18 @@
 #include "models/backbone_registry.h"
 #include "models/model_stats.h"
 #include "partial_fc/runtime/error.h"
+#include "partial_fc/runtime/flag_once.h"
 
 int main(int argc, char** argv) {
   return faceshard::run_main("faceshard-flops", [&] {
     int64_t embedding = 512;
     std::vector<std::string> names;
+    faceshard::FlagOnce once;
     for (int i = 1; i < argc; ++i) {
       const std::string arg = argv[i];
       if (arg == "--embedding") {
         if (i + 1 >= argc) throw faceshard::usage_error("--embedding: expected a number");
+        once.take(arg, argv[i + 1]);
         try {
           embedding = std::stoll(argv[++i]);
         } catch (const std::exception&) {

@@ -17,6 +17,7 @@
 #include "partial_fc/runtime/dist_env.h"
 #include "partial_fc/runtime/distributed.h"
 #include "partial_fc/runtime/error.h"
+#include "partial_fc/runtime/flag_once.h"
 
 namespace {
 
@@ -79,6 +80,7 @@ int main(int argc, char** argv) {
     std::string head, emb_path, label_path, centre_path, out;
     int64_t steps = 1;
     std::vector<std::string> sets;
+    FlagOnce once;
     for (int i = 1; i < argc; ++i) {
       const std::string a = argv[i];
       if (a == "--help" || a == "-h") {
@@ -91,6 +93,7 @@ int main(int argc, char** argv) {
       }
       if (i + 1 >= argc) throw usage_error(a, ": missing value (see --help)");
       const std::string v = argv[++i];
+      if (a != "--set") once.take(a, v);
       if (a == "--head") head = v;
       else if (a == "--set") sets.push_back(v);
       else if (a == "--embeddings") emb_path = v;

@@ -29,6 +29,7 @@
 #include "data/verification_pairs.h"
 #include "partial_fc/runtime/error.h"
 #include "partial_fc/runtime/progress.h"
+#include "partial_fc/runtime/flag_once.h"
 
 namespace {
 
@@ -104,6 +105,7 @@ struct Args {
 
 Args parse(int argc, char** argv, const std::vector<std::string>& with_value, const std::vector<std::string>& flags) {
   Args a;
+  faceshard::FlagOnce once;
   for (int i = 2; i < argc; ++i) {
     const std::string s = argv[i];
     if (s.rfind("--", 0) != 0) {
@@ -114,7 +116,7 @@ Args parse(int argc, char** argv, const std::vector<std::string>& with_value, co
     for (const auto& f : with_value) {
       if (s == f) {
         if (i + 1 >= argc) throw usage_error(s, ": missing value (see --help)");
-        a.opt[s] = argv[++i];
+        a.opt[s] = once.take(s, argv[++i]);
         known = true;
       }
     }

@@ -23,6 +23,7 @@
 #include "app/plan/checkpoint_staging_plan.h"
 #include "app/plan/job_time_plan.h"
 #include "partial_fc/runtime/error.h"
+#include "partial_fc/runtime/flag_once.h"
 
 using namespace faceshard;
 
@@ -143,6 +144,7 @@ int main(int argc, char** argv) {
     }
     // Flags first (the config's batch split needs --ranks), then config < flags.
     std::map<std::string, std::string> flag;
+    FlagOnce once;
     for (size_t i = 0; i < args.rest.size(); ++i) {
       const std::string& s = args.rest[i];
       static const char* known[] = {"--network", "--batch", "--precision", "--checkpointing", "--classes",
@@ -154,7 +156,7 @@ int main(int argc, char** argv) {
       if (std::find(std::begin(known), std::end(known), s) == std::end(known))
         throw usage_error("unknown argument '", faceshard::detail::printable(s), "' (see --help)");
       if (i + 1 >= args.rest.size()) throw usage_error(s, " needs a value");
-      flag[s] = args.rest[++i];
+      flag[s] = once.take(s, args.rest[++i]);
     }
     if (args.print_config) throw usage_error("--print-config: use faceshard-config");
     auto has = [&](const char* f) { return flag.count(f) > 0; };

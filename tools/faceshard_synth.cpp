@@ -20,6 +20,7 @@
 #include "data/synthetic_faces.h"
 #include "partial_fc/runtime/error.h"
 #include "partial_fc/runtime/progress.h"
+#include "partial_fc/runtime/flag_once.h"
 
 namespace {
 
@@ -299,6 +300,7 @@ int main(int argc, char** argv) {
     std::string out, scale;
     uint64_t payload_bytes = 1;
     NoiseSpec noise;
+    faceshard::FlagOnce once;
     for (int i = 1; i < argc; ++i) {
       const std::string a = argv[i];
       if (a == "--help" || a == "-h") {
@@ -307,7 +309,7 @@ int main(int argc, char** argv) {
       }
       if (a.rfind("--", 0) != 0) throw faceshard::usage_error("unexpected argument '", a, "' (see --help)");
       if (i + 1 >= argc) throw faceshard::usage_error(a, ": missing value (see --help)");
-      const std::string v = argv[++i];
+      const std::string v = once.take(a, argv[++i]);
       if (a == "--output") out = v;
       else if (a == "--identities") spec.identities = parse_count(a, v, 1, 1000000);
       else if (a == "--images") spec.images_per_identity = parse_count(a, v, 1, 100000);

@@ -52,7 +52,7 @@ int main(int argc, char** argv) {
         std::fputs(kUsage, stdout);
         return 0;
       } else if (parse_model_flag(a, spec)) continue;
-      else if (a.is("--bin")) bins.push_back(a.value());
+      else if (a.is("--bin")) bins.push_back(a.repeated_value());
       else if (a.is("--batch")) batch = a.integer(1);
       else if (a.is("--device")) device_name = a.value();
       else if (a.is("--folds")) folds = a.integer(2);

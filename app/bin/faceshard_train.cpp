@@ -34,6 +34,7 @@ int main(int argc, char** argv) {
     for (size_t i = 0; i < args.rest.size(); ++i) {
       const std::string& a = args.rest[i];
       if (a == "--resume") {
+        if (req.resume) throw usage_error("--resume is given twice; it takes at most one checkpoint (see --help)");
         req.resume = true;
         if (i + 1 < args.rest.size() && args.rest[i + 1].rfind("--", 0) != 0) {
           const std::string& v = args.rest[++i];

@@ -1,19 +1,21 @@
 #include "app/config/cli.h"
 
 #include "partial_fc/runtime/error.h"
+#include "partial_fc/runtime/flag_once.h"
 
 namespace faceshard {
 
 ConfigArgs parse_config_args(int argc, char** argv) {
   ConfigArgs a;
+  FlagOnce once;
   for (int i = 1; i < argc; ++i) {
     std::string s = argv[i];
     auto value = [&](const std::string& flag) -> std::string {
       if (i + 1 >= argc) throw usage_error(flag, " needs a value");
       return argv[++i];
     };
-    if (s == "--config" || s == "-c") a.config = value(s);
-    else if (s.rfind("--config=", 0) == 0) a.config = s.substr(9);
+    if (s == "--config" || s == "-c") a.config = once.take("--config", value(s));
+    else if (s.rfind("--config=", 0) == 0) a.config = once.take("--config", s.substr(9));
     else if (s == "--set") {
       const std::string kv = value(s);
       // "--set optim.lr 0.01": the value went to the next word.

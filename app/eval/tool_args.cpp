@@ -12,10 +12,17 @@ bool ToolArgs::next() {
   return i_ < args_.size();
 }
 
-std::string ToolArgs::value() {
+std::string ToolArgs::next_value() {
   if (i_ + 1 >= args_.size() || args_[i_ + 1].rfind("--", 0) == 0)
     throw usage_error(args_[i_], " needs a value (see --help)");
   return args_[++i_];
+}
+
+std::string ToolArgs::repeated_value() { return next_value(); }
+
+std::string ToolArgs::value() {
+  const std::string flag = args_[i_];
+  return once_.take(flag, next_value());
 }
 
 int64_t ToolArgs::integer(int64_t min_value) {
