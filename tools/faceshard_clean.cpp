@@ -21,6 +21,7 @@
 #include "app/io/checkpoint.h"
 #include "app/io/resharded_rows.h"
 #include "data/dataset.h"
+#include "data/set_identity.h"
 #include "data/image_transform.h"
 #include "partial_fc/runtime/error.h"
 #include "partial_fc/runtime/log.h"
@@ -203,6 +204,8 @@ int main(int argc, char** argv) {
     const int64_t emb_size = model.backbone->embedding_size();
     const at::Tensor centres = read_centres(ck, k, emb_size);
     std::shared_ptr<Dataset> ds = open_dataset(data);
+    // The set's identity goes into every report (faceshard-pack clean applies them to it only).
+    const SetIdentity data_set = set_identity(*ds);
     const int64_t n = limit > 0 ? std::min<int64_t>(limit, int64_t(ds->size())) : int64_t(ds->size());
     log_info("run: ", step_dir, " (step ", ck.step, ", ", ck.num_classes, " classes x ", k,
              " sub-centres, saved on ", ck.world_size, " ranks); model: ", model.description, " on ", device.str(),
@@ -384,7 +387,8 @@ int main(int argc, char** argv) {
         "run: " + step_dir + " (step " + std::to_string(ck.step) + ", saved on " + std::to_string(ck.world_size) +
             " ranks)",
         "model: " + model.description,
-        "data: " + data + (unreadable ? " (" + std::to_string(unreadable) + " unreadable images left out)" : "")};
+        "data: " + data + (unreadable ? " (" + std::to_string(unreadable) + " unreadable images left out)" : ""),
+        "set: " + data_set.text()};
     if (emb_file) header.push_back("embeddings: " + embeddings);
     for (const auto& set : sets) header.push_back("test set: " + set.path);
     if (tests_ds) header.push_back("test identities: " + tests_dir);

@@ -493,7 +493,10 @@ int cmd_clean(const Args& a) {
   const int64_t classes = ds.num_classes();
   if (classes < 1) throw usage_error(rec, ": its header declares no classes");
   faceshard::CleanPlan plan;
+  // Numbers of images and classes mean the same images only in the set they came from.
+  const faceshard::SetIdentity set = faceshard::set_identity(ds);
   if (a.opt.count("--keep")) {
+    faceshard::check_keep_list_set(a.opt.at("--keep"), set);
     plan = faceshard::plan_from_keep_list(a.opt.at("--keep"), ds.size(), classes);
   } else {
     faceshard::CleanPackOptions o;
@@ -501,6 +504,7 @@ int cmd_clean(const Args& a) {
     o.drop_near_duplicates = !a.opt.count("--keep-near-duplicates");
     o.drop_overlap = !a.opt.count("--keep-overlap");
     o.merge_identities = a.opt.count("--merge") > 0;
+    faceshard::check_reports_set(a.opt.at("--reports"), set, o);
     plan = faceshard::plan_from_reports(a.opt.at("--reports"), ds.size(), classes, o);
   }
   const faceshard::CleanPackResult r = faceshard::write_clean_rec(ds, plan, a.pos[1]);

@@ -7,6 +7,7 @@
 #include <filesystem>
 #include <fstream>
 #include <numeric>
+#include <optional>
 #include <sstream>
 
 #include "app/io/checkpoint.h"
@@ -67,6 +68,27 @@ void read_report(const std::string& path, const std::vector<std::string>& column
   if (at.empty()) throw usage_error(path, ": no column line (not a faceshard-clean report)");
 }
 
+// The set a report or keep-list names on its "# set: " comment line, if any (the first
+// 64 comment lines are looked at: the header).
+std::optional<std::string> named_set(const std::string& path) {
+  std::ifstream f(path);
+  if (!f) throw usage_error(path, ": cannot open (not a faceshard-clean report folder?)");
+  std::string line;
+  for (int n = 0; n < 64 && std::getline(f, line); ++n) {
+    if (line.rfind("# set: ", 0) == 0) return line.substr(7);
+    if (!line.empty() && line[0] != '#') break;
+  }
+  return std::nullopt;
+}
+
+void check_named_set(const std::string& path, const std::string& named, const SetIdentity& set) {
+  const std::optional<SetIdentity> id = parse_set_identity(named);
+  if (!id) throw usage_error(path, ": its '# set:' line is not a set identity: '", detail::printable(named), "'");
+  if (!id->same_as(set))
+    throw usage_error(path, ": made from another set (", id->brief(), ") than this one (", set.brief(),
+                      "): its image and class numbers would name other images; run faceshard-clean on this set");
+}
+
 int64_t root(std::vector<int64_t>& p, int64_t x) {
   while (p[size_t(x)] != x) x = p[size_t(x)] = p[size_t(p[size_t(x)])];
   return x;
@@ -111,6 +133,28 @@ CleanPlan plan_from_reports(const std::string& folder, uint64_t images, int64_t 
   for (int64_t c = 0; c < classes; ++c)
     if (drop_root[size_t(p.merge_into[size_t(c)])]) p.merge_into[size_t(c)] = -1;
   return p;
+}
+
+void check_reports_set(const std::string& folder, const SetIdentity& set, const CleanPackOptions& o) {
+  std::vector<std::string> names;
+  if (o.drop_mislabeled) names.push_back("mislabeled.tsv");
+  if (o.drop_near_duplicates) names.push_back("near_duplicates.tsv");
+  if (o.drop_overlap) names.push_back("overlap.tsv");
+  if (o.merge_identities) names.push_back("duplicate_identities.tsv");
+  for (const std::string& name : names) {
+    const std::string path = folder + "/" + name;
+    const std::optional<std::string> named = named_set(path);
+    if (!named)
+      throw usage_error(path, ": says nothing of the set it was made from (no '# set:' line); run faceshard-clean "
+                              "on this set again (", set.brief(), ")");
+    check_named_set(path, *named, set);
+  }
+}
+
+void check_keep_list_set(const std::string& file, const SetIdentity& set) {
+  std::ifstream probe(file);
+  if (!probe) throw usage_error("--keep: cannot open '", file, "'");
+  if (const std::optional<std::string> named = named_set(file)) check_named_set(file, *named, set);
 }
 
 CleanPlan plan_from_keep_list(const std::string& file, uint64_t images, int64_t classes) {

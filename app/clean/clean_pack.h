@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "data/dataset.h"
+#include "data/set_identity.h"
 
 namespace faceshard {
 
@@ -29,6 +30,16 @@ struct CleanPackOptions {
 // classes. Usage errors name the report and line (a missing report, a missing column, an
 // image or class out of range).
 CleanPlan plan_from_reports(const std::string& folder, uint64_t images, int64_t classes, const CleanPackOptions& o);
+
+// Reports name images and classes by number, which mean the same images only in the set the
+// reports were made from: every report the options read must say (its "# set:" line, as
+// faceshard-clean writes it) that it was made from `set`. A usage error naming the report and
+// both sets otherwise, or when a report says nothing of its set.
+void check_reports_set(const std::string& folder, const SetIdentity& set, const CleanPackOptions& o);
+
+// A keep-list that names its set (a "# set: sha256:..." comment, as a list written from a
+// report carries it) must name `set`; one without such a line is taken as it is.
+void check_keep_list_set(const std::string& file, const SetIdentity& set);
 
 // A keep-list: image indices separated by white space or lines ('#' starts a comment);
 // every other image dropped.

@@ -44,15 +44,18 @@ grep -P "^\d+\t[^\t]*c05/$first\t5\t\d+\t[^\t]*c05/zz_copy.jpg\t5\t1\.0000\d*\ty
 # rest byte for byte under renumbered classes; then from a keep-list.
 py="$root/.venv/bin/python"; [ -x "$py" ] || py=python3
 mkdir -p "$work/hand"
-printf '# hand\nindex\timage\tlabel\n3\tx\t0\n17\tx\t2\n' > "$work/hand/mislabeled.tsv"
-printf 'index_a\tindex_b\n19\t20\n' > "$work/hand/near_duplicates.tsv"
-printf 'set\tclass\nlfw\t5\n' > "$work/hand/overlap.tsv"
-printf 'class_a\tclass_b\n1\t2\n' > "$work/hand/duplicate_identities.tsv"
+# Each report names the set it was made from (the real reports' line: the same set).
+set_line=$(grep -m1 '^# set: sha256:[0-9a-f]\{64\} (128 images, 16 classes)$' "$work/reports/mislabeled.tsv") ||
+  fail "mislabeled.tsv does not name its set: $(grep -m1 '^# set' "$work/reports/mislabeled.tsv")"
+printf '# hand\n%s\nindex\timage\tlabel\n3\tx\t0\n17\tx\t2\n' "$set_line" > "$work/hand/mislabeled.tsv"
+printf '%s\nindex_a\tindex_b\n19\t20\n' "$set_line" > "$work/hand/near_duplicates.tsv"
+printf '%s\nset\tclass\nlfw\t5\n' "$set_line" > "$work/hand/overlap.tsv"
+printf '%s\nclass_a\tclass_b\n1\t2\n' "$set_line" > "$work/hand/duplicate_identities.tsv"
 "$bin/faceshard-pack" clean "$work/data/train.rec" "$work/cleaned/train" --reports "$work/hand" --merge > "$work/pack.log" 2>&1 \
   || { cat "$work/pack.log"; fail "faceshard-pack clean --reports"; }
 grep -q "117 images kept, 11 dropped (2 mislabeled, 1 duplicates, 1 classes in test sets), 14 classes (1 merged)" "$work/pack.log" \
   || { cat "$work/pack.log"; fail "faceshard-pack clean's counts"; }
-printf '# the first class but its third image\n0\n1\n3 4 5 6 7\n' > "$work/keep.txt"
+printf '# the first class but its third image\n%s\n0\n1\n3 4 5 6 7\n' "$set_line" > "$work/keep.txt"
 "$bin/faceshard-pack" clean "$work/data/train.rec" "$work/kept/train" --keep "$work/keep.txt" > "$work/keep.log" 2>&1 \
   || { cat "$work/keep.log"; fail "faceshard-pack clean --keep"; }
 for out in cleaned kept; do
@@ -85,6 +88,33 @@ drop = {3, 17, 20} | {i for i, c in label.items() if c == 5}
 check('cleaned', [i for i in label if i not in drop], {2: 1})
 check('kept', [0, 1, 3, 4, 5, 6, 7], {})
 PY
+# Reports applied to another set: the same 128 images re-packed with the class folders named
+# in the reverse order (every number now names another image), and the same with one more
+# identity folder. faceshard-pack clean refuses each with one line naming both sets, exit 2,
+# and writes nothing; so does a keep-list naming another set. A report without its set line
+# is refused too.
+"$bin/faceshard-pack" unpack "$work/data/train.rec" "$work/orig" > /dev/null 2>&1 || fail "unpack for the re-pack"
+mkdir -p "$work/reordered"
+for d in "$work"/orig/*; do c=$(basename "$d"); cp -r "$d" "$work/reordered/k$(printf %02d $((15 - c)))"; done
+"$bin/faceshard-pack" pack "$work/reordered" "$work/repacked/train" > /dev/null 2>&1 || fail "re-packing in another order"
+cp -r "$work/reordered" "$work/grown"; cp -r "$work/reordered/k00" "$work/grown/k16"
+"$bin/faceshard-pack" pack "$work/grown" "$work/grown_rec/train" > /dev/null 2>&1 || fail "re-packing with one more identity"
+another() {  # REC ARGS...: refused, one line naming another set, nothing written
+  local rec="$1"; shift
+  local out; out=$("$bin/faceshard-pack" clean "$rec" "$work/wrong/train" "$@" 2>&1); local rc=$?
+  [ "$rc" = 2 ] || fail "pack clean $rec $*: exit $rc, expected 2: $out"
+  [ "$(printf '%s\n' "$out" | wc -l)" = 1 ] || fail "pack clean $rec $*: more than one line: $out"
+  [[ "$out" == *"made from another set (128 images, 16 classes, sha256 "*") than this one ("*"): its image and class numbers would name other images"* ]] ||
+    fail "pack clean $rec $*: $out"
+  [ ! -e "$work/wrong" ] || fail "pack clean $rec $* wrote $(ls -R "$work/wrong")"
+}
+another "$work/repacked/train.rec" --reports "$work/reports"
+another "$work/grown_rec/train.rec" --reports "$work/reports" --merge
+another "$work/repacked/train.rec" --keep "$work/keep.txt"
+mkdir -p "$work/unnamed"; cp "$work/reports"/*.tsv "$work/unnamed/"; sed -i '/^# set: /d' "$work/unnamed/overlap.tsv"
+out=$("$bin/faceshard-pack" clean "$work/data/train.rec" "$work/wrong/train" --reports "$work/unnamed" 2>&1)
+[ $? = 2 ] && [[ "$out" == *"overlap.tsv: says nothing of the set it was made from"* ]] || fail "a report without its set: $out"
+
 # Refusals: one line, non-zero, the reports already there unchanged.
 sums() { (cd "$work/reports" && ls -A && md5sum ./*) ; }
 before=$(sums)
