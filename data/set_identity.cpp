@@ -23,12 +23,12 @@ std::string finish_hex(Sha256& h) {
 }  // namespace
 
 std::string SetIdentity::text() const {
-  return "sha256:" + (digest.empty() ? std::string("none") : digest) + " (" + std::to_string(images) + " images, " +
-         std::to_string(classes) + " classes)";
+  return "sha256:" + (digest.empty() ? std::string("none") : digest) + " (" + kind + ": " + std::to_string(images) +
+         " images, " + std::to_string(classes) + " classes)";
 }
 
 std::string SetIdentity::brief() const {
-  return std::to_string(images) + " images, " + std::to_string(classes) + " classes, sha256 " +
+  return kind + ", " + std::to_string(images) + " images, " + std::to_string(classes) + " classes, sha256 " +
          (digest.empty() ? std::string("none") : digest.substr(0, 12));
 }
 
@@ -37,6 +37,7 @@ SetIdentity set_identity(const Dataset& ds) {
   id.images = ds.size();
   id.classes = ds.num_classes();
   if (const auto* rec = dynamic_cast<const RecordIODataset*>(&ds)) {
+    id.kind = "rec";
     Sha256 h;
     h.update(std::string("faceshard set identity 1: insightface rec\n"));
     const IndexedRecordIO& r = rec->records();
@@ -53,6 +54,7 @@ SetIdentity set_identity(const Dataset& ds) {
     }
     id.digest = finish_hex(h);
   } else if (const auto* folder = dynamic_cast<const ImageFolderDataset*>(&ds)) {
+    id.kind = "folder";
     Sha256 h;
     h.update(std::string("faceshard set identity 1: image folder\n"));
     // Paths relative to the folder: the same folder elsewhere is the same set.
@@ -75,14 +77,15 @@ SetIdentity set_identity(const Dataset& ds) {
 }
 
 std::optional<SetIdentity> parse_set_identity(const std::string& text) {
-  static const std::regex re(R"(^\s*sha256:([0-9a-f]{64}|none) \((\d+) images, (-?\d+) classes\)\s*$)");
+  static const std::regex re(R"(^\s*sha256:([0-9a-f]{64}|none) \((rec|folder|other): (\d+) images, (-?\d+) classes\)\s*$)");
   std::smatch m;
   if (!std::regex_match(text, m, re)) return std::nullopt;
   SetIdentity id;
   if (m[1] != "none") id.digest = m[1];
+  id.kind = m[2];
   try {
-    id.images = std::stoull(m[2]);
-    id.classes = std::stoll(m[3]);
+    id.images = std::stoull(m[3]);
+    id.classes = std::stoll(m[4]);
   } catch (const std::exception&) {
     return std::nullopt;
   }

@@ -19,15 +19,18 @@
 namespace faceshard {
 
 struct SetIdentity {
+  std::string kind = "other";  // "rec" (insightface .rec), "folder" (an image folder) or "other"
   uint64_t images = 0;
   int64_t classes = -1;
   std::string digest;  // hex SHA-256; empty for a set without an index (synthetic)
 
-  // "sha256:<64 hex> (N images, C classes)": the form reports and runs store.
+  // "sha256:<64 hex> (KIND: N images, C classes)": the form reports and runs store.
   std::string text() const;
-  // "N images, C classes, sha256 <first 12 hex>": the form messages print.
+  // "KIND, N images, C classes, sha256 <first 12 hex>": the form messages print.
   std::string brief() const;
-  bool same_as(const SetIdentity& o) const { return images == o.images && classes == o.classes && digest == o.digest; }
+  bool same_as(const SetIdentity& o) const {
+    return kind == o.kind && images == o.images && classes == o.classes && digest == o.digest;
+  }
 };
 
 // The identity of `ds` (a RecordIODataset or ImageFolderDataset; any other set: its counts).

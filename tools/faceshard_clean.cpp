@@ -8,6 +8,7 @@
 #include <filesystem>
 #include <fstream>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -206,6 +207,35 @@ int main(int argc, char** argv) {
     std::shared_ptr<Dataset> ds = open_dataset(data);
     // The set's identity goes into every report (faceshard-pack clean applies them to it only).
     const SetIdentity data_set = set_identity(*ds);
+    // The run's centres are its classes: the audit means something only on the data it
+    // trained on (its run folder's data_set.txt, written by faceshard-train), and labels
+    // past its classes are refused now, not after the pass.
+    const fs::path run_set = fs::path(step_dir).parent_path().parent_path() / "data_set.txt";
+    if (fs::is_regular_file(run_set)) {
+      std::ifstream f(run_set);
+      std::string line;
+      std::getline(f, line);
+      const std::optional<SetIdentity> trained = parse_set_identity(line);
+      if (!trained) throw usage_error(run_set.string(), ": not a set identity: '", faceshard::detail::printable(line), "'");
+      if (trained->kind != data_set.kind) {
+        // The same images in another form (a folder of the .rec it trained on) cannot be
+        // compared image by image: its classes must be the run's.
+        if (trained->classes != data_set.classes)
+          throw usage_error(data, " has ", data_set.classes, " classes, the data the run trained on ", trained->classes,
+                            " (", run_set.string(), ": ", trained->brief(), "): its labels are not the run's classes");
+        log_info("the run trained on a ", trained->kind, ", ", data, " is a ", data_set.kind,
+                 ": taken to hold the same images (", data_set.brief(), "; the run's: ", trained->brief(), ")");
+      } else if (!trained->same_as(data_set))
+        throw usage_error(data, " is not the data the run trained on (", run_set.string(), ": ", trained->brief(),
+                          "; ", data, ": ", data_set.brief(), "): its reports would judge other images by the run's "
+                          "classes; clean a run with the data it trained on");
+    } else {
+      log_info("the run does not record its data (no ", run_set.string(), "): ", data,
+               " is taken to be the data it trained on");
+    }
+    if (ds->num_classes() > ck.num_classes)
+      throw usage_error(data, " has ", ds->num_classes(), " classes, the run ", ck.num_classes,
+                        ": its labels are not the run's classes");
     const int64_t n = limit > 0 ? std::min<int64_t>(limit, int64_t(ds->size())) : int64_t(ds->size());
     log_info("run: ", step_dir, " (step ", ck.step, ", ", ck.num_classes, " classes x ", k,
              " sub-centres, saved on ", ck.world_size, " ranks); model: ", model.description, " on ", device.str(),

@@ -40,7 +40,7 @@ bool has_step_folders(const fs::path& dir) {
 
 const std::vector<std::string>& run_file_names() {
   static const std::vector<std::string> names = {"config.yaml", "metrics.jsonl", "training.log", "checkpoints",
-                                                 "tensorboard", "model.pt",      "model.json"};
+                                                 "tensorboard", "model.pt",      "model.json",  "data_set.txt"};
   return names;
 }
 

@@ -16,6 +16,7 @@
 #include "app/train/checkpoint_writer.h"
 #include "app/train/device_readout.h"
 #include "app/train/log_sinks.h"
+#include "data/set_identity.h"
 #include "app/train/run_folder.h"
 #include "app/train/run_lock.h"
 #include "app/train/train_job.h"
@@ -103,6 +104,13 @@ int run_training(const TrainRequest& req) {
     std::filesystem::create_directories(cfg.output);
     set_log_file(cfg.output + "/training.log");
     write_text_durably(req.config_text, cfg.output + "/config.yaml");
+    // Which data the run trains on (data/set_identity.h): faceshard-clean audits a run
+    // against its own data only.
+    const auto t_id = std::chrono::steady_clock::now();
+    const SetIdentity data_set = set_identity(*j.dataset);
+    write_text_durably(data_set.text() + "\n", cfg.output + "/data_set.txt");
+    log_info("data set: ", data_set.brief(), " (identity in ",
+             format_sig(std::chrono::duration<double>(std::chrono::steady_clock::now() - t_id).count()), " s)");
   }
   d.barrier();
   // Each rank's record of its last collectives goes here when one hangs or fails, on

@@ -45,7 +45,7 @@ grep -P "^\d+\t[^\t]*c05/$first\t5\t\d+\t[^\t]*c05/zz_copy.jpg\t5\t1\.0000\d*\ty
 py="$root/.venv/bin/python"; [ -x "$py" ] || py=python3
 mkdir -p "$work/hand"
 # Each report names the set it was made from (the real reports' line: the same set).
-set_line=$(grep -m1 '^# set: sha256:[0-9a-f]\{64\} (128 images, 16 classes)$' "$work/reports/mislabeled.tsv") ||
+set_line=$(grep -m1 '^# set: sha256:[0-9a-f]\{64\} (rec: 128 images, 16 classes)$' "$work/reports/mislabeled.tsv") ||
   fail "mislabeled.tsv does not name its set: $(grep -m1 '^# set' "$work/reports/mislabeled.tsv")"
 printf '# hand\n%s\nindex\timage\tlabel\n3\tx\t0\n17\tx\t2\n' "$set_line" > "$work/hand/mislabeled.tsv"
 printf '%s\nindex_a\tindex_b\n19\t20\n' "$set_line" > "$work/hand/near_duplicates.tsv"
@@ -104,7 +104,7 @@ another() {  # REC ARGS...: refused, one line naming another set, nothing writte
   local out; out=$("$bin/faceshard-pack" clean "$rec" "$work/wrong/train" "$@" 2>&1); local rc=$?
   [ "$rc" = 2 ] || fail "pack clean $rec $*: exit $rc, expected 2: $out"
   [ "$(printf '%s\n' "$out" | wc -l)" = 1 ] || fail "pack clean $rec $*: more than one line: $out"
-  [[ "$out" == *"made from another set (128 images, 16 classes, sha256 "*") than this one ("*"): its image and class numbers would name other images"* ]] ||
+  [[ "$out" == *"made from another set (rec, 128 images, 16 classes, sha256 "*") than this one ("*"): its image and class numbers would name other images"* ]] ||
     fail "pack clean $rec $*: $out"
   [ ! -e "$work/wrong" ] || fail "pack clean $rec $* wrote $(ls -R "$work/wrong")"
 }
@@ -114,6 +114,15 @@ another "$work/repacked/train.rec" --keep "$work/keep.txt"
 mkdir -p "$work/unnamed"; cp "$work/reports"/*.tsv "$work/unnamed/"; sed -i '/^# set: /d' "$work/unnamed/overlap.tsv"
 out=$("$bin/faceshard-pack" clean "$work/data/train.rec" "$work/wrong/train" --reports "$work/unnamed" 2>&1)
 [ $? = 2 ] && [[ "$out" == *"overlap.tsv: says nothing of the set it was made from"* ]] || fail "a report without its set: $out"
+
+# A run audited against other data is refused before the pass (one line naming both sets,
+# exit 2, no report written): the run records the data it trained on (data_set.txt).
+grep -q '^sha256:[0-9a-f]\{64\} (rec: 128 images, 16 classes)$' "$work/out/data_set.txt" || fail "the run does not record its data"
+out=$(clean --rec "$work/repacked" --output "$work/other_reports" 2>&1); rc=$?
+[ "$rc" = 2 ] && [[ "$out" == *"is not the data the run trained on ("*"rec, 128 images, 16 classes, sha256 "*")"* ]] ||
+  fail "faceshard-clean on another set: exit $rc: $out"
+[[ "$out" != *cleaning* ]] || fail "faceshard-clean on another set started its pass: $out"
+[ -z "$(ls -A "$work/other_reports" 2>/dev/null)" ] || fail "reports written for another set"
 
 # Refusals: one line, non-zero, the reports already there unchanged.
 sums() { (cd "$work/reports" && ls -A && md5sum ./*) ; }
@@ -140,4 +149,10 @@ touch "$work/a_file"
 refused "--output: cannot create folder" clean --rec "$work/data" --output "$work/a_file/reports"
 refused "would be dropped: nothing to pack" \
   "$bin/faceshard-pack" clean "$work/data/train.rec" "$work/none/train" --keep /dev/null
+# A run that does not record its data: labels past its classes are refused before the pass.
+mv "$work/out/data_set.txt" "$work/out_data_set.txt"
+out=$(clean --rec "$work/grown_rec" --output "$work/other_reports" 2>&1); rc=$?
+mv "$work/out_data_set.txt" "$work/out/data_set.txt"
+[ "$rc" = 2 ] && [[ "$out" == *"has 17 classes, the run 16: its labels are not the run's classes"* ]] ||
+  fail "faceshard-clean with 17 classes against a 16-class run: exit $rc: $out"
 echo "faceshard-clean: reports, faceshard-pack clean and refusals checked"
