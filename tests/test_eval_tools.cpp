@@ -662,6 +662,11 @@ TEST(EvalVerification, SetsHoldEncodedImagesAndDecodePerBatch) {
   write_text(dir + "/small.bin", memo_bin(distinct, refs));
   const VerificationData small = load_verification_data(dir + "/small.bin");
   EXPECT_EQ(small.name, "small");
+  // The one 150x150 face is counted (and warned about); the 8x8 set is all of another size.
+  EXPECT_EQ(small.other_size_images, 1);
+  EXPECT_EQ(small.other_size, "150x150");
+  EXPECT_EQ(many.other_size_images, 3000);  // distinct buffers, each referenced thrice
+  EXPECT_EQ(many.other_size, "8x8");
   VerificationData whole;
   whole.pixels = torch::empty({24, 3, 112, 112});
   for (int i = 0; i < 24; ++i) {

@@ -61,9 +61,13 @@ const char* kUsage =
     "                       image), PATH relative to SOURCE (to the list's folder for a .lst). Every image\n"
     "                       needs a line; every bad line and image is listed and nothing is written.\n"
     "  pairs IMAGE_DIR OUT.bin [--pairs N] [--seed S] [--size PX] [--skip-bad]\n"
+    "       [--resize 112 [--fit pad|center|stretch] | --landmarks FILE] [--quality Q]\n"
     "        a verification set in insightface's .bin format (a val target for faceshard-train and\n"
     "        faceshard-verify): N pairs (default 3000), half of one identity, half of two, from IMAGE_DIR's\n"
     "        identities (use identities the training data does not hold); the same seed gives the same pairs.\n"
+    "        Loose photos (e.g. LFW's 250x250) are made 112x112 faces as `pack` makes them: --landmarks FILE\n"
+    "        (aligned, what the network expects) or --resize 112; --size PX keeps them as they are (the\n"
+    "        evaluation then resizes them, unaligned, and says so).\n"
     "  list REC [--idx IDX] [--limit N]\n"
     "        prints key, offset, flag, labels and image size of each record (in .idx order).\n"
     "  verify REC [--idx IDX] [--decode] [--size PX]\n"
@@ -196,6 +200,62 @@ std::vector<uint64_t> check_items(const faceshard::PackSource& src, int size, bo
   return bad;
 }
 
+// --resize N / --landmarks FILE (with --fit, --quality): how `pack` and `pairs` change each
+// image into a 112x112 face, stored as JPEG.
+struct TransformFlags {
+  faceshard::PackTransform transform;
+  faceshard::LandmarkList landmarks;
+  bool resize = false, align = false;
+};
+
+// Reads the flags (refusing the combinations that make no sense) and, with --landmarks, the
+// list for `src`'s images (its problems added to `problems`).
+void parse_transform_flags(const Args& a, const faceshard::PackSource& src, TransformFlags& t,
+                           std::vector<faceshard::PackProblem>& problems) {
+  t.resize = a.opt.count("--resize");
+  t.align = a.opt.count("--landmarks");
+  if (t.resize && t.align) throw usage_error("--resize and --landmarks: give one (--landmarks makes 112x112 faces itself)");
+  if (a.opt.count("--fit") && !t.resize) throw usage_error("--fit goes with --resize 112");
+  if (a.opt.count("--quality") && !t.resize && !t.align)
+    throw usage_error("--quality goes with --resize or --landmarks (otherwise the images are stored as they are)");
+  if (!t.resize && !t.align) return;
+  if (a.opt.count("--no-check")) throw usage_error("--no-check: --resize and --landmarks decode every image");
+  if (a.opt.count("--size")) throw usage_error("--size: with --resize or --landmarks the images may be of any size");
+  t.transform.kind = t.resize ? faceshard::PackTransform::Kind::resize : faceshard::PackTransform::Kind::align;
+  if (t.resize) {
+    const uint64_t n = parse_u64("--resize", a.opt.at("--resize"));
+    if (n != 112) throw usage_error("--resize ", n, ": faceshard-train takes 112x112 faces; give --resize 112");
+    if (a.opt.count("--fit")) t.transform.fit = faceshard::parse_fit_mode(a.opt.at("--fit"));
+  }
+  if (a.opt.count("--quality")) {
+    const uint64_t q = parse_u64("--quality", a.opt.at("--quality"));
+    if (q < 1 || q > 100) throw usage_error("--quality ", q, ": expected a JPEG quality in 1..100");
+    t.transform.jpeg_quality = int(q);
+  }
+  if (t.align) {
+    // Relative paths in the list are taken from where the source's own paths are.
+    std::error_code ec;
+    fs::path base = fs::is_directory(a.pos[0], ec) ? fs::path(a.pos[0]) : fs::path(a.pos[0]).parent_path();
+    if (base.empty()) base = ".";
+    std::vector<std::string> keys;
+    for (const auto& it : src.items) keys.push_back(faceshard::landmark_key(it.path));
+    t.landmarks = faceshard::read_landmark_list(a.opt.at("--landmarks"), base.string(), keys);
+    problems.insert(problems.end(), t.landmarks.problems.begin(), t.landmarks.problems.end());
+    t.transform.landmarks = &t.landmarks;
+  }
+}
+
+// The bytes a transformed image is stored as (the file's own bytes without a transform).
+void transformed_bytes(const std::string& path, const faceshard::PackTransform& transform, std::vector<uint8_t>& bytes) {
+  std::string why;
+  if (!read_file(path, bytes, why)) throw faceshard::runtime_error(path, ": ", why);
+  if (transform.kind == faceshard::PackTransform::Kind::none) return;
+  cv::Mat face;
+  why = faceshard::transform_image(bytes, path, transform, face);
+  if (!why.empty()) throw faceshard::runtime_error(path, ": ", why);
+  bytes = faceshard::encode_jpeg(face, transform.jpeg_quality);
+}
+
 int cmd_pack(const Args& a) {
   need_positional(a, 2, 2, "pack");
   const bool decode = a.opt.count("--check") || a.opt.count("--decode");
@@ -203,43 +263,12 @@ int cmd_pack(const Args& a) {
   const bool skip_bad = a.opt.count("--skip-bad");
   const int size = a.opt.count("--size") ? int(parse_u64("--size", a.opt.at("--size"))) : 112;
   // --resize / --landmarks: every image decoded, changed to 112x112 and stored as JPEG.
-  faceshard::PackTransform transform;
-  const bool resize = a.opt.count("--resize"), align = a.opt.count("--landmarks");
-  if (resize && align) throw usage_error("--resize and --landmarks: give one (--landmarks makes 112x112 faces itself)");
-  if (a.opt.count("--fit") && !resize) throw usage_error("--fit goes with --resize 112");
-  if (a.opt.count("--quality") && !resize && !align)
-    throw usage_error("--quality goes with --resize or --landmarks (otherwise the images are stored as they are)");
-  if (resize || align) {
-    if (a.opt.count("--no-check")) throw usage_error("--no-check: --resize and --landmarks decode every image");
-    if (a.opt.count("--size"))
-      throw usage_error("--size: with --resize or --landmarks the images may be of any size");
-    transform.kind = resize ? faceshard::PackTransform::Kind::resize : faceshard::PackTransform::Kind::align;
-    if (resize) {
-      const uint64_t n = parse_u64("--resize", a.opt.at("--resize"));
-      if (n != 112)
-        throw usage_error("--resize ", n, ": faceshard-train takes 112x112 faces; give --resize 112");
-      if (a.opt.count("--fit")) transform.fit = faceshard::parse_fit_mode(a.opt.at("--fit"));
-    }
-    if (a.opt.count("--quality")) {
-      const uint64_t q = parse_u64("--quality", a.opt.at("--quality"));
-      if (q < 1 || q > 100) throw usage_error("--quality ", q, ": expected a JPEG quality in 1..100");
-      transform.jpeg_quality = int(q);
-    }
-  }
   faceshard::PackSource src = faceshard::list_pack_source(a.pos[0]);
   std::vector<faceshard::PackProblem> problems = src.problems;
-  faceshard::LandmarkList landmarks;
-  if (align) {
-    // Relative paths in the list are taken from where the source's own paths are.
-    std::error_code ec;
-    fs::path base = fs::is_directory(a.pos[0], ec) ? fs::path(a.pos[0]) : fs::path(a.pos[0]).parent_path();
-    if (base.empty()) base = ".";
-    std::vector<std::string> keys;
-    for (const auto& it : src.items) keys.push_back(faceshard::landmark_key(it.path));
-    landmarks = faceshard::read_landmark_list(a.opt.at("--landmarks"), base.string(), keys);
-    problems.insert(problems.end(), landmarks.problems.begin(), landmarks.problems.end());
-    transform.landmarks = &landmarks;
-  }
+  TransformFlags tf;
+  parse_transform_flags(a, src, tf, problems);
+  const faceshard::PackTransform& transform = tf.transform;
+  const bool resize = tf.resize, align = tf.align;
   std::vector<uint64_t> bad;
   if (header_check || decode || resize || align) bad = check_items(src, size, decode, problems, transform);
   report_problems(problems, skip_bad);
@@ -254,14 +283,7 @@ int cmd_pack(const Args& a) {
   {
     faceshard::Progress progress("packing", src.items.size(), "images");
     for (uint64_t i = 0; i < src.items.size(); ++i) {
-      std::string why;
-      if (!read_file(src.items[i].path, bytes, why)) throw faceshard::runtime_error(src.items[i].path, ": ", why);
-      if (transform.kind != faceshard::PackTransform::Kind::none) {
-        cv::Mat face;
-        why = faceshard::transform_image(bytes, src.items[i].path, transform, face);
-        if (!why.empty()) throw faceshard::runtime_error(src.items[i].path, ": ", why);
-        bytes = faceshard::encode_jpeg(face, transform.jpeg_quality);
-      }
+      transformed_bytes(src.items[i].path, transform, bytes);
       writer.add(src.items[i].label, bytes);
       progress.update(i + 1);
     }
@@ -315,7 +337,10 @@ int cmd_pairs(const Args& a) {
   const bool skip_bad = a.opt.count("--skip-bad");
   faceshard::PackSource src = faceshard::list_pack_source(a.pos[0]);
   std::vector<faceshard::PackProblem> problems = src.problems;
-  const std::vector<uint64_t> bad = check_items(src, size, false, problems);
+  // Loose photos (LFW's 250x250) become 112x112 faces here, as `pack` makes them.
+  TransformFlags tf;
+  parse_transform_flags(a, src, tf, problems);
+  const std::vector<uint64_t> bad = check_items(src, size, false, problems, tf.transform);
   report_problems(problems, skip_bad);
   faceshard::drop_items(src, bad);
   std::vector<int64_t> labels;
@@ -324,8 +349,7 @@ int cmd_pairs(const Args& a) {
   faceshard::VerificationSet set;
   std::vector<uint8_t> bytes;
   auto image = [&](uint64_t i) {
-    std::string why;
-    if (!read_file(src.items[i].path, bytes, why)) throw faceshard::runtime_error(src.items[i].path, ": ", why);
+    transformed_bytes(src.items[i].path, tf.transform, bytes);
     return faceshard::ImageBytes(bytes);
   };
   for (const auto& p : pairs) {
@@ -334,6 +358,12 @@ int cmd_pairs(const Args& a) {
     set.issame.push_back(p.same);
   }
   faceshard::write_verification_bin(a.pos[1], set);
+  if (size != 112 && tf.transform.kind == faceshard::PackTransform::Kind::none)
+    std::fprintf(stderr,
+                 "faceshard-pack: warning: %s holds %dx%d images, not the networks' 112x112: faceshard-train and "
+                 "faceshard-verify resize them without aligning, which scores far below aligned faces; "
+                 "--landmarks FILE (or --resize 112) makes 112x112 faces\n",
+                 a.pos[1].c_str(), size, size);
   std::printf("faceshard-pack: %zu pairs (%zu same identity, %zu different) from %zu images of %zu identities, seed %llu "
               "-> %s\n",
               pairs.size(), pairs.size() / 2, pairs.size() / 2, src.items.size(), src.identities.size(),
@@ -556,7 +586,9 @@ int main(int argc, char** argv) {
     if (cmd == "pack")
       return cmd_pack(parse(argc, argv, {"--size", "--resize", "--fit", "--landmarks", "--quality"},
                             {"--check", "--decode", "--no-check", "--skip-bad"}));
-    if (cmd == "pairs") return cmd_pairs(parse(argc, argv, {"--pairs", "--seed", "--size"}, {"--skip-bad"}));
+    if (cmd == "pairs")
+      return cmd_pairs(parse(argc, argv, {"--pairs", "--seed", "--size", "--resize", "--fit", "--landmarks", "--quality"},
+                             {"--skip-bad"}));
     if (cmd == "list") return cmd_list(parse(argc, argv, {"--idx", "--limit"}, {}));
     if (cmd == "verify") return cmd_verify(parse(argc, argv, {"--idx", "--size"}, {"--decode"}));
     if (cmd == "index") return cmd_index(parse(argc, argv, {}, {}));

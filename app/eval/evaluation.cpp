@@ -1,6 +1,7 @@
 #include "app/eval/evaluation.h"
 
 #include <algorithm>
+#include <map>
 #include <atomic>
 #include <chrono>
 #include <filesystem>
@@ -81,11 +82,13 @@ VerificationData load_verification_data(const std::string& path) {
   for (size_t i = 0; i < d.images.size(); ++i)
     if (seen.insert(&d.images[i].bytes()).second) distinct.push_back(int64_t(i));
   std::vector<std::string> errors(distinct.size());
+  std::vector<std::pair<int, int>> sizes(distinct.size());
   at::parallel_for(0, int64_t(distinct.size()), 1, [&](int64_t lo, int64_t hi) {
     for (int64_t k = lo; k < hi; ++k) {
       const int64_t i = distinct[size_t(k)];
       try {
         const cv::Mat bgr = decode_image(d.images[size_t(i)].data(), d.images[size_t(i)].size(), image_where(path, i));
+        sizes[size_t(k)] = {bgr.cols, bgr.rows};
       } catch (const Error& e) {
         errors[size_t(k)] = e.what();
       }
@@ -93,6 +96,17 @@ VerificationData load_verification_data(const std::string& path) {
   });
   for (const std::string& e : errors)
     if (!e.empty()) throw runtime_error(e);
+  std::map<std::pair<int, int>, int64_t> other;
+  for (const auto& wh : sizes)
+    if (wh.first != 112 || wh.second != 112) other[wh]++, d.other_size_images++;
+  if (d.other_size_images > 0) {
+    const auto most = std::max_element(other.begin(), other.end(), [](const auto& a, const auto& b) { return a.second < b.second; });
+    d.other_size = std::to_string(most->first.first) + "x" + std::to_string(most->first.second);
+    log_warn(path, ": ", d.other_size_images, " of its ", distinct.size(), " images are not 112x112 (",
+             other.size() == 1 ? "all " : "most ", d.other_size, "): they are resized without aligning, which scores "
+             "far below aligned faces; make aligned 112x112 faces with faceshard-pack pairs FOLDER OUT.bin --landmarks "
+             "FILE (or --resize 112)");
+  }
   return d;
 }
 

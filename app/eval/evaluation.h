@@ -26,6 +26,10 @@ struct VerificationData {
   // Instead of `images`: 2P images already normalised, [2P, 3, 112, 112] float (tests).
   at::Tensor pixels;
   std::vector<bool> issame;
+  // Distinct images that are not 112x112 (resized, not aligned, as they are read) and the
+  // commonest of their sizes ("250x250"); load_verification_data warns about them once.
+  int64_t other_size_images = 0;
+  std::string other_size;
 
   int64_t num_images() const;
   // Writes images [begin, begin + n) to dst as normalised RGB floats, 3 x 112 x 112 each
@@ -37,7 +41,9 @@ struct VerificationData {
 // Reads an insightface .bin and checks that each distinct image decodes (once per shared
 // buffer, nothing kept but the encoded bytes): a bad image fails here, naming the file, the
 // pair and the image, before any model runs. A set without pairs, or without both genuine
-// and impostor pairs (the ROC needs both), is an error naming the file.
+// and impostor pairs (the ROC needs both), is an error naming the file. Images of another
+// size than 112x112 are counted, and one warning names the file, the size and how to make
+// aligned faces (faceshard-pack pairs --landmarks).
 VerificationData load_verification_data(const std::string& path);
 
 // Usage error naming the set's file when it has fewer pairs than `folds` (the protocol
