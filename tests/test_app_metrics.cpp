@@ -471,6 +471,37 @@ for r in rows[1:]:
   EXPECT_EQ(files, 1u);
 }
 
+// A ROC is drawn where it is measured: from its first point of FPR > 0 (1 / negatives). With
+// 100 impostor pairs, half the genuine pairs above every impostor, the curve's TPR of 0.5 at
+// FPR 0 used to be drawn as a flat line from FPR 1e-6 to 1e-2, where no pair says anything.
+TEST(VerificationMetrics, RocPngDrawsOnlyMeasuredPoints) {
+  const std::string dir = testing::temp_dir("verif");
+  std::vector<double> scores;
+  std::vector<int> labels;
+  for (int i = 0; i < 100; ++i) scores.push_back(i < 50 ? 0.99 - 0.0001 * i : 0.5 - 0.004 * i), labels.push_back(1);
+  for (int i = 0; i < 100; ++i) scores.push_back(0.9 - 0.008 * i), labels.push_back(0);
+  const RocCurve roc = roc_curve(scores, labels);
+  ASSERT_EQ(roc.fpr[50], 0.0);  // half the genuine pairs before the first impostor
+  ASSERT_EQ(roc.tpr[50], 0.5);
+  write_roc_png({{"m", roc}}, dir + "/roc.png", "measured points", 640, 480);
+  const cv::Mat img = testing::cv2_imread(dir + "/roc.png", testing::cv2::IMREAD_COLOR);
+  ASSERT_FALSE(img.empty());
+  // The plot spans x 80..615 for log10 FPR -6..0: FPR 1e-2 at x = 80 + 535 * 4/6 = 437.
+  const int left = 80, right = 615, top = 50, bottom = 480 - 65;
+  const int x_first = left + static_cast<int>(std::lround(535.0 * 4 / 6));
+  int before = 0, after = 0;
+  for (int y = top; y <= bottom; ++y)
+    for (int x = left + 3; x < right; ++x) {
+      const cv::Vec3b p = img.at<cv::Vec3b>(y, x);
+      const bool coloured = std::max({p[0], p[1], p[2]}) - std::min({p[0], p[1], p[2]}) > 80;
+      if (!coloured) continue;
+      if (x < x_first - 3) ++before;
+      else ++after;
+    }
+  EXPECT_EQ(before, 0) << "curve pixels left of FPR 1e-2, where nothing is measured";
+  EXPECT_GT(after, 100) << "the measured part of the curve is missing";
+}
+
 TEST(VerificationMetrics, RocPngHasRequestedSizeAndCurves) {
   const std::string dir = testing::temp_dir("verif");
   const PairData d = make_pairs(4000, 16, 9);

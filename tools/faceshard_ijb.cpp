@@ -125,12 +125,13 @@ int main(int argc, char** argv) {
     // TAR at a FAR below 1/negatives is not measured by these pairs: said instead of a number.
     const int64_t negatives = std::count(meta.pair_label.begin(), meta.pair_label.end(), 0);
     js << ", \"negative_pairs\": " << negatives << ", \"auc\": " << json_number(roc_auc(roc)) << ", \"tar_at_far\": {";
-    std::printf("%s  TAR@FAR (%%): ", meta.target.c_str());
+    // Fractions, as faceshard-verify prints them and both JSON files hold them.
+    std::printf("%s  TAR@FAR: ", meta.target.c_str());
     const double fars[] = {1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 1e-1};
     for (int k = 0; k < 6; ++k) {
       const double tar = tar_at_far(roc, fars[k]);
-      std::printf("%s1e-%d %s", k ? "  " : "", 6 - k, tar_at_far_text(tar, fars[k], negatives, 2, true).c_str());
-      js << (k ? ", " : "") << "\"1e-" << 6 - k << "\": " << json_number(tar);
+      std::printf("%s1e-%d %s", k ? "  " : "", 6 - k, tar_at_far_text(tar, fars[k], negatives).c_str());
+      js << (k ? ", " : "") << "\"1e-" << 6 - k << "\": " << tar_at_far_json(tar, fars[k], negatives);
     }
     js << "}}\n";
     std::printf("  (AUC %.5f, %zu pairs, %lld negatives)\n", roc_auc(roc), scores.size(), static_cast<long long>(negatives));

@@ -101,8 +101,8 @@ int main(int argc, char** argv) {
          << ", \"best_threshold\": " << json_number(r.kfold.best_threshold)
          << ", \"best_threshold_unit\": \"squared_l2_distance\", \"best_threshold_cosine\": " << json_number(cosine)
          << ", \"negative_mean_cosine\": " << json_number(r.negative_cosine)
-         << ", \"tar_at_far_1e-3\": " << json_number(r.tar_at_far_1e3)
-         << ", \"tar_at_far_1e-4\": " << json_number(r.tar_at_far_1e4) << ", \"auc\": " << json_number(auc)
+         << ", \"tar_at_far_1e-3\": " << tar_at_far_json(r.tar_at_far_1e3, 1e-3, negatives)
+         << ", \"tar_at_far_1e-4\": " << tar_at_far_json(r.tar_at_far_1e4, 1e-4, negatives) << ", \"auc\": " << json_number(auc)
          << ", \"xnorm\": " << json_number(r.xnorm) << "}";
       curves.emplace_back(data.name, std::move(r.roc));
     }

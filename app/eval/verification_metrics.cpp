@@ -184,6 +184,13 @@ std::string far_label(double far) {
   return buf;
 }
 
+std::string tar_at_far_json(double tar, double far, int64_t negatives) {
+  if (negatives < negatives_needed(far) || !std::isfinite(tar)) return "null";
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.17g", tar);
+  return buf;
+}
+
 std::string tar_at_far_text(double tar, double far, int64_t negatives, int decimals, bool percent) {
   const int64_t needed = negatives_needed(far);
   if (negatives < needed)
@@ -324,11 +331,14 @@ void write_roc_png(const std::vector<std::pair<std::string, RocCurve>>& curves, 
   for (size_t c = 0; c < curves.size(); ++c) {
     const RocCurve& roc = curves[c].second;
     const cv::Scalar colour = kPalette[c % (sizeof kPalette / sizeof kPalette[0])];
-    // Points at FPR 0 have no place on a log axis: keep only the last of them (the TPR
-    // reachable without a false accept), drawn at the left edge. Consecutive points that
-    // land on the same pixel are merged: IJB-C ROCs have millions of points.
+    // Points at FPR 0 have no place on a log axis, and nothing is measured between 0 and
+    // the smallest FPR the negatives allow (1 / negatives): the curve starts at its first
+    // point of FPR > 0 (a line from the left edge to it would draw TPRs no pair measured).
+    // Consecutive points that land on the same pixel are merged: IJB-C ROCs have millions
+    // of points.
     size_t first = 0;
-    while (first + 1 < roc.fpr.size() && roc.fpr[first + 1] <= 0) ++first;
+    while (first < roc.fpr.size() && roc.fpr[first] <= 0) ++first;
+    if (first == roc.fpr.size()) continue;
     std::vector<cv::Point> pts;
     for (size_t i = first; i < roc.fpr.size(); ++i) {
       const cv::Point p(px(roc.fpr[i]), py(roc.tpr[i]));

@@ -59,6 +59,9 @@ std::string far_label(double far);
 // The value of TAR@FAR for a printed line: tar with `decimals` decimals (times 100 with
 // percent), or "not enough pairs (N negatives, M needed)" below negatives_needed(far).
 std::string tar_at_far_text(double tar, double far, int64_t negatives, int decimals = 4, bool percent = false);
+// The value of TAR@FAR for JSON: a fraction, or null below negatives_needed(far) (the set
+// does not measure it: the same condition the printed line says in words).
+std::string tar_at_far_json(double tar, double far, int64_t negatives);
 
 // CSV with header "fpr,tpr,cosine_threshold" (the first threshold is "inf"); written to a
 // temporary file and renamed so that a reader never sees half a file.
