@@ -188,7 +188,9 @@ int run_training(const TrainRequest& req) {
   log_info("data: '", cfg.data.rec, "', ", j.dataset->size(), " images; ", j.steps_per_epoch, " steps/epoch, global batch ",
            j.global_batch(), "; schedule: ", j.total_steps, " steps, warm-up ", j.warmup_steps);
   log_info("model: ", cfg.model.backbone, " (", j.backbone_params.size(), " tensors in ", j.ddp->num_buckets(),
-           " gradient buckets), classifier ", *cfg.data.num_classes, " classes, ", j.fc->shard().count, " on this rank, ",
+           " gradient buckets), classifier ", *cfg.data.num_classes, " classes x ", j.fc->options().subcenters,
+           j.fc->options().subcenters == 1 ? " centre (loss.subcenters)" : " sub-centres (loss.subcenters)", ", ",
+           j.fc->shard().count, " classes on this rank, ",
            j.fc->num_sample(), " per step (centres ", j.fc->options().weight_dtype == at::kBFloat16 ? "bf16" : "fp32",
            ", logits ", j.fc->options().streamed_logits ? "streamed" : "buffered",
            cfg.loss.logits == "auto" ? " by loss.logits auto" : "", "); head ",

@@ -14,6 +14,8 @@ fail() { echo "FAIL: $*"; exit 1; }
 source "$root/tests/e2e/clean_run.sh"
 trained_k3_run 3 2
 
+# The training log says K.
+grep -q "classifier 16 classes x 3 sub-centres (loss.subcenters)" "$work/train.log" || fail "the training log does not say K"
 clean() { "$bin/faceshard-clean" --device cpu --run "$work/out" "$@"; }
 clean --rec "$work/data" --bin "$work/data/synth.bin" --output "$work/reports" > "$work/clean.log" 2>&1 \
   || { cat "$work/clean.log"; fail "faceshard-clean on the .rec"; }
