@@ -375,7 +375,9 @@ int run_training(const TrainRequest& req) {
         return kCheckpointsFailing;
       }
       log_info("stopped at step ", p.step, " of ", j.last_step, "; checkpoint ", checkpoints.latest(),
-               "; to continue, run the same command with --resume");
+               req.overwrite ? "; to continue, run the same command with --resume in place of --overwrite (which would "
+                               "move this run aside and start afresh)"
+                             : "; to continue, run the same command with --resume");
       d.shutdown();
       // Under torchrun's elastic agent, a signal to a host's workers is its agent restarting
       // them (a host joined or left). A rank that stops only because another host's agent did

@@ -215,7 +215,16 @@ sigterm)
   train --set optim.total_steps=1000 --set train.max_steps=$((n + 1)) --resume > "$work/b.log" 2>&1 \
     || { cat "$work/b.log"; fail "resume after SIGTERM"; }
   grep -q "resumed from .*step_$(printf %08d "$n") at step $n" "$work/b.log" || { cat "$work/b.log"; fail "did not resume at step $n"; }
-  echo "PASS: stopped and checkpointed at step $n, resumed there" ;;
+  # A run started with --overwrite is continued with --resume in its place: the stop says so.
+  "$root/tools/launch.sh" --nproc 2 --grace-s 20 -- "$bin/faceshard-train" --config "$work/tiny.yaml" \
+    --set optim.total_steps=1000 --overwrite > "$work/c.log" 2>&1 &
+  pid=$!
+  for _ in $(seq 1 600); do grep -q "step 2/" "$work/c.log" && break; sleep 0.2; done
+  kill -TERM "$pid"; wait "$pid"; rc=$?
+  [ "$rc" -eq 0 ] || { cat "$work/c.log"; fail "exit status $rc after SIGTERM of the --overwrite run"; }
+  grep -qF "to continue, run the same command with --resume in place of --overwrite" "$work/c.log" ||
+    { cat "$work/c.log"; fail "the stop of an --overwrite run did not say to drop --overwrite"; }
+  echo "PASS: stopped and checkpointed at step $n, resumed there; an --overwrite run's stop names --resume in its place" ;;
 peer_stop)
   # Under torchrun's agent store (a store hosted outside the ranks, as torchrun's agent hosts
   # it): SIGTERM to rank 0 alone stops both ranks at the same step with one checkpoint; rank 0,
