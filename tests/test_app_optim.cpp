@@ -730,6 +730,16 @@ TEST(FaultPlan, ParsesItemsAndNamesBadOnes) {
   EXPECT_EQ(p.crash_in_save->rank, 0);
   EXPECT_EQ(p.crash_in_save->step, 8);
   EXPECT_TRUE(FaultPlan::parse("").empty());
+  // hold_save names the file that ends the hold; without it, the plan is refused.
+  ::unsetenv("FACESHARD_FAULTS_RELEASE");
+  EXPECT_THROW(FaultPlan::parse("hold_save@0:3"), Error);
+  ::setenv("FACESHARD_FAULTS_RELEASE", "/tmp/release-me", 1);
+  const FaultPlan h = FaultPlan::parse("hold_save@0:3");
+  ::unsetenv("FACESHARD_FAULTS_RELEASE");
+  ASSERT_TRUE(h.hold_save.has_value());
+  EXPECT_EQ(h.hold_save->step, 3);
+  EXPECT_EQ(h.release_file, "/tmp/release-me");
+  EXPECT_FALSE(h.empty());
   for (const char* bad : {"inf_gradient@1", "inf_gradient@1:0", "inf_gradient@-1:2", "inf_gradient@1:2x", "boom@0:1"}) {
     try {
       FaultPlan::parse(bad);

@@ -241,6 +241,7 @@ std::optional<CheckpointOutcome> AsyncCheckpointWriter::save(const TrainState& s
   in_flight_.stage_s = seconds_since(t_stage);
   in_flight_.previous_s = previous_s;
   in_flight_.wait_s = seconds_since(t0);
+  staged_at_ = Clock::now();
   const double later = rows_.active() ? rows_.bytes() : 0.0;
   log_info("checkpoint step ", live.step, ": the training waited ", format_sig(in_flight_.wait_s), " s (staging ",
            format_bytes(staging_.bytes() - later), " in ", format_sig(in_flight_.stage_s), " s, ", format_sig(previous_s),
@@ -276,7 +277,11 @@ std::optional<CheckpointOutcome> AsyncCheckpointWriter::save(const TrainState& s
       o.problem = "rank " + std::to_string(rank_) + ": " + one_line(e);
     }
     o.write_s = seconds_since(t_write);
-    written_ = true;
+    {
+      std::lock_guard<std::mutex> lock(written_mutex_);
+      written_ = true;
+    }
+    written_cv_.notify_all();
   });
   return previous;
 }
@@ -284,6 +289,18 @@ std::optional<CheckpointOutcome> AsyncCheckpointWriter::save(const TrainState& s
 std::optional<CheckpointOutcome> AsyncCheckpointWriter::finish() {
   if (!thread_.joinable()) return std::nullopt;
   if (before_wait_) before_wait_();
+  if (!written_.load()) {
+    const auto t0 = Clock::now();
+    const int64_t step = in_flight_.step;
+    log_info("waiting for the checkpoint of step ", step, ", written in the background since ",
+             format_sig(seconds_since(staged_at_)), " s (", format_bytes(staging_.bytes()), " on this rank)");
+    std::unique_lock<std::mutex> lock(written_mutex_);
+    while (!written_cv_.wait_for(lock, std::chrono::seconds(10), [this] { return written_.load(); }))
+      log_info("still waiting for the checkpoint of step ", step, ": ", format_sig(seconds_since(t0)), " s so far");
+    lock.unlock();
+    log_info("the checkpoint of step ", step, " is written: the training waited ", format_sig(seconds_since(t0)),
+             " s for it");
+  }
   thread_.join();
   return in_flight_;
 }

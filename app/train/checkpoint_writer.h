@@ -11,9 +11,11 @@
 #pragma once
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <functional>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <thread>
@@ -50,6 +52,9 @@ class CheckpointWriter {
   // Waits for the save in flight (at the run's end, at a stop); its outcome, nothing when none.
   virtual std::optional<CheckpointOutcome> finish() = 0;
   virtual bool background() const = 0;
+  // The step of the save being written in the background, nothing when none is in flight
+  // (the same on every rank: saves are taken at the same steps everywhere).
+  virtual std::optional<int64_t> in_flight_step() const { return std::nullopt; }
 };
 
 class SyncCheckpointWriter : public CheckpointWriter {
@@ -106,8 +111,13 @@ class AsyncCheckpointWriter : public CheckpointWriter {
                         std::string run_id, std::chrono::milliseconds timeout);
   ~AsyncCheckpointWriter() override;
   std::optional<CheckpointOutcome> save(const TrainState& state, bool last = false) override;
+  // While the write is still going on, one line says what the training waits for, and one
+  // line every 10 s how long it has waited so far.
   std::optional<CheckpointOutcome> finish() override;
   bool background() const override { return true; }
+  std::optional<int64_t> in_flight_step() const override {
+    return thread_.joinable() ? std::optional<int64_t>(in_flight_.step) : std::nullopt;
+  }
 
   // Allocates the staging buffers for `contents`' tensors (this rank's part) now, at the
   // run's start, instead of at the first checkpoint step. Returns the seconds it took.
@@ -146,6 +156,9 @@ class AsyncCheckpointWriter : public CheckpointWriter {
   std::function<bool(bool)> all_done_;
   std::atomic<bool> abort_{false};
   std::atomic<bool> written_{false};  // the thread's write is over (committed or not)
+  std::mutex written_mutex_;
+  std::condition_variable written_cv_;  // notified when written_ turns true
+  std::chrono::steady_clock::time_point staged_at_;  // when the save in flight was staged
 };
 
 // The writer train.checkpoint_async picks for this job, the same on every rank (collective:

@@ -1,6 +1,9 @@
 #include "app/train/fault_injection.h"
 
+#include <chrono>
 #include <csignal>
+#include <filesystem>
+#include <thread>
 #include <cstdlib>
 #include <limits>
 #include <sstream>
@@ -29,7 +32,14 @@ FaultPlan FaultPlan::parse(const std::string& spec) {
     const std::string kind = item.substr(0, at);
     if (kind == "inf_gradient") plan.inf_gradient = At{rank, step};
     else if (kind == "crash_in_save") plan.crash_in_save = At{rank, step};
-    else throw usage_error("FACESHARD_FAULTS: unknown fault '", kind, "' (inf_gradient or crash_in_save)");
+    else if (kind == "hold_save") plan.hold_save = At{rank, step};
+    else throw usage_error("FACESHARD_FAULTS: unknown fault '", kind, "' (inf_gradient, crash_in_save or hold_save)");
+  }
+  if (plan.hold_save) {
+    const char* release = std::getenv("FACESHARD_FAULTS_RELEASE");
+    if (!release || !*release)
+      throw usage_error("FACESHARD_FAULTS: hold_save needs FACESHARD_FAULTS_RELEASE (the file whose creation ends the hold)");
+    plan.release_file = release;
   }
   return plan;
 }
@@ -42,9 +52,16 @@ FaultPlan FaultPlan::from_environment() {
 void install_faults(const FaultPlan& plan, int rank, CheckpointManager& checkpoints, TrainStep& step,
                     const std::vector<at::Tensor>& backbone_params) {
   auto hits = [rank](const std::optional<FaultPlan::At>& at, int64_t s) { return at && at->rank == rank && at->step == s; };
-  if (plan.crash_in_save)
-    checkpoints.set_mid_save_hook([hits, at = plan.crash_in_save](int64_t s) {
-      if (hits(at, s)) std::raise(SIGKILL);
+  if (plan.crash_in_save || plan.hold_save)
+    checkpoints.set_mid_save_hook([hits, plan](int64_t s) {
+      if (hits(plan.crash_in_save, s)) std::raise(SIGKILL);
+      if (hits(plan.hold_save, s)) {
+        // Until the release file exists (the test creates it once it has seen what it waits
+        // for), five minutes at most.
+        const auto until = std::chrono::steady_clock::now() + std::chrono::minutes(5);
+        while (!std::filesystem::exists(plan.release_file) && std::chrono::steady_clock::now() < until)
+          std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      }
     });
   if (plan.inf_gradient)
     step.set_gradient_hook([hits, at = plan.inf_gradient, params = backbone_params](int64_t s) {

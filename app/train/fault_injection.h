@@ -4,6 +4,8 @@
 // list of KIND@RANK:STEP, STEP counted from 1 as in the logs):
 //   inf_gradient@1:3    rank 1 puts an inf into a backbone gradient of step 3
 //   crash_in_save@0:8   rank 0 is killed (SIGKILL) half-way through the save of step 8
+//   hold_save@0:3       rank 0's save of step 3 stops half-way until the file named by
+//                       FACESHARD_FAULTS_RELEASE exists (a write kept in flight on purpose)
 // Nothing in the training step reads the environment; an empty plan injects nothing.
 #pragma once
 #include <cstdint>
@@ -20,12 +22,13 @@ struct FaultPlan {
     int rank = 0;
     int64_t step = 0;
   };
-  std::optional<At> inf_gradient, crash_in_save;
+  std::optional<At> inf_gradient, crash_in_save, hold_save;
+  std::string release_file;  // hold_save's
 
   // Usage error naming the variable and the item when the spec is malformed.
   static FaultPlan parse(const std::string& spec);
   static FaultPlan from_environment();
-  bool empty() const { return !inf_gradient && !crash_in_save; }
+  bool empty() const { return !inf_gradient && !crash_in_save && !hold_save; }
 };
 
 class CheckpointManager;

@@ -37,7 +37,16 @@ std::atomic<int> g_stop_signal{0};
 constexpr int kStoppedForPeerRestart = 75;
 // Checkpoints could not be saved (train.max_failed_checkpoints in a row, or the last one).
 constexpr int kCheckpointsFailing = 3;
-extern "C" void on_stop_signal(int sig) { g_stop_signal = sig; }
+// A second signal while the stop is under way is answered with one line (write(2) is
+// async-signal-safe) and changes nothing: the stop's checkpoint is still written.
+extern "C" void on_stop_signal(int sig) {
+  if (g_stop_signal.exchange(sig) == 0) return;
+  static const char kAgain[] =
+      "faceshard-train: a stop is already under way: the run exits once its checkpoint is written (the log says how "
+      "far it is); SIGKILL ends it at once, without that checkpoint\n";
+  ssize_t ignored = ::write(STDERR_FILENO, kAgain, sizeof kAgain - 1);
+  (void)ignored;
+}
 
 using Clock = std::chrono::steady_clock;
 double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
@@ -172,6 +181,32 @@ int run_training(const TrainRequest& req) {
       if (std::optional<CheckpointOutcome> o = writer->finish())
         if (!settle(*o, true)) return false;
     return true;
+  };
+  // A stop's checkpoint. Where a checkpoint of an earlier step is still being written in the
+  // background, that one is the stop's: the resume redoes the steps since (they took less
+  // time than that write has so far), instead of the stop writing a second checkpoint after
+  // it (twice the stop's time: what a scheduler's grace period may not allow). Where it
+  // fails, the stop's own step is written.
+  int64_t stop_checkpoint_step = -1;  // the step of the stop's checkpoint
+  auto stop_checkpoint = [&](const std::string& who) -> bool {
+    stop_checkpoint_step = p.step;
+    if (const std::optional<int64_t> q = writer->in_flight_step(); q && *q < p.step) {
+      log_info("stop requested (", who, ") at step ", p.step, ": the checkpoint of step ", *q,
+               ", being written in the background, is the stop's checkpoint (the resume redoes steps ", *q + 1, "-",
+               p.step, " rather than the stop writing a second checkpoint after it)");
+      if (std::optional<CheckpointOutcome> o = writer->finish()) {
+        if (!settle(*o, /*last=*/false)) return false;
+        if (o->committed) {
+          stop_checkpoint_step = *q;
+          return true;
+        }
+        log_warn("stop: the checkpoint of step ", *q, " was not saved (", o->problem, "): checkpointing step ", p.step,
+                 " instead");
+      }
+    } else {
+      log_info("stop requested (", who, "): checkpointing at step ", p.step, " and exiting");
+    }
+    return save_checkpoint(/*last=*/true);
   };
   if (req.resume && from.empty()) log_info("--resume: no committed checkpoint under ", checkpoints.root(), ", starting fresh");
   if (!from.empty()) state.load(from);
@@ -368,13 +403,13 @@ int run_training(const TrainRequest& req) {
       readout.deliver(/*wait=*/true);
       check_finite();
       const bool signalled_here = g_stop_signal.load() != 0;
-      log_info("stop requested (signal", signalled_here ? "" : " to another rank", "): checkpointing at step ", p.step,
-               " and exiting");
-      if (!save_checkpoint(/*last=*/true)) {
+      const std::string who = signalled_here ? "signal" : "signal to another rank";
+      if (!stop_checkpoint(who)) {
         d.shutdown();
         return kCheckpointsFailing;
       }
       log_info("stopped at step ", p.step, " of ", j.last_step, "; checkpoint ", checkpoints.latest(),
+               stop_checkpoint_step != p.step ? " (of step " + std::to_string(stop_checkpoint_step) + ")" : "",
                req.overwrite ? "; to continue, run the same command with --resume in place of --overwrite (which would "
                                "move this run aside and start afresh)"
                              : "; to continue, run the same command with --resume");

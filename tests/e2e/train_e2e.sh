@@ -2,7 +2,7 @@
 # End-to-end tests of faceshard-train on CPU with 2 ranks and a tiny synthetic data set.
 # usage: train_e2e.sh SOURCE_DIR BIN_DIR CASE
 #   CASE: loss_falls | resume_exact | resume_auto | global_batch | resume_accumulate | reshard | crash_in_save | sigterm | peer_stop | fp16_skip | nan_stop |
-#         verify_tool | bad_input | bf16 | vit_t
+#         verify_tool | bad_input | bf16 | vit_t | stop_in_flight
 set -u
 root="$1"; bin="$2"; case_name="$3"
 py="$root/.venv/bin/python"; [ -x "$py" ] || py=python3
@@ -27,6 +27,14 @@ import json,sys
 for l in open(sys.argv[1]):
     o=json.loads(l)
     if 'loss' in o: print(o['step'], repr(o['loss']))" "$1"; }
+
+# The stop's step and its checkpoint's step, from a log's stop line ($2: who was signalled):
+# "stop requested (WHO): checkpointing at step N and exiting", or "stop requested (WHO) at
+# step N: the checkpoint of step Q, being written in the background, is the stop's checkpoint".
+stop_step() { sed -n -e "s/.*stop requested ($2): checkpointing at step \([0-9]*\) and exiting.*/\1/p" \
+                     -e "s/.*stop requested ($2) at step \([0-9]*\): the checkpoint of step [0-9]*, being written.*/\1/p" "$1" | head -1; }
+stop_checkpoint_step() { sed -n -e "s/.*stop requested ($2): checkpointing at step \([0-9]*\) and exiting.*/\1/p" \
+                     -e "s/.*stop requested ($2) at step [0-9]*: the checkpoint of step \([0-9]*\), being written.*/\1/p" "$1" | head -1; }
 
 case "$case_name" in
 loss_falls)
@@ -204,12 +212,15 @@ sigterm)
   for _ in $(seq 1 600); do grep -q "step 3/" "$work/a.log" && break; sleep 0.2; done
   kill -TERM "$pid"; wait "$pid"; rc=$?
   [ "$rc" -eq 0 ] || { cat "$work/a.log"; fail "exit status $rc after SIGTERM"; }
-  n=$(sed -n 's/.*stop requested (signal): checkpointing at step \([0-9]*\) and exiting.*/\1/p' "$work/a.log" | head -1)
+  # The stop's checkpoint: the stop's own step, or the one of an earlier step still being
+  # written in the background when the stop came (its step then said in parentheses).
+  at=$(stop_step "$work/a.log" signal); n=$(stop_checkpoint_step "$work/a.log" signal)
   [ -n "$n" ] || { cat "$work/a.log"; fail "no stop message"; }
   dir=$(printf "%s/out/checkpoints/step_%08d" "$work" "$n")
   [ -f "$dir/COMMITTED" ] || fail "the stop checkpoint $dir is not committed"
   # It says how to go on.
-  grep -qF "stopped at step $n of 1000; checkpoint $dir; to continue, run the same command with --resume" "$work/a.log" ||
+  of=""; [ "$n" = "$at" ] || of=" (of step $n)"
+  grep -qF "stopped at step $at of 1000; checkpoint $dir$of; to continue, run the same command with --resume" "$work/a.log" ||
     { cat "$work/a.log"; fail "the stop did not say how to continue"; }
   # The run continues from exactly that step.
   train --set optim.total_steps=1000 --set train.max_steps=$((n + 1)) --resume > "$work/b.log" 2>&1 \
@@ -246,8 +257,8 @@ time.sleep(300)" > "$work/store.log" 2>&1 &
   kill -TERM "$pid0"; wait "$pid0"; rc0=$?; wait "$pid1"; rc1=$?; kill "$store" 2>/dev/null
   [ "$rc0" -eq 0 ] || { cat "$work/r0.log"; fail "the signalled rank exited $rc0"; }
   [ "$rc1" -eq 75 ] || { cat "$work/r1.log"; fail "the rank stopped by its peer exited $rc1, not 75"; }
-  n0=$(sed -n 's/.*stop requested (signal): checkpointing at step \([0-9]*\) and exiting.*/\1/p' "$work/r0.log")
-  n1=$(sed -n 's/.*stop requested (signal to another rank): checkpointing at step \([0-9]*\) and exiting.*/\1/p' "$work/r1.log")
+  n0=$(stop_checkpoint_step "$work/r0.log" signal)
+  n1=$(stop_checkpoint_step "$work/r1.log" "signal to another rank")
   [ -n "$n0" ] && [ "$n0" = "$n1" ] || { cat "$work/r0.log" "$work/r1.log"; fail "the ranks did not stop at one step ($n0, $n1)"; }
   grep -q "exit status 75" "$work/r1.log" || { cat "$work/r1.log"; fail "rank 1 did not say why it exits 75"; }
   [ -f "$(printf "%s/out/checkpoints/step_%08d/COMMITTED" "$work" "$n0")" ] || fail "the stop checkpoint is not committed"
@@ -273,6 +284,59 @@ nan_stop)
   grep -q "error: the loss became NaN/inf at step 7; stopping. Last good checkpoint: .*step_00000004" "$work/a.log" \
     || { cat "$work/a.log"; fail "no one-line NaN error naming step and checkpoint"; }
   echo PASS ;;
+stop_in_flight)
+  # A stop (Ctrl-C) while the checkpoint of step 3 is still being written in the background
+  # (held half-way by the fault hold_save until the test releases it): the stop takes that
+  # checkpoint as its own instead of writing a second one, says what it waits for while it
+  # waits, answers a second Ctrl-C with one line, exits 0; the resume from step 3 continues
+  # the run exactly as the same run uninterrupted.
+  rel="$work/release"
+  one() { "$bin/faceshard-train" --config "$work/tiny.yaml" --set optim.total_steps=12 --set train.checkpoint_every=3 "$@"; }
+  # (The process itself in the background, not a function's subshell: the signals are its.)
+  FACESHARD_FAULTS=hold_save@0:3 FACESHARD_FAULTS_RELEASE="$rel" "$bin/faceshard-train" --config "$work/tiny.yaml" \
+    --set optim.total_steps=12 --set train.checkpoint_every=3 --set train.checkpoint_async=on \
+    --set train.checkpoint_when_busy=skip > "$work/a.log" 2>&1 &
+  pid=$!
+  wait_for() {  # a line in the log, while the run lives (5 minutes at most)
+    for _ in $(seq 1 1500); do grep -q "$1" "$work/a.log" && return 0; kill -0 "$pid" 2>/dev/null || break; sleep 0.2; done
+    grep -q "$1" "$work/a.log" || { touch "$rel"; wait "$pid"; cat "$work/a.log"; fail "$2"; }
+  }
+  wait_for "step 4/" "the run did not reach step 4"
+  kill -INT "$pid"
+  wait_for "waiting for the checkpoint of step 3, written in the background since" "the stop did not say what it waits for"
+  kill -INT "$pid"
+  wait_for "a stop is already under way" "a second Ctrl-C got no answer"
+  touch "$rel"
+  wait "$pid"; rc=$?
+  [ "$rc" -eq 0 ] || { cat "$work/a.log"; fail "exit status $rc after the stop"; }
+  at=$(stop_step "$work/a.log" signal); n=$(stop_checkpoint_step "$work/a.log" signal)
+  [ "$n" = 3 ] && [ -n "$at" ] && [ "$at" -gt 3 ] || { cat "$work/a.log"; fail "the stop at step '$at' did not take the checkpoint of step 3 in flight (took '$n')"; }
+  grep -q "the checkpoint of step 3 is written: the training waited" "$work/a.log" || { cat "$work/a.log"; fail "no line when the wait ended"; }
+  [ "$(grep -c "a stop is already under way" "$work/a.log")" = 1 ] || { cat "$work/a.log"; fail "the second Ctrl-C was not answered with one line"; }
+  kept=$(cd "$work/out/checkpoints" && echo step_*)
+  [ "$kept" = "step_00000003" ] || { cat "$work/a.log"; fail "the stop wrote a second checkpoint: $kept"; }
+  dir="$work/out/checkpoints/step_00000003"
+  grep -qF "stopped at step $at of 12; checkpoint $dir (of step 3); to continue, run the same command with --resume" "$work/a.log" ||
+    { cat "$work/a.log"; fail "the stop did not name its checkpoint's step"; }
+  one --set train.max_steps=8 --resume > "$work/b.log" 2>&1 || { cat "$work/b.log"; fail "resume after the stop"; }
+  grep -q "resumed from .*step_00000003 at step 3" "$work/b.log" || { cat "$work/b.log"; fail "did not resume at step 3"; }
+  one --set train.max_steps=8 --set output="$work/full" > "$work/c.log" 2>&1 || { cat "$work/c.log"; fail "the uninterrupted run"; }
+  # The last line of each step (the resumed run's come after the stopped run's).
+  "$py" - "$work/out/metrics.jsonl" "$work/full/metrics.jsonl" <<'PY' || exit 1
+import json, sys
+def losses(p):
+    out = {}
+    for l in open(p):
+        o = json.loads(l)
+        if 'loss' in o: out[o['step']] = o['loss']
+    return out
+a, b = losses(sys.argv[1]), losses(sys.argv[2])
+steps = [s for s in range(4, 9)]
+bad = [(s, a.get(s), b.get(s)) for s in steps if a.get(s) != b.get(s)]
+assert not bad, 'resumed vs uninterrupted (step, resumed, uninterrupted): %r' % bad
+print('steps 4-8 equal to the uninterrupted run')
+PY
+  echo "PASS: stopped at step $at with the checkpoint of step 3 in flight as its own; resumed there, equal to the run uninterrupted" ;;
 verify_tool)
   # faceshard-verify on the exported model reports what the trainer logged last, and the
   # checkpoint folder the same: trained far enough that the accuracy says something (an
