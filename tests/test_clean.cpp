@@ -15,6 +15,7 @@
 #include <tuple>
 
 #include "app/clean/clean_audit.h"
+#include "app/clean/clean_pack.h"
 #include "partial_fc/runtime/error.h"
 #include "test_files.h"
 
@@ -340,6 +341,48 @@ TEST(CleanAudit, BinIdentitiesJoinGenuinePairsAndIdenticalImages) {
   const auto groups = bin_identities(h, {true, false, true, false});
   const std::vector<std::vector<int64_t>> expected = {{0, 1, 4, 5}, {2}, {3}, {6}, {7}};
   EXPECT_EQ(groups, expected);
+}
+
+
+// pack clean's plan from hand-written reports (the numbers chosen so that each rule decides
+// one row): with --merge, a mislabeled image whose "relabel C" names a class of its own
+// merged identity is kept (one person under two labels), any other is dropped; pairs that
+// chain into an identity of more than two classes are named.
+TEST(CleanPack, MergedTwinsKeepTheirImagesAndChainsAreNamed) {
+  TempDir dir;
+  auto write = [&](const std::string& name, const std::string& text) {
+    std::ofstream(dir.path + "/" + name) << text;
+  };
+  write("mislabeled.tsv",
+        "# hand\nindex\timage\tlabel\tangle_deg\tnearest_class\tsuggestion\n"
+        "10\tx\t1\t80\t2\trelabel 2\n"    // twin of 1: kept with --merge
+        "11\tx\t1\t80\t3\trelabel 3\n"    // another person: dropped
+        "12\tx\t4\t80\t3\trelabel 3\n"    // 3 and 4 merge: kept
+        "13\tx\t6\t80\t7\tdrop\n"         // far from every centre: dropped
+        "14\tx\t2\t80\t7\trelabel 7\n");  // 2 and 7 in one chain: kept
+  write("duplicate_identities.tsv", "# hand\nclass_a\tclass_b\n1\t2\n5\t2\n7\t5\n3\t4\n");
+  write("near_duplicates.tsv", "# hand\nindex_a\tindex_b\n0\t1\n");
+  write("overlap.tsv", "# hand\nset\tclass\n");
+  CleanPackOptions o;
+  o.merge_identities = true;
+  const CleanPlan merged = plan_from_reports(dir.path, 20, 9, o);
+  EXPECT_EQ(merged.kept_mislabeled_merged, 3u);
+  EXPECT_EQ(merged.dropped_mislabeled, 2u);
+  for (int64_t i : {10, 12, 14}) EXPECT_FALSE(merged.drop[size_t(i)]) << "image " << i;
+  for (int64_t i : {11, 13}) EXPECT_TRUE(merged.drop[size_t(i)]) << "image " << i;
+  EXPECT_EQ(merged.merged_classes, 4);
+  ASSERT_EQ(merged.merge_chains.size(), 1u);
+  EXPECT_EQ(merged.merge_chains[0], (std::vector<int64_t>{1, 2, 5, 7}));
+  EXPECT_EQ(merged.merge_into[7], 1);
+  EXPECT_EQ(merged.merge_into[4], 3);
+  // Without --merge every mislabeled row is dropped and nothing is merged.
+  const CleanPlan plain = plan_from_reports(dir.path, 20, 9, CleanPackOptions{});
+  EXPECT_EQ(plain.kept_mislabeled_merged, 0u);
+  EXPECT_EQ(plain.dropped_mislabeled, 5u);
+  EXPECT_TRUE(plain.merge_chains.empty());
+  // A report without the label and suggestion columns still applies (every row dropped).
+  write("mislabeled.tsv", "# hand\nindex\timage\n10\tx\n");
+  EXPECT_EQ(plan_from_reports(dir.path, 20, 9, o).dropped_mislabeled, 1u);
 }
 
 }  // namespace

@@ -248,6 +248,7 @@ TEST(TrainLog, SmallLearningRatesKeepTheirDigits) {
   r.step = 40;
   r.last_step = 90;
   r.lr = 2.5e-6;
+  r.fc_lr = 2.5e-6;
   ConsoleSink sink(false);
   ::testing::internal::CaptureStdout();
   sink.train(r);
@@ -255,6 +256,42 @@ TEST(TrainLog, SmallLearningRatesKeepTheirDigits) {
   std::smatch m;
   ASSERT_TRUE(std::regex_search(out, m, std::regex("  lr (\\S+)  "))) << out;
   EXPECT_NEAR(std::strtod(m[1].str().c_str(), nullptr), 2.5e-6, 1e-12) << out;
+  // The classifier's own rate (optim.fc_lr) beside it when it differs, and only then.
+  EXPECT_EQ(out.find("fc_lr"), std::string::npos) << out;
+  r.lr = 0.1;
+  r.fc_lr = 2.5e-5;
+  ::testing::internal::CaptureStdout();
+  sink.train(r);
+  const std::string own = ::testing::internal::GetCapturedStdout();
+  ASSERT_TRUE(std::regex_search(own, m, std::regex("  lr (\\S+)  fc_lr (\\S+)  "))) << own;
+  EXPECT_NEAR(std::strtod(m[2].str().c_str(), nullptr), 2.5e-5, 1e-12) << own;
+}
+
+// The verification line: an untrained network's small XNorm in significant digits (never
+// "0.00000"), step 0 said to be the untrained network; the fields train_e2e.sh reads by
+// "XNorm: (\\S+)  threshold: (\\S+)" unchanged.
+TEST(UserReports, VerificationLineNamesStepZeroAndASmallXNorm) {
+  ValidationRecord v;
+  v.set = "lfw";
+  v.step = 0;
+  v.accuracy = 0.5;
+  v.xnorm = 3.25e-6;
+  v.threshold = 1.5;
+  ConsoleSink sink(false);
+  ::testing::internal::CaptureStdout();
+  sink.validation(v);
+  v.step = 200;
+  v.xnorm = 22.5;
+  sink.validation(v);
+  const std::string out = ::testing::internal::GetCapturedStdout();
+  const std::string first = out.substr(0, out.find('\n')), second = out.substr(out.find('\n') + 1);
+  std::smatch m;
+  ASSERT_TRUE(std::regex_search(first, m, std::regex("XNorm: (\\S+)  threshold: (\\S+)"))) << first;
+  EXPECT_NEAR(std::strtod(m[1].str().c_str(), nullptr), 3.25e-6, 1e-8) << first;
+  EXPECT_NE(first.find("step 0: the untrained network"), std::string::npos) << first;
+  ASSERT_TRUE(std::regex_search(second, m, std::regex("XNorm: (\\S+)  threshold: (\\S+)"))) << second;
+  EXPECT_EQ(m[1].str(), "22.50000");
+  EXPECT_EQ(second.find("step 0"), std::string::npos) << second;
 }
 
 // --- doubles in the printed config -----------------------------------------------------------

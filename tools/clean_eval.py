@@ -274,7 +274,9 @@ def cmd_run(a):
         out = train(name + "_k1", rec, ["loss.subcenters=1"] + same)
         acc[name] = final_accuracy(os.path.join(out, "metrics.jsonl"), a.val_target)
     with open(os.path.join(w, "pack.log")) as f:
-        pack = [line.strip() for line in f if line.strip()][-1]
+        # Its summary line ("... images kept, ... dropped ..."), among the per-report lines and warnings.
+        lines = [line.strip() for line in f if line.strip()]
+        pack = next((l for l in reversed(lines) if " images kept, " in l), lines[-1] if lines else "")
     result = {"score": s, "verification": {k: {"accuracy": v[0], "step": v[1]} for k, v in acc.items()},
               "seconds": times, "clean_command": clean_cmd, "pack": pack}
     with open(os.path.join(w, "result.json"), "w") as f:

@@ -78,12 +78,15 @@ const char* kUsage =
     "  unpack REC OUT_DIR [--idx IDX]\n"
     "        writes every image record to OUT_DIR/<class>/<key>.jpg, bytes as stored.\n"
     "  clean REC OUT_PREFIX (--reports DIR [--merge] [--keep-mislabeled] [--keep-near-duplicates]\n"
-    "        [--keep-overlap] | --keep FILE) [--idx IDX]\n"
+    "        [--keep-overlap] | --keep FILE) [--idx IDX] [--warn-above SHARE]\n"
     "        a clean copy of REC (bytes as stored) from faceshard-clean's report folder DIR: the images of\n"
     "        mislabeled.tsv, the second image of each near_duplicates.tsv pair and every image of the classes\n"
-    "        of overlap.tsv dropped; --merge also makes each pair of duplicate_identities.tsv one class. Or\n"
+    "        of overlap.tsv dropped; --merge also makes each pair of duplicate_identities.tsv one class (and\n"
+    "        keeps a mislabeled image whose nearest class merges with its own). Or\n"
     "        --keep FILE: the image indices to keep (white space or lines between). Classes are numbered 0..C'-1 again;\n"
-    "        OUT_PREFIX.labels.tsv says which source classes each new one holds (docs/cleaning.md).\n"
+    "        OUT_PREFIX.labels.tsv says which source classes each new one holds (docs/cleaning.md). Prints what\n"
+    "        each report removes, names identities merged from more than two classes, and warns when more than\n"
+    "        SHARE of the images go (default 0.1).\n"
     "IDX defaults to REC with the extension .idx.\n";
 
 std::string default_idx(const std::string& rec) {
@@ -537,12 +540,57 @@ int cmd_clean(const Args& a) {
     faceshard::check_reports_set(a.opt.at("--reports"), set, o);
     plan = faceshard::plan_from_reports(a.opt.at("--reports"), ds.size(), classes, o);
   }
+  double warn_above = 0.10;
+  if (a.opt.count("--warn-above")) {
+    const std::string& v = a.opt.at("--warn-above");
+    char* end = nullptr;
+    warn_above = std::strtod(v.c_str(), &end);
+    if (v.empty() || *end != '\0' || !(warn_above >= 0 && warn_above <= 1))
+      throw usage_error("--warn-above: expected a share of the images in [0, 1], got '", v, "'");
+  }
   const faceshard::CleanPackResult r = faceshard::write_clean_rec(ds, plan, a.pos[1]);
+  // What each report removes, before the totals.
+  if (a.opt.count("--reports")) {
+    const uint64_t by_class = r.dropped - plan.dropped_mislabeled - plan.dropped_near_duplicates;
+    std::printf("faceshard-pack: mislabeled.tsv: %llu images dropped", (unsigned long long)plan.dropped_mislabeled);
+    if (plan.kept_mislabeled_merged > 0)
+      std::printf(", %llu kept (nearest to a class merged with their own: one person under two labels)",
+                  (unsigned long long)plan.kept_mislabeled_merged);
+    std::printf("%s\n", a.opt.count("--keep-mislabeled") ? " (--keep-mislabeled: not applied)" : "");
+    std::printf("faceshard-pack: near_duplicates.tsv: %llu images dropped%s\n",
+                (unsigned long long)plan.dropped_near_duplicates,
+                a.opt.count("--keep-near-duplicates") ? " (--keep-near-duplicates: not applied)" : "");
+    std::printf("faceshard-pack: overlap.tsv: %lld classes dropped with every class merged into them, %llu images%s\n",
+                (long long)plan.overlap_classes, (unsigned long long)by_class,
+                a.opt.count("--keep-overlap") ? " (--keep-overlap: not applied)" : "");
+    if (a.opt.count("--merge"))
+      std::printf("faceshard-pack: duplicate_identities.tsv: %lld classes merged into others%s\n",
+                  (long long)plan.merged_classes,
+                  plan.merge_chains.empty() ? ""
+                                            : (", " + std::to_string(plan.merge_chains.size()) +
+                                               " of the identities made of more than two classes").c_str());
+    const size_t shown = std::min<size_t>(plan.merge_chains.size(), 10);
+    for (size_t k = 0; k < shown; ++k) {
+      std::string list;
+      for (int64_t c : plan.merge_chains[k]) list += (list.empty() ? "" : ", ") + std::to_string(c);
+      std::printf("faceshard-pack: warning: classes %s become one identity (%zu classes joined by a chain of "
+                  "duplicate_identities.tsv pairs): check that they are one person\n",
+                  list.c_str(), plan.merge_chains[k].size());
+    }
+    if (plan.merge_chains.size() > shown)
+      std::printf("faceshard-pack: warning: and %zu more such chains\n", plan.merge_chains.size() - shown);
+  }
   std::printf("faceshard-pack: %s.rec: %llu images kept, %llu dropped (%llu mislabeled, %llu duplicates, %lld classes "
               "in test sets), %lld classes (%lld merged)\n",
               a.pos[1].c_str(), (unsigned long long)r.kept, (unsigned long long)r.dropped,
               (unsigned long long)plan.dropped_mislabeled, (unsigned long long)plan.dropped_near_duplicates,
               (long long)plan.overlap_classes, (long long)r.classes, (long long)plan.merged_classes);
+  const double share = ds.size() > 0 ? double(r.dropped) / double(ds.size()) : 0.0;
+  if (share > warn_above)
+    std::printf("faceshard-pack: warning: the cleaning drops %.1f%% of the images, more than %.1f%% (--warn-above): "
+                "look at the reports before training on it; thresholds that do not fit this set flag good images "
+                "(docs/cleaning.md)\n",
+                100.0 * share, 100.0 * warn_above);
   return 0;
 }
 
@@ -594,7 +642,7 @@ int main(int argc, char** argv) {
     if (cmd == "index") return cmd_index(parse(argc, argv, {}, {}));
     if (cmd == "unpack") return cmd_unpack(parse(argc, argv, {"--idx"}, {}));
     if (cmd == "clean")
-      return cmd_clean(parse(argc, argv, {"--idx", "--reports", "--keep"},
+      return cmd_clean(parse(argc, argv, {"--idx", "--reports", "--keep", "--warn-above"},
                              {"--merge", "--keep-mislabeled", "--keep-near-duplicates", "--keep-overlap"}));
     throw usage_error("unknown command '", cmd, "' (see --help)");
   });

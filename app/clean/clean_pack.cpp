@@ -6,6 +6,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <numeric>
 #include <optional>
 #include <sstream>
@@ -38,7 +39,10 @@ int64_t parse_index(const std::string& text, const std::string& where, int64_t l
   return v;
 }
 
-// Calls row(values of `columns`, "file:line") for every row of a faceshard-clean report.
+constexpr size_t kAbsent = size_t(-1);
+
+// Calls row(values of `columns`, "file:line") for every row of a faceshard-clean report; a
+// column named "?name" may be absent (its value then "").
 template <class F>
 void read_report(const std::string& path, const std::vector<std::string>& columns, F&& row) {
   std::ifstream f(path);
@@ -52,14 +56,19 @@ void read_report(const std::string& path, const std::vector<std::string>& column
     const std::vector<std::string> cells = split_tabs(line);
     if (at.empty()) {
       for (const auto& c : columns) {
-        const auto it = std::find(cells.begin(), cells.end(), c);
-        if (it == cells.end()) throw usage_error(path, ":", no, ": no column '", c, "'");
-        at.push_back(size_t(it - cells.begin()));
+        const bool optional = !c.empty() && c[0] == '?';
+        const auto it = std::find(cells.begin(), cells.end(), optional ? c.substr(1) : c);
+        if (it == cells.end() && !optional) throw usage_error(path, ":", no, ": no column '", c, "'");
+        at.push_back(it == cells.end() ? kAbsent : size_t(it - cells.begin()));
       }
       continue;
     }
     std::vector<std::string> v;
     for (size_t i : at) {
+      if (i == kAbsent) {
+        v.emplace_back();
+        continue;
+      }
       if (i >= cells.size()) throw usage_error(path, ":", no, ": ", cells.size(), " cells, expected more");
       v.push_back(cells[i]);
     }
@@ -105,10 +114,29 @@ CleanPlan plan_from_reports(const std::string& folder, uint64_t images, int64_t 
   auto drop = [&](int64_t i, uint64_t& count) {
     if (!p.drop[size_t(i)]) p.drop[size_t(i)] = true, ++count;
   };
+  // The merges first: a mislabeled row pointing at its own merged identity is not dropped.
+  if (o.merge_identities)
+    read_report(folder + "/duplicate_identities.tsv", {"class_a", "class_b"},
+                [&](const auto& v, const std::string& where) {
+                  const int64_t a = root(p.merge_into, parse_index(v[0], where, classes, "class"));
+                  const int64_t b = root(p.merge_into, parse_index(v[1], where, classes, "class"));
+                  if (a != b) p.merge_into[size_t(std::max(a, b))] = std::min(a, b), ++p.merged_classes;
+                });
+  for (int64_t c = 0; c < classes; ++c) p.merge_into[size_t(c)] = root(p.merge_into, c);
   if (o.drop_mislabeled)
-    read_report(folder + "/mislabeled.tsv", {"index"}, [&](const auto& v, const std::string& where) {
-      drop(parse_index(v[0], where, n, "image"), p.dropped_mislabeled);
-    });
+    read_report(folder + "/mislabeled.tsv", {"index", "?label", "?suggestion"},
+                [&](const auto& v, const std::string& where) {
+                  const int64_t i = parse_index(v[0], where, n, "image");
+                  if (o.merge_identities && !v[1].empty() && v[2].rfind("relabel ", 0) == 0) {
+                    const int64_t label = parse_index(v[1], where, classes, "class");
+                    const int64_t to = parse_index(v[2].substr(8), where, classes, "class");
+                    if (p.merge_into[size_t(label)] == p.merge_into[size_t(to)]) {
+                      ++p.kept_mislabeled_merged;
+                      return;
+                    }
+                  }
+                  drop(i, p.dropped_mislabeled);
+                });
   if (o.drop_near_duplicates)
     read_report(folder + "/near_duplicates.tsv", {"index_b"}, [&](const auto& v, const std::string& where) {
       drop(parse_index(v[0], where, n, "image"), p.dropped_near_duplicates);
@@ -118,14 +146,15 @@ CleanPlan plan_from_reports(const std::string& folder, uint64_t images, int64_t 
     read_report(folder + "/overlap.tsv", {"class"}, [&](const auto& v, const std::string& where) {
       drop_class[size_t(parse_index(v[0], where, classes, "class"))] = true;
     });
-  if (o.merge_identities)
-    read_report(folder + "/duplicate_identities.tsv", {"class_a", "class_b"},
-                [&](const auto& v, const std::string& where) {
-                  const int64_t a = root(p.merge_into, parse_index(v[0], where, classes, "class"));
-                  const int64_t b = root(p.merge_into, parse_index(v[1], where, classes, "class"));
-                  if (a != b) p.merge_into[size_t(std::max(a, b))] = std::min(a, b), ++p.merged_classes;
-                });
-  for (int64_t c = 0; c < classes; ++c) p.merge_into[size_t(c)] = root(p.merge_into, c);
+  {
+    std::map<int64_t, std::vector<int64_t>> groups;
+    for (int64_t c = 0; c < classes; ++c)
+      if (p.merge_into[size_t(c)] != c || groups.count(c)) groups[p.merge_into[size_t(c)]].push_back(c);
+    for (auto& [r, members] : groups) {
+      if (members.front() != r) members.insert(members.begin(), r);
+      if (members.size() > 2) p.merge_chains.push_back(members);
+    }
+  }
   // A class in a test set goes with every class merged into it (one person).
   std::vector<bool> drop_root(size_t(classes), false);
   for (int64_t c = 0; c < classes; ++c)

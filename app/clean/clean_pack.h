@@ -17,6 +17,13 @@ struct CleanPlan {
   std::vector<int64_t> merge_into;  // by source class: the class it joins (itself when none)
   uint64_t dropped_mislabeled = 0, dropped_near_duplicates = 0;
   int64_t overlap_classes = 0, merged_classes = 0;  // merge_into is -1 for a class dropped
+  // Rows of mislabeled.tsv kept because the class they are nearest to (within the report's
+  // angle: its "relabel C" suggestion) merges with their own: one person filed under two
+  // labels, whose images lie near either label's centre; once merged they are correctly filed.
+  uint64_t kept_mislabeled_merged = 0;
+  // The identities made of more than two classes by duplicate_identities.tsv's pairs (a chain
+  // of pairs), each its classes in increasing order: worth a look before training.
+  std::vector<std::vector<int64_t>> merge_chains;
 };
 
 struct CleanPackOptions {

@@ -41,7 +41,8 @@ void ConsoleSink::progress(int64_t step, int64_t last_step) {
 void ConsoleSink::train(const TrainRecord& r) {
   std::ostringstream os;
   os << std::fixed << "step " << r.step << "/" << r.last_step << "  epoch " << r.epoch << std::setprecision(4)
-     << "  loss " << r.loss << "  acc " << r.accuracy << "  lr " << format_lr(r.lr) << std::setprecision(1)
+     << "  loss " << r.loss << "  acc " << r.accuracy << "  lr " << format_lr(r.lr)
+     << (r.fc_lr != r.lr ? "  fc_lr " + format_lr(r.fc_lr) : std::string()) << std::setprecision(1)
      << "  " << r.samples_per_sec << " samples/s  ETA " << format_duration(r.eta_s);
   if (r.loss_scale) os << "  loss scale " << *r.loss_scale;
   if (r.memory_gb) os << std::setprecision(2) << "  mem " << *r.memory_gb << " GB";
@@ -52,8 +53,15 @@ void ConsoleSink::train(const TrainRecord& r) {
 void ConsoleSink::validation(const ValidationRecord& r) {
   std::ostringstream os;
   os << std::fixed << std::setprecision(5) << "[" << r.set << "][" << r.step << "] Accuracy-Flip: " << r.accuracy
-     << "+-" << r.accuracy_std << "  Accuracy-Highest: " << r.best_accuracy << "  XNorm: " << r.xnorm
-     << "  threshold: " << r.threshold << " (squared L2 distance)";
+     << "+-" << r.accuracy_std << "  Accuracy-Highest: " << r.best_accuracy << "  XNorm: ";
+  // The embeddings' mean norm: below 1e-3 (an untrained network's) in significant digits,
+  // so that it never reads as 0.00000.
+  if (r.xnorm != 0 && std::abs(r.xnorm) < 1e-3)
+    os << format_sig(r.xnorm, 3);
+  else
+    os << r.xnorm;
+  os << "  threshold: " << r.threshold << " (squared L2 distance)";
+  if (r.step == 0) os << "; step 0: the untrained network, the curve's starting point";
   log_info(os.str());
 }
 
@@ -73,6 +81,7 @@ void MetricsSink::train(const TrainRecord& r) {
                                                 {"loss", r.loss},
                                                 {"accuracy", r.accuracy},
                                                 {"lr", r.lr},
+                                                {"fc_lr", r.fc_lr},
                                                 {"samples_per_sec", r.samples_per_sec}};
   if (r.loss_scale) f.emplace_back("loss_scale", *r.loss_scale);
   for (const auto& kv : r.head_state) f.push_back(kv);
@@ -128,6 +137,7 @@ void TensorBoardSink::train(const TrainRecord& r) {
   tb_->add_scalar("loss", r.loss, r.step);
   tb_->add_scalar("accuracy", r.accuracy, r.step);
   tb_->add_scalar("learning_rate", r.lr, r.step);
+  tb_->add_scalar("learning_rate/classifier", r.fc_lr, r.step);
   tb_->add_scalar("samples_per_sec", r.samples_per_sec, r.step);
   if (r.loss_scale) tb_->add_scalar("loss_scale", *r.loss_scale, r.step);
   for (const auto& kv : r.head_state) tb_->add_scalar(kv.first, kv.second, r.step);

@@ -16,6 +16,7 @@ class TensorBoardWriter;
 struct TrainRecord {
   int64_t step = 0, last_step = 0, epoch = 0;
   double loss = 0, accuracy = 0, lr = 0, samples_per_sec = 0;
+  double fc_lr = 0;  // the classifier's (optim.fc_lr's schedule; the backbone's when unset)
   double eta_s = 0;
   std::optional<double> loss_scale;  // fp16 runs
   std::optional<double> memory_gb;   // GPU runs: the allocator's peak

@@ -308,6 +308,7 @@ int run_training(const TrainRequest& req) {
       rec.last_step = j.last_step;
       rec.epoch = p.epoch;
       rec.lr = r.lr;
+      rec.fc_lr = r.fc_lr;
       rec.samples_per_sec = logged * j.global_batch() / std::max(seconds_since(t_log), 1e-9);
       rec.eta_s = seconds_since(t_start) / std::max<int64_t>(1, p.step - start_step) * (j.last_step - p.step);
       if (j.loss_scaling) rec.loss_scale = j.scaler->current_scale();

@@ -57,6 +57,24 @@ printf '%s\nclass_a\tclass_b\n1\t2\n' "$set_line" > "$work/hand/duplicate_identi
   || { cat "$work/pack.log"; fail "faceshard-pack clean --reports"; }
 grep -q "117 images kept, 11 dropped (2 mislabeled, 1 duplicates, 1 classes in test sets), 14 classes (1 merged)" "$work/pack.log" \
   || { cat "$work/pack.log"; fail "faceshard-pack clean's counts"; }
+# What each report removes, chains of merges named, a share above --warn-above warned about;
+# with --merge an image whose "relabel C" names its own merged identity is kept.
+mkdir -p "$work/hand2"
+cp "$work/hand/near_duplicates.tsv" "$work/hand/overlap.tsv" "$work/hand2/"
+printf '%s\nindex\timage\tlabel\tsuggestion\n3\tx\t0\tdrop\n9\tx\t1\trelabel 3\n17\tx\t2\trelabel 9\n' "$set_line" > "$work/hand2/mislabeled.tsv"
+printf '%s\nclass_a\tclass_b\n1\t2\n3\t2\n' "$set_line" > "$work/hand2/duplicate_identities.tsv"
+"$bin/faceshard-pack" clean "$work/data/train.rec" "$work/cleaned2/train" --reports "$work/hand2" --merge --warn-above 0.05 \
+  > "$work/pack2.log" 2>&1 || { cat "$work/pack2.log"; fail "faceshard-pack clean --reports hand2"; }
+for line in "mislabeled.tsv: 2 images dropped, 1 kept (nearest to a class merged with their own" \
+            "near_duplicates.tsv: 1 images dropped" "overlap.tsv: 1 classes dropped with every class merged into them, 8 images" \
+            "duplicate_identities.tsv: 2 classes merged into others, 1 of the identities made of more than two classes" \
+            "warning: classes 1, 2, 3 become one identity (3 classes joined by a chain" \
+            "warning: the cleaning drops 8.6% of the images, more than 5.0% (--warn-above)"; do
+  grep -qF "$line" "$work/pack2.log" || { cat "$work/pack2.log"; fail "pack clean did not say: $line"; }
+done
+"$bin/faceshard-pack" clean "$work/data/train.rec" "$work/cleaned3/train" --reports "$work/hand2" --merge --warn-above 1.5 \
+  > "$work/pack3.log" 2>&1 && fail "--warn-above 1.5 was accepted"
+grep -q "warn-above" "$work/pack3.log" || { cat "$work/pack3.log"; fail "--warn-above 1.5 refused without naming it"; }
 printf '# the first class but its third image\n%s\n0\n1\n3 4 5 6 7\n' "$set_line" > "$work/keep.txt"
 "$bin/faceshard-pack" clean "$work/data/train.rec" "$work/kept/train" --keep "$work/keep.txt" > "$work/keep.log" 2>&1 \
   || { cat "$work/keep.log"; fail "faceshard-pack clean --keep"; }

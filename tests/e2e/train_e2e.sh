@@ -46,7 +46,7 @@ loss_falls)
 import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1])]
 steps = [r for r in rows if 'loss' in r]
-for key in ('step', 'epoch', 'loss', 'lr', 'samples_per_sec', 'accuracy'):
+for key in ('step', 'epoch', 'loss', 'lr', 'fc_lr', 'samples_per_sec', 'accuracy'):
     assert all(key in r for r in steps), key
 val = [r for r in rows if 'val/synth/accuracy' in r]
 assert val, 'no verification result in metrics.jsonl'
