@@ -1,8 +1,11 @@
 // faceshard-config: loads a training config (bases, --set overrides), validates it and
 // prints the complete merged result; exit status 2 with a one-line error when it is wrong.
 #include <cstdio>
+#include <optional>
+#include <string>
 
 #include "app/config/cli.h"
+#include "app/train/data_counts.h"
 #include "app/train/train_job.h"
 #include "partial_fc/classifier/partial_fc.h"
 #include "partial_fc/runtime/error.h"
@@ -19,6 +22,9 @@ int main(int argc, char** argv) {
     if (!args.rest.empty()) throw usage_error("unknown argument '", args.rest[0], "' (see --help)");
     Config cfg = load_config_from_args(args);
     check_model_config(cfg);  // what faceshard-train checks before it starts
+    // The classes of data.rec counted as the trainer counts them (data_counts.h).
+    std::optional<std::string> counted;
+    if (!args.print_config) counted = count_config_data(cfg);
     if (args.print_config) std::fputs(config_to_yaml(cfg).c_str(), stdout);
     else if (!cfg.data.num_classes) {
       std::printf("%s: ok\nclassifier: the identities of '%s' (counted at start-up)%s\n", args.config.c_str(),
@@ -27,16 +33,19 @@ int main(int argc, char** argv) {
                                          : "");
     } else {
       // The whole classifier's size (one rank's is its share): what data.num_classes asks for.
+      if (counted) std::printf("%s\n", counted->c_str());
       PartialFCOptions po;
       po.num_classes = *cfg.data.num_classes;
+      po.subcenters = cfg.loss.subcenters;
       po.embedding_size = cfg.model.embedding_size;
       po.optimizer.kind = cfg.optim.classifier_optimizer();
       po.optimizer.state_dtype = cfg.optim.fc_state_dtype == "bf16" ? at::kBFloat16 : at::kFloat;
       po.weight_dtype = cfg.optim.fc_weight_dtype == "bf16" ? at::kBFloat16 : at::kFloat;
       const ClassifierMemoryPlan all = classifier_memory_plan(po, 1, 0, cfg.data.batch_size);
-      std::printf("%s: ok\nclassifier: %lld classes x %lld %s: %.0f bytes (%.3g GB) of centres + %.0f bytes (%.3g GB) "
+      std::printf("%s: ok\nclassifier: %lld classes%s x %lld %s: %.0f bytes (%.3g GB) of centres + %.0f bytes (%.3g GB) "
                   "of optimiser state (%s), split over the ranks\n",
                   args.config.c_str(), static_cast<long long>(*cfg.data.num_classes),
+                  cfg.loss.subcenters > 1 ? (" x " + std::to_string(cfg.loss.subcenters) + " sub-centres").c_str() : "",
                   static_cast<long long>(cfg.model.embedding_size), cfg.optim.fc_weight_dtype.c_str(), all.weight_bytes,
                   all.weight_bytes / 1e9,
                   all.state_bytes, all.state_bytes / 1e9, cfg.optim.fc_state_dtype.c_str());

@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <map>
 #include <optional>
@@ -22,6 +23,7 @@
 #include "app/plan/job_memory_plan.h"
 #include "app/plan/checkpoint_staging_plan.h"
 #include "app/plan/job_time_plan.h"
+#include "app/train/data_counts.h"
 #include "partial_fc/runtime/error.h"
 #include "partial_fc/runtime/flag_once.h"
 
@@ -165,6 +167,10 @@ int main(int argc, char** argv) {
     std::optional<Config> cfg;
     if (!args.config.empty()) {
       cfg = load_config_from_args(args);
+      // The classes and images of data.rec, counted as the trainer counts them (unless --classes
+      // and --images say them).
+      if (!(flag.count("--classes") && flag.count("--images")))
+        if (const std::optional<std::string> counted = count_config_data(*cfg)) std::printf("%s\n", counted->c_str());
       in = job_plan_inputs(*cfg, ranks);
     } else if (!args.overrides.empty()) {
       throw usage_error("--set needs --config FILE");
@@ -213,7 +219,7 @@ int main(int argc, char** argv) {
       images_from = "--images";
     } else if (cfg && cfg->data.num_images) {
       tin.images = *cfg->data.num_images;
-      images_from = "data.num_images";
+      images_from = cfg->data.rec != "synthetic" && std::filesystem::exists(cfg->data.rec) ? "data.rec" : "data.num_images";
     } else if (ref && ref->images > 0) {
       tin.images = ref->images;
       images_from = ref->dataset + " as published, from " + ref->preset + "; --images N for yours";
@@ -261,15 +267,17 @@ int main(int argc, char** argv) {
     }
     const std::string fc_opt = in.fc_optimizer.empty() ? in.optimizer : in.fc_optimizer;
     const ClassifierMemoryPlan& c = plan.classifier;
-    std::printf("faceshard-plan: %s, %s, activation checkpointing %s; %lld images per rank x %d ranks%s; %lld classes "
-                "(%lld on rank 0, %lld per step), sample rate %g; optimisers %s (backbone), %s %s (classifier), "
+    const std::string k = in.subcenters > 1 ? " x " + std::to_string(in.subcenters) + " sub-centres" : "";
+    std::printf("faceshard-plan: %s, %s%s, activation checkpointing %s; %lld images per rank x %d ranks%s; %lld classes%s "
+                "(%lld on rank 0, %lld per step), head %s, sample rate %g; optimisers %s (backbone), %s %s (classifier), "
                 "centres %s\n",
-                in.network.c_str(), in.precision.c_str(), plan.checkpointing ? "on" : "off",
-                static_cast<long long>(in.batch_per_rank), in.world_size,
+                in.network.c_str(), in.precision.c_str(),
+                in.precision_auto ? " (train.precision auto: bf16, as on a GPU with bf16 arithmetic)" : "",
+                plan.checkpointing ? "on" : "off", static_cast<long long>(in.batch_per_rank), in.world_size,
                 in.grad_accumulation > 1 ? (" x " + std::to_string(in.grad_accumulation) + " micro-batches").c_str() : "",
-                static_cast<long long>(in.num_classes), static_cast<long long>(c.rows),
-                static_cast<long long>(c.sampled_rows), in.sample_rate, in.optimizer.c_str(), fc_opt.c_str(),
-                in.fc_state_dtype.c_str(), in.fc_weight_dtype.c_str());
+                static_cast<long long>(in.num_classes), k.c_str(), static_cast<long long>(c.rows),
+                static_cast<long long>(c.sampled_rows), in.head.c_str(), in.sample_rate, in.optimizer.c_str(),
+                fc_opt.c_str(), in.fc_state_dtype.c_str(), in.fc_weight_dtype.c_str());
     std::printf("per-rank memory (rank 0, the largest shard)          MiB\n");
     std::string group;
     for (const PlanPart& p : plan.parts) {

@@ -37,6 +37,9 @@ JobPlanInputs job_plan_inputs(const Config& cfg, int world_size) {
   }
   // A plan is made for a GPU: auto is bf16 there (resolve_precision).
   in.precision = cfg.train.precision == "auto" ? "bf16" : cfg.train.precision;
+  in.precision_auto = cfg.train.precision == "auto";
+  in.head = cfg.loss.head;
+  in.head_params = cfg.loss.chosen_head_params();
   in.checkpointing = cfg.model.checkpointing;
   in.num_classes = cfg.data.num_classes.value_or(0);  // 0: counted from the data at start-up
   in.world_size = world_size;
@@ -147,6 +150,8 @@ JobMemoryPlan plan_job_memory(const JobPlanInputs& in, const ActivationTable& ta
   po.weight_dtype = in.fc_weight_dtype == "bf16" ? at::kBFloat16 : at::kFloat;
   po.grad_accumulation = in.grad_accumulation;
   po.gemm_dtype = in.precision == "bf16" ? at::kBFloat16 : in.precision == "fp16" ? at::kHalf : at::kFloat;
+  po.head.name = in.head;
+  po.head.params = in.head_params;
   po.streamed_logits =
       in.logits == "streamed" || (in.logits == "auto" && streamed_logits_pay(po, in.world_size, in.batch_per_rank));
   // Rank 0 holds the largest shard (the first C % W ranks hold one class more).
@@ -174,7 +179,8 @@ JobMemoryPlan plan_job_memory(const JobPlanInputs& in, const ActivationTable& ta
   else
     add("classifier", "logits buffer", c.logits_bytes,
         num(double(c.global_batch)) + " x " + num(double(c.sampled_rows)) +
-            (c.subcenters > 1 ? " x (4 B fp32 + 1 B arg-max sub-centre)" : " x 4 B (fp32)"));
+            (c.subcenters > 1 ? " x (4 B fp32 + 1 B arg-max sub-centre" : " x (4 B fp32") +
+            (c.head_codes ? " + 2 bits: " + in.head + "'s codes of the negatives it changes)" : ")"));
 
   add("classifier", "chunk temporaries", c.chunk_bytes,
       "the larger of the update's chunk (rows x " + num(d) + " x " + (fc_opt == "sgd" ? "4" : "16") +
@@ -257,6 +263,8 @@ int64_t max_batch_that_fits(JobPlanInputs in, const ActivationTable& table, doub
     po.optimizer.state_dtype = in.fc_state_dtype == "bf16" ? at::kBFloat16 : at::kFloat;
     po.weight_dtype = in.fc_weight_dtype == "bf16" ? at::kBFloat16 : at::kFloat;
     po.grad_accumulation = in.grad_accumulation;
+    po.head.name = in.head;
+    po.head.params = in.head_params;
     return streamed_logits_pay(po, in.world_size, batch);
   };
   // The first batch where they pay (kMaxPlanBatch + 1 when none): monotone in the batch.

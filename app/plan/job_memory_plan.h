@@ -7,6 +7,7 @@
 // number of classes that does (the same formulas, bisected on the class count).
 #pragma once
 #include <cstdint>
+#include <map>
 #include <optional>
 #include <string>
 #include <vector>
@@ -38,6 +39,9 @@ struct JobPlanInputs {
   bool cuda_graph = false;             // train.cuda_graph: the backbone's graphs keep static tensors
   int64_t embedding_size = 512;
   int64_t image_size = 112;
+  std::string head = "combined";       // loss.head (AdaFace and CurricularFace keep 2 bits a logit)
+  std::map<std::string, double> head_params;  // its parameters (loss.<head>.*)
+  bool precision_auto = false;         // train.precision auto, resolved as on a GPU (bf16)
 };
 
 // The settings of a training config (data.global_batch_size split over `world_size` ranks

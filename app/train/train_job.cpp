@@ -15,6 +15,7 @@
 #include <limits>
 #include <sstream>
 
+#include "app/train/data_counts.h"
 #include "app/train/sync_bn.h"
 #include "data/sampler.h"
 #include "models/backbone_registry.h"
@@ -84,47 +85,10 @@ void adapt_batch_to_world(Config& cfg, const Distributed& d, const std::optional
   cfg.data.batch_size = g / (w * acc);
 }
 
-// The data decides what the data knows: identities and images are counted from it (the
-// .rec's identity records, the folder's sub-folders); a config that names them must agree,
-// and spare classifier classes are asked for by data.spare_classes. Synthetic data has only
-// the config's numbers.
-void resolve_data_counts(TrainJob& j) {
-  Config& cfg = j.cfg;
-  DataConfig& data = cfg.data;
-  if (data.rec == "synthetic") {
-    if (!data.num_classes) throw_config_error(cfg, "data.num_classes", "required with data.rec: synthetic (it has no identities to count)");
-    data.num_classes = *data.num_classes + data.spare_classes;
-    return;
-  }
-  const std::string where = "'" + std::filesystem::absolute(data.rec).lexically_normal().string() + "'";
-  const int64_t counted = j.dataset->num_classes();  // -1: a .rec without identity records
-  const int64_t images = static_cast<int64_t>(j.dataset->size());
-  if (counted < 0 && !data.num_classes)
-    throw_config_error(cfg, "data.num_classes",
-                       where + " has no identity records to count its classes from; set data.num_classes");
-  if (counted >= 0) {
-    const int64_t want = counted + data.spare_classes;
-    if (data.num_classes && *data.num_classes != want) {
-      std::string fix = "; leave data.num_classes out to take the data's count";
-      if (*data.num_classes > want)
-        fix += detail::concat(", or set data.spare_classes: ", *data.num_classes - counted,
-                              " to keep classes the data does not use");
-      throw_config_error(cfg, "data.num_classes",
-                         detail::concat(*data.num_classes, " but ", where, " has ", counted, " identities",
-                                        data.spare_classes ? detail::concat(" + data.spare_classes ", data.spare_classes,
-                                                                            " = ", want)
-                                                           : std::string(),
-                                        fix));
-    }
-    if (!data.num_classes && j.dist->rank() == 0)
-      log_info("data.num_classes: ", want, " (", counted, " identities counted in ", where,
-               data.spare_classes ? detail::concat(" + ", data.spare_classes, " spare") : std::string(), ")");
-    data.num_classes = want;
-  }
-  if (data.num_images && *data.num_images != images)
-    throw_config_error(cfg, "data.num_images",
-                       detail::concat(*data.num_images, " but ", where, " has ", images,
-                                      " images; leave data.num_images out to take the data's count"));
+// The data's counts (data_counts.h), said on rank 0.
+void resolve_job_data_counts(TrainJob& j) {
+  if (const std::optional<std::string> said = resolve_data_counts(j.cfg, *j.dataset); said && j.dist->rank() == 0)
+    log_info(*said);
 }
 
 void build_data(TrainJob& j) {
@@ -151,7 +115,7 @@ void build_data(TrainJob& j) {
                idx.source());
     }
   }
-  resolve_data_counts(j);
+  resolve_job_data_counts(j);
   LoaderOptions lo;
   lo.batch_size = cfg.data.batch_size;
   lo.num_workers = static_cast<int>(cfg.data.num_workers);

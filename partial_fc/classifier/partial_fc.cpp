@@ -2,11 +2,14 @@
 
 #include <ATen/Parallel.h>
 
+#include <cmath>
+
 #include <ATen/ops/_amp_foreach_non_finite_check_and_unscale.h>
 #ifdef FACESHARD_WITH_CUDA
 #include <ATen/cuda/CUDAGeneratorImpl.h>
 #endif
 
+#include "partial_fc/classifier/head_catalogue.h"
 #include "partial_fc/classifier/margin_softmax.h"
 #include "partial_fc/classifier/streamed_softmax.h"
 #include "partial_fc/classifier/subcenter.h"
@@ -110,6 +113,13 @@ ClassifierMemoryPlan classifier_memory_plan(const PartialFCOptions& o, int world
   // the streamed pass 1 / ||w|| per row.
   p.logits_bytes = o.streamed_logits ? s * 4.0
                                      : static_cast<double>(p.global_batch) * classes * (o.subcenters > 1 ? 5.0 : 4.0);
+  // A head that changes negatives keeps one 2-bit code per buffered logit (margin_softmax):
+  // a byte per four classes of each row.
+  if (!o.streamed_logits && o.head.name != "combined" && find_head_info(o.head.name) &&
+      make_margin_head(o.head, o.margin)->modifies_negatives()) {
+    p.head_codes = true;
+    p.logits_bytes += static_cast<double>(p.global_batch) * std::ceil(classes / 4.0);
+  }
   const ChunkInputs ci = chunk_inputs(o, cuda, p.global_batch);
   const ChunkSizes cs = chunk_sizes(ci);
   // A shard smaller than a chunk brings its own rows' temporaries only.

@@ -135,6 +135,9 @@ struct ClassifierMemoryPlan {
   int64_t global_batch = 0;  // batch per rank x ranks: the logits' rows
   bool streamed = false;     // the logits are streamed (never held)
   double weight_bytes = 0, state_bytes = 0, gradient_bytes = 0, logits_bytes = 0;
+  // The head changes non-target logits (AdaFace, CurricularFace): a buffer of logits keeps 2
+  // bits per entry beside them (counted in logits_bytes).
+  bool head_codes = false;
   // The chunked passes' temporaries (chunk_policy.h): on a GPU a fixed reserve, the budget's
   // chunk (or the whole step's rows when they are fewer) x update_row_bytes or column_bytes; on the CPU a
   // cache-sized chunk's.

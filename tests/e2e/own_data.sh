@@ -109,6 +109,22 @@ grep -qF "288 images; 9 steps/epoch" "$work/train1.log" && grep -qF "schedule: 9
   fail "the schedule is not the data's (288 images / 32 = 9 steps)"
 grep -qF "classifier 24 classes" "$work/train1.log" || fail "the classifier is not the data's size"
 [ -f "$work/run/training.log" ] && grep -qF "schedule: 9 steps" "$work/run/training.log" || fail "no training.log"
+# The planning tools count the same data as the trainer did (no --classes needed): 24
+# identities, 288 images; the plan's header names the classes, K and the head, and the time
+# plan takes the images counted.
+"$bin/faceshard-plan" --config "$root/configs/ms1mv3_r50.yaml" --set data.rec="$work/data" --set loss.subcenters=3 \
+  --set loss.head=adaface --set train.precision=auto --ranks 2 > "$work/plan_data.log" 2>&1 || { cat "$work/plan_data.log"; fail "faceshard-plan on the data"; }
+for line in "data: 24 identities, 288 images counted in '$work/data' (as faceshard-train counts them)" \
+            "24 classes x 3 sub-centres (12 on rank 0, 12 per step), head adaface" \
+            "bf16 (train.precision auto: bf16, as on a GPU with bf16 arithmetic)" "2 bits: adaface's codes"; do
+  grep -qF "$line" "$work/plan_data.log" || { cat "$work/plan_data.log"; fail "faceshard-plan did not say: $line"; }
+done
+grep -q "288 images" "$work/plan_data.log" && ! grep -q "5179510 images\|5,179,510 images" "$work/plan_data.log" ||
+  { cat "$work/plan_data.log"; fail "the time plan did not take the images counted"; }
+"$bin/faceshard-config" --config "$root/configs/ms1mv3_r50.yaml" --set data.rec="$work/data" --set loss.subcenters=3 \
+  > "$work/config_data.log" 2>&1 || { cat "$work/config_data.log"; fail "faceshard-config on the data"; }
+grep -qF "classifier: 24 classes x 3 sub-centres x 512 fp32: 147456 bytes" "$work/config_data.log" ||
+  { cat "$work/config_data.log"; fail "faceshard-config did not count the data's classes with their sub-centres"; }
 # A preset's published counts against other data: one line naming both numbers and the fix.
 train --set data.num_classes=93431 --set output="$work/bad" > "$work/bad1.log" 2>&1; rc=$?
 [ $rc -eq 2 ] && grep -qF "data.num_classes': 93431 but '$work/data' has 24 identities" "$work/bad1.log" &&
