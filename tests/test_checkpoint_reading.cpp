@@ -466,6 +466,12 @@ dist: {device: cpu}
       {"train_state.pt", "head/t", torch::tensor({0.1, 0.2}), "train_state.pt: key 'head/t' is Float of 2 values, expected 1 floating-point values"},
       {"train_state.pt", "head/t", torch::tensor({INFINITY}), "train_state.pt: key 'head/t': the value at index 0 is inf, expected a finite number"},
       {"train_state.pt", "head/x", torch::tensor({0.1}), "train_state.pt: key 'head/x' is not state of the curricularface head"},
+      // Another head's state, and another head's name: both heads named.
+      {"train_state.pt", "head/batch_mean", torch::tensor({0.1}),
+       "train_state.pt: key 'head/batch_mean' is state of the adaface head, not of this run's curricularface head (loss.head)"},
+      {"train_state.pt", "head.name", torch::tensor({97, 100, 97, 102, 97, 99, 101}, at::kByte),
+       "train_state.pt: the checkpoint was trained with loss.head adaface, this run has loss.head curricularface"},
+      {"train_state.pt", "head.name", torch::zeros({100}, at::kByte), "train_state.pt: key 'head.name' is not a head's name"},
       {"train_state.pt", "opt/exp_avg.0", torch::zeros(param0, at::kLong), "train_state.pt: optimiser state 'exp_avg.0': is Long, expected floating-point values"},
       {"train_state.pt", "opt/exp_avg_sq.0", torch::zeros(param0), "optimiser state 'exp_avg.0' is missing"},
   };

@@ -13,6 +13,8 @@
 #include <sstream>
 
 #include "app/io/resharded_rows.h"
+#include "partial_fc/classifier/head_catalogue.h"
+#include "partial_fc/classifier/margin_head.h"
 #include "partial_fc/runtime/cpu_block_cache.h"
 #include "partial_fc/runtime/error.h"
 #include "partial_fc/runtime/log.h"
@@ -21,6 +23,28 @@ namespace faceshard {
 namespace {
 
 at::Tensor scalar_long(int64_t v) { return torch::tensor({v}, torch::kLong); }
+
+at::Tensor name_bytes(const std::string& name) {
+  at::Tensor t = at::empty({static_cast<int64_t>(name.size())}, at::kByte);
+  if (!name.empty()) std::memcpy(t.data_ptr<uint8_t>(), name.data(), name.size());
+  return t;
+}
+
+// The heads of the catalogue whose state has `key` ("adaface"; "" when none).
+std::string heads_with_state(const std::string& key) {
+  std::string out;
+  for (const HeadInfo& h : head_catalogue()) {
+    try {
+      HeadSpec spec;
+      spec.name = h.name;
+      for (const auto& kv : make_margin_head(spec, CombinedMargin{})->state())
+        if (kv.first == key) out += (out.empty() ? "" : " or ") + h.name;
+    } catch (const Error&) {
+      // A head that needs parameters to be built has no default state to compare.
+    }
+  }
+  return out;
+}
 
 // A generator's state from entry i of a checkpoint file: the bytes LibTorch's get_state
 // gives for this generator (their type and number checked from the file before reading),
@@ -85,6 +109,9 @@ CheckpointContents TrainState::contents() const {
   for (auto& kv : p.best_accuracy) ts.emplace_back("best/" + kv.first, torch::tensor({kv.second}, torch::kDouble));
   // The head's state is the same on every rank: rank 0's file holds it.
   for (auto& kv : j.fc->head().state()) ts.emplace_back("head/" + kv.first, kv.second.cpu());
+  // Which head that state is of (loss.head), as its name's bytes: a resume under another head
+  // is named, in either direction (a head without state leaves no key of its own).
+  ts.emplace_back("head.name", name_bytes(j.fc->head().name()));
 
   StateDict shard;
   shard.emplace_back("rows.start", scalar_long(j.fc->shard().start));
@@ -173,13 +200,31 @@ void TrainState::load(const std::string& dir) {
   }
   // The head's state: each key's name, size and type checked from the file before it is
   // read, its values after.
+  const std::string head_now_name = j.fc->head().name();
+  const std::string change = "; a resume continues its run with the run's own head: resume with --set loss.head=";
+  if (const size_t i = ts.find("head.name"); i != TensorSource::npos) {
+    if (ts.dtype(i) != at::kByte || ts.numel(i) < 1 || ts.numel(i) > 64)
+      throw usage_error(tsrc, ": key 'head.name' is not a head's name (", ts.dtype(i), " of ", ts.numel(i), " values)");
+    const at::Tensor b = ts.read(i);
+    const std::string saved(reinterpret_cast<const char*>(b.data_ptr<uint8_t>()), static_cast<size_t>(b.numel()));
+    if (saved != head_now_name)
+      throw usage_error(tsrc, ": the checkpoint was trained with loss.head ", detail::printable(saved),
+                        ", this run has loss.head ", head_now_name, change, detail::printable(saved),
+                        ", or train the ", head_now_name, " head in a new run from this one's backbone (model.init)");
+  }
   const PrefixedSource head_state(ts, "head/");
   const auto head_now = j.fc->head().state();
   for (size_t i = 0; i < head_state.size(); ++i) {
     const std::string& key = head_state.name(i);
     auto it = std::find_if(head_now.begin(), head_now.end(), [&](const auto& kv) { return kv.first == key; });
-    if (it == head_now.end())
-      throw usage_error(tsrc, ": key 'head/", key, "' is not state of the ", j.fc->head().name(), " head");
+    if (it == head_now.end()) {
+      const std::string owners = heads_with_state(key);
+      if (!owners.empty())
+        throw usage_error(tsrc, ": key 'head/", key, "' is state of the ", owners, " head, not of this run's ",
+                          head_now_name, " head (loss.head)", change, owners, ", or train the ", head_now_name,
+                          " head in a new run from this one's backbone (model.init)");
+      throw usage_error(tsrc, ": key 'head/", key, "' is not state of the ", head_now_name, " head");
+    }
     if (head_state.numel(i) != it->second.numel() || !at::isFloatingType(head_state.dtype(i)))
       throw usage_error(tsrc, ": key 'head/", key, "' is ", head_state.dtype(i), " of ", head_state.numel(i),
                         " values, expected ", it->second.numel(), " floating-point values");

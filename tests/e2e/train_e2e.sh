@@ -137,6 +137,18 @@ for l in open(sys.argv[1]):
     diff "$work/outA.txt" "$work/out.txt" > /dev/null || { paste "$work/outA.txt" "$work/out.txt"; fail "$h: losses or head state differ after resume"; }
     echo "$h: steps 1-6 identical after resume at step 3:"; cat "$work/out.txt"
   done
+  # A resume under another loss.head: one line naming both heads, in either direction (from
+  # a head with state to one without, and back), exit status 2.
+  for pair in "adaface combined" "combined adaface"; do
+    set -- $pair
+    rm -rf "$work/out"
+    train --set optim.total_steps=6 --set loss.head=$1 --set train.checkpoint_every=3 --set train.max_steps=3 \
+      > "$work/h1.log" 2>&1 || { cat "$work/h1.log"; fail "$1 run to step 3"; }
+    train --set optim.total_steps=6 --set loss.head=$2 --set train.checkpoint_every=3 --resume > "$work/h2.log" 2>&1
+    rc=$?
+    [ $rc -eq 2 ] && grep -qF "the checkpoint was trained with loss.head $1, this run has loss.head $2; a resume continues its run with the run's own head: resume with --set loss.head=$1" "$work/h2.log" ||
+      { cat "$work/h2.log"; fail "a resume from $1 under $2 (exit $rc) did not name both heads"; }
+  done
   echo PASS ;;
 resume_auto)
   # --resume auto as a scheduler reruns it: on an empty output it starts fresh; stopped at step
