@@ -22,6 +22,7 @@
 #include "app/io/checkpoint.h"
 #include "app/io/resharded_rows.h"
 #include "data/dataset.h"
+#include "data/source_paths.h"
 #include "data/set_identity.h"
 #include "data/image_transform.h"
 #include "partial_fc/runtime/error.h"
@@ -270,7 +271,17 @@ int main(int argc, char** argv) {
       }
     }
 
-    CleanAudit audit(centres, ck.num_classes, k, t, device, output, [ds](int64_t i) { return ds->describe(uint64_t(i)); });
+    // A packed set names each image by the photo it was packed from, where pack's sources
+    // list is beside the .rec (data/source_paths.h); otherwise by its record.
+    std::shared_ptr<const SourcePaths> sources;
+    if (const auto* rec = dynamic_cast<const RecordIODataset*>(ds.get()))
+      if (std::optional<SourcePaths> sp = SourcePaths::open_beside(rec->records().file().path(), ds->size())) {
+        sources = std::make_shared<const SourcePaths>(std::move(*sp));
+        log_info("the reports name each image by the photo it was packed from (", sources->file(), ")");
+      }
+    CleanAudit audit(centres, ck.num_classes, k, t, device, output, [ds, sources](int64_t i) {
+      return sources ? sources->path(uint64_t(i)) : ds->describe(uint64_t(i));
+    });
     int64_t unreadable = 0;
     // Seconds spent reading the images (with --embeddings: their records and rows) or
     // reading, decoding and embedding them (the backbone).
@@ -390,6 +401,7 @@ int main(int argc, char** argv) {
     }
 
     std::vector<TestIdentity> tests;
+    const auto t_tests = std::chrono::steady_clock::now();
     for (const VerificationData& set : sets) {
       const at::Tensor emb = embed_with_flip(*model.backbone, set, batch, device).cpu();
       std::vector<uint64_t> hashes;
@@ -412,6 +424,7 @@ int main(int argc, char** argv) {
       for (size_t c = 0; c < groups.size(); ++c)
         if (!groups[c].empty()) tests.push_back({tests_dir, td.class_names()[c], int64_t(groups[c].size()), mean_of(emb, groups[c])});
     }
+    const double tests_s = since(t_tests);
 
     std::vector<std::string> header = {
         "run: " + step_dir + " (step " + std::to_string(ck.step) + ", saved on " + std::to_string(ck.world_size) +
@@ -428,8 +441,10 @@ int main(int argc, char** argv) {
              " near-duplicate pairs", k > 1 ? ", " + std::to_string(c.dropped_subcenters) + " dropped sub-centres" : "",
              " (", c.images, " images)");
     log_info("time: ", emb_file ? "reading the images and embeddings " : "reading and embedding the images ",
-             int64_t(input_s), " s, nearest centres ", int64_t(c.centre_s), " s, near duplicates ",
-             int64_t(c.near_duplicate_s), " s, reports ", int64_t(c.reports_s), " s");
+             format_sig(input_s), " s, ",
+             sets.empty() && !tests_ds ? std::string() : "embedding the test sets " + format_sig(tests_s) + " s, ",
+             "nearest centres ", format_sig(c.centre_s), " s, near duplicates ", format_sig(c.near_duplicate_s),
+             " s, reports ", format_sig(c.reports_s), " s");
     return 0;
   });
 }

@@ -23,6 +23,7 @@
 #include "data/image_transform.h"
 #include "data/insightface_rec.h"
 #include "data/pack_source.h"
+#include "data/source_paths.h"
 #include "data/pack_transform.h"
 #include "data/recordio.h"
 #include "data/verification_bin.h"
@@ -44,7 +45,8 @@ const char* kUsage =
     "        (.lst: 'index<TAB>label<TAB>path' or insightface's 'aligned<TAB>path<TAB>label'; paths relative to\n"
     "        the list's folder) -> OUT_PREFIX.rec + OUT_PREFIX.idx (insightface layout: header record 0,\n"
     "        images 1..N with their class, one identity record per class) + OUT_PREFIX.labels.tsv (label,\n"
-    "        identity folder, images). Pack to DIR/train and give data.rec: DIR to faceshard-train.\n"
+    "        identity folder, images) + OUT_PREFIX.sources.tsv (index, label, path: the photo each image came\n"
+    "        from, which faceshard-clean's reports name). Pack to DIR/train and give data.rec: DIR to faceshard-train.\n"
     "        Every image's header is checked (JPEG, PNG or BMP of PX x PX, default 112, not cut short); every\n"
     "        bad file and empty identity folder is listed and nothing is written, unless --skip-bad leaves\n"
     "        them out. --decode also decodes every image; --no-check packs without looking.\n"
@@ -307,6 +309,21 @@ int cmd_pack(const Args& a) {
       throw faceshard::runtime_error(labels, ": write failed");
     }
   }
+  // index <TAB> label <TAB> path: the photo each image of the set came from (what a report of
+  // image i names, data/source_paths.h).
+  const std::string sources = faceshard::sources_path_of(rec);
+  {
+    const std::string tmp = sources + ".tmp";
+    std::FILE* f = std::fopen(tmp.c_str(), "wb");
+    if (!f) throw faceshard::runtime_error(sources, ": cannot create");
+    bool ok = std::fprintf(f, "index\tlabel\tpath\n") > 0;
+    for (size_t i = 0; i < src.items.size() && ok; ++i)
+      ok = std::fprintf(f, "%zu\t%lld\t%s\n", i, (long long)src.items[i].label, src.items[i].path.c_str()) > 0;
+    if (std::fclose(f) != 0 || !ok || std::rename(tmp.c_str(), sources.c_str()) != 0) {
+      std::remove(tmp.c_str());
+      throw faceshard::runtime_error(sources, ": write failed");
+    }
+  }
   if (skip_bad && !problems.empty())
     std::printf("faceshard-pack: left out %zu bad files and %zu folders (empty, or inside an identity folder; listed "
                 "above)%s\n", bad.size(),
@@ -323,8 +340,8 @@ int cmd_pack(const Args& a) {
     std::printf("faceshard-pack: note: faceshard-train takes 112x112 faces and these are %dx%d; --resize 112 or "
                 "--landmarks FILE makes them 112x112\n",
                 size, size);
-  std::printf("faceshard-pack: %llu images of %lld identities -> %s, %s, %s%s\n", (unsigned long long)src.items.size(),
-              (long long)src.identities.size(), rec.c_str(), idx.c_str(), labels.c_str(),
+  std::printf("faceshard-pack: %llu images of %lld identities -> %s, %s, %s, %s%s\n", (unsigned long long)src.items.size(),
+              (long long)src.identities.size(), rec.c_str(), idx.c_str(), labels.c_str(), sources.c_str(),
               src.ignored_files ? faceshard::detail::concat(" (", src.ignored_files,
                                                             " files without an image extension ignored)").c_str()
                                 : "");

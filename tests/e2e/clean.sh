@@ -32,6 +32,50 @@ done
 grep -q "^# thresholds: --mislabeled-angle 75.00 degrees" "$work/reports/mislabeled.tsv" || fail "default 75 degrees"
 [ -z "$(ls -A "$work/reports" | grep -v '\.tsv$')" ] || fail "left behind: $(ls -A "$work/reports")"
 
+# A set packed from photos names them: the same images unpacked, their names zero-padded so
+# that pack keeps the order, packed again (the same set: the same identity) write
+# train.sources.tsv beside the .rec, and the reports on it name each image by its photo, their
+# other columns those of the reports on the original .rec.
+"$bin/faceshard-pack" unpack "$work/data/train.rec" "$work/same_src" > /dev/null 2>&1 || fail "unpack for the sources"
+(cd "$work/same_src" && for d in *; do
+   (cd "$d" && for f in *.jpg; do mv "$f" "$(printf %04d "${f%.jpg}").jpg"; done) && mv "$d" "c$(printf %02d "$d")"
+ done) || fail "renaming for the sources"
+"$bin/faceshard-pack" pack "$work/same_src" "$work/same/train" > "$work/same_pack.log" 2>&1 || { cat "$work/same_pack.log"; fail "re-packing the same images"; }
+[ -f "$work/same/train.sources.tsv" ] && grep -qF "$work/same/train.sources.tsv" "$work/same_pack.log" || fail "pack wrote no sources list"
+clean --rec "$work/same" --bin "$work/data/synth.bin" --output "$work/same_reports" > "$work/same_clean.log" 2>&1 \
+  || { cat "$work/same_clean.log"; fail "faceshard-clean on the re-packed set"; }
+grep -qF "the reports name each image by the photo it was packed from ($work/same/train.sources.tsv)" "$work/same_clean.log" ||
+  { cat "$work/same_clean.log"; fail "faceshard-clean did not take the sources list"; }
+python3 - "$work" <<'PY' || fail "the reports on the re-packed set"
+import os, sys
+w = sys.argv[1]
+src = [l.rstrip('\n').split('\t') for l in open(w + '/same/train.sources.tsv')][1:]
+assert [int(r[0]) for r in src] == list(range(128)), 'sources.tsv: not one row per image in order'
+# Each listed photo holds the bytes the re-packed .rec holds for that image (pack stores bytes as
+# stored): the original .rec's record of the same index, unpacked as <key>.jpg with key = index + 1.
+for i, label, path in src:
+    a = open(path, 'rb').read()
+    b = open(os.path.join(w, 'same_src', 'c%02d' % int(label), '%04d.jpg' % (int(i) + 1)), 'rb').read()
+    assert a == b and path.startswith(w + '/same_src/'), (i, path)
+def rows(d, name):
+    lines = [l.rstrip('\n').split('\t') for l in open(os.path.join(d, name)) if not l.startswith('#')]
+    return lines[0], lines[1:]
+for name in ('mislabeled.tsv', 'near_duplicates.tsv'):
+    h, orig = rows(w + '/reports', name)
+    _, same = rows(w + '/same_reports', name)
+    assert len(orig) == len(same), (name, len(orig), len(same))
+    cols = [k for k, c in enumerate(h) if c.startswith('image')]
+    idx = [k for k, c in enumerate(h) if c.startswith('index')]
+    for a, b in zip(orig, same):
+        for k in range(len(h)):
+            if k in cols: continue
+            assert a[k] == b[k], (name, h[k], a, b)
+        for c, i in zip(cols, idx):
+            assert b[c] == src[int(b[i])][2], (name, b)
+            assert a[c] != b[c] and 'key' in a[c], (name, a[c])
+print('the re-packed set\'s reports name the photos: %d mislabeled rows' % len(rows(w + '/same_reports', 'mislabeled.tsv')[1]))
+PY
+
 # The images as a folder (class folders numbered as the run's labels), one stored twice.
 "$bin/faceshard-pack" unpack "$work/data/train.rec" "$work/img" > /dev/null 2>&1 || fail "faceshard-pack unpack"
 (cd "$work/img" && for d in *; do mv "$d" "c$(printf %02d "$d")"; done) || fail "renaming the class folders"
