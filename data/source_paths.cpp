@@ -3,10 +3,13 @@
 #include <fcntl.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
+#include <cstdlib>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 
 #include "partial_fc/runtime/error.h"
 
@@ -16,6 +19,65 @@ std::string sources_path_of(const std::string& rec_path) {
   std::filesystem::path p(rec_path);
   p.replace_extension(".sources.tsv");
   return p.string();
+}
+
+std::string labels_path_of(const std::string& rec_path) {
+  std::filesystem::path p(rec_path);
+  p.replace_extension(".labels.tsv");
+  return p.string();
+}
+
+IdentityNames identity_names_beside(const std::string& rec_path, int64_t classes) {
+  IdentityNames out;
+  const std::string file = labels_path_of(rec_path);
+  std::ifstream f(file);
+  if (!f) {
+    out.problem = file + ": none";
+    return out;
+  }
+  std::vector<std::string> names(static_cast<size_t>(std::max<int64_t>(classes, 0)));
+  std::vector<bool> seen(names.size(), false);
+  std::string line;
+  size_t label_col = SIZE_MAX, name_col = SIZE_MAX;
+  int64_t no = 0, named = 0;
+  auto split = [](const std::string& l) {
+    std::vector<std::string> cells;
+    size_t a = 0;
+    for (size_t b; (b = l.find('\t', a)) != std::string::npos; a = b + 1) cells.push_back(l.substr(a, b - a));
+    cells.push_back(l.substr(a));
+    return cells;
+  };
+  while (std::getline(f, line)) {
+    ++no;
+    if (!line.empty() && line.back() == '\r') line.pop_back();
+    const std::vector<std::string> cells = split(line);
+    if (no == 1) {
+      for (size_t i = 0; i < cells.size(); ++i) {
+        if (cells[i] == "label") label_col = i;
+        if (cells[i] == "identity" || cells[i] == "identities") name_col = i;
+      }
+      if (label_col == SIZE_MAX || name_col == SIZE_MAX) {
+        out.problem = file + ": no 'label' and 'identity' columns";
+        return out;
+      }
+      continue;
+    }
+    char* end = nullptr;
+    const long long c = label_col < cells.size() ? std::strtoll(cells[label_col].c_str(), &end, 10) : -1;
+    if (name_col >= cells.size() || !end || *end != '\0' || c < 0 || c >= classes || seen[size_t(c)]) {
+      out.problem = file + ":" + std::to_string(no) + ": not a class of the set's " + std::to_string(classes) + " named once";
+      return out;
+    }
+    seen[size_t(c)] = true;
+    names[size_t(c)] = cells[name_col];
+    ++named;
+  }
+  if (named != classes) {
+    out.problem = file + ": names " + std::to_string(named) + " classes, the set has " + std::to_string(classes);
+    return out;
+  }
+  out.names = std::move(names);
+  return out;
 }
 
 std::optional<SourcePaths> SourcePaths::open_beside(const std::string& rec_path, uint64_t images) {

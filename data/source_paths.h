@@ -35,4 +35,15 @@ class SourcePaths {
   std::vector<uint64_t> offsets_;  // of each image's path, and one past the last line
 };
 
+// The identity names of a packed set's classes, from OUT_PREFIX.labels.tsv beside its .rec
+// (faceshard-pack pack's `label<TAB>identity<TAB>images`, or a clean copy's `identities`
+// column): names[c] for class c. Empty, with `problem` saying why, when there is no such file
+// or it does not name each of the `classes` classes once.
+struct IdentityNames {
+  std::vector<std::string> names;
+  std::string problem;
+};
+std::string labels_path_of(const std::string& rec_path);
+IdentityNames identity_names_beside(const std::string& rec_path, int64_t classes);
+
 }  // namespace faceshard

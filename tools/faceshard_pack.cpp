@@ -565,7 +565,19 @@ int cmd_clean(const Args& a) {
     if (v.empty() || *end != '\0' || !(warn_above >= 0 && warn_above <= 1))
       throw usage_error("--warn-above: expected a share of the images in [0, 1], got '", v, "'");
   }
-  const faceshard::CleanPackResult r = faceshard::write_clean_rec(ds, plan, a.pos[1]);
+  // The source's identity names and photos, where pack left them beside it: carried over.
+  faceshard::CleanPackNames names;
+  const faceshard::IdentityNames ids = faceshard::identity_names_beside(rec, classes);
+  names.identities = ids.names;
+  const std::optional<faceshard::SourcePaths> photos = faceshard::SourcePaths::open_beside(rec, ds.size());
+  if (photos) names.sources = &*photos;
+  const faceshard::CleanPackResult r = faceshard::write_clean_rec(ds, plan, a.pos[1], names);
+  if (!names.identities.empty())
+    std::printf("faceshard-pack: %s.labels.tsv names each class's identities (from %s)\n", a.pos[1].c_str(),
+                faceshard::labels_path_of(rec).c_str());
+  if (photos)
+    std::printf("faceshard-pack: %s lists each kept image's photo (from %s)\n",
+                faceshard::sources_path_of(a.pos[1] + ".rec").c_str(), photos->file().c_str());
   // What each report removes, before the totals.
   if (a.opt.count("--reports")) {
     const uint64_t by_class = r.dropped - plan.dropped_mislabeled - plan.dropped_near_duplicates;

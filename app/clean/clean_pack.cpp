@@ -1,7 +1,10 @@
 #include "app/clean/clean_pack.h"
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <cerrno>
+#include <cstring>
 #include <cstdlib>
 #include <cstdio>
 #include <filesystem>
@@ -208,6 +211,11 @@ CleanPlan plan_from_keep_list(const std::string& file, uint64_t images, int64_t 
 }
 
 CleanPackResult write_clean_rec(const Dataset& src, const CleanPlan& plan, const std::string& out_prefix) {
+  return write_clean_rec(src, plan, out_prefix, CleanPackNames{});
+}
+
+CleanPackResult write_clean_rec(const Dataset& src, const CleanPlan& plan, const std::string& out_prefix,
+                                const CleanPackNames& names) {
   const uint64_t n = src.size();
   const int64_t classes = int64_t(plan.merge_into.size());
   if (plan.drop.size() != n) throw runtime_error("clean plan for ", plan.drop.size(), " images, the set has ", n);
@@ -254,17 +262,38 @@ CleanPackResult write_clean_rec(const Dataset& src, const CleanPlan& plan, const
       }
     writer.commit(next);
   }
-  std::string table = "label\tsource_classes\timages\n";
-  std::vector<std::string> sources(static_cast<size_t>(next));
+  const bool named = names.identities.size() == size_t(classes);
+  std::string table = named ? "label\tsource_classes\timages\tidentities\n" : "label\tsource_classes\timages\n";
+  std::vector<std::string> sources(static_cast<size_t>(next)), identities(static_cast<size_t>(next));
   for (int64_t c = 0; c < classes; ++c) {
     const int64_t r = plan.merge_into[size_t(c)];
     if (r < 0 || new_label[size_t(r)] < 0) continue;
     std::string& t = sources[size_t(new_label[size_t(r)])];
     t += (t.empty() ? "" : ",") + std::to_string(c);
+    if (named) {
+      std::string& n = identities[size_t(new_label[size_t(r)])];
+      n += (n.empty() ? "" : ",") + names.identities[size_t(c)];
+    }
   }
   for (int64_t c = 0; c < next; ++c)
-    table += std::to_string(c) + "\t" + sources[size_t(c)] + "\t" + std::to_string(first[size_t(c) + 1] - first[size_t(c)]) + "\n";
+    table += std::to_string(c) + "\t" + sources[size_t(c)] + "\t" + std::to_string(first[size_t(c) + 1] - first[size_t(c)]) +
+             (named ? "\t" + identities[size_t(c)] : std::string()) + "\n";
   write_text_durably(table, out_prefix + ".labels.tsv");
+  if (names.sources) {  // streamed: a line per image
+    const std::string path = sources_path_of(out_prefix + ".rec"), tmp = path + ".tmp";
+    std::FILE* f = std::fopen(tmp.c_str(), "wb");
+    if (!f) throw runtime_error(path, ": cannot create: ", std::strerror(errno));
+    bool ok = std::fputs("index\tlabel\tpath\n", f) >= 0;
+    for (int64_t c = 0; c < next && ok; ++c)
+      for (uint64_t j = first[size_t(c)]; j < first[size_t(c) + 1] && ok; ++j)
+        ok = std::fprintf(f, "%llu\t%lld\t%s\n", (unsigned long long)j, (long long)c,
+                          names.sources->path(order[j]).c_str()) > 0;
+    ok = std::fflush(f) == 0 && ok && ::fsync(::fileno(f)) == 0;
+    if (std::fclose(f) != 0 || !ok || std::rename(tmp.c_str(), path.c_str()) != 0) {
+      std::remove(tmp.c_str());
+      throw runtime_error(path, ": write failed");
+    }
+  }
   CleanPackResult r;
   r.kept = order.size();
   r.dropped = n - r.kept;

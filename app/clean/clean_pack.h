@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "data/dataset.h"
+#include "data/source_paths.h"
 #include "data/set_identity.h"
 
 namespace faceshard {
@@ -61,5 +62,16 @@ struct CleanPackResult {
 // first source class, classes left without images removed) and OUT_PREFIX.labels.tsv
 // (label, source classes, images). `src` must be the set the reports were made from.
 CleanPackResult write_clean_rec(const Dataset& src, const CleanPlan& plan, const std::string& out_prefix);
+
+// What a packed source set may carry beside its .rec (data/source_paths.h): its classes'
+// identity names (its labels.tsv) and each image's photo (its sources.tsv). With them, the
+// clean copy's labels.tsv gains an `identities` column (the names of the classes each new
+// one holds) and OUT_PREFIX.sources.tsv lists each kept image's photo in the new order.
+struct CleanPackNames {
+  std::vector<std::string> identities;  // by source class; empty: none known
+  const SourcePaths* sources = nullptr;
+};
+CleanPackResult write_clean_rec(const Dataset& src, const CleanPlan& plan, const std::string& out_prefix,
+                                const CleanPackNames& names);
 
 }  // namespace faceshard

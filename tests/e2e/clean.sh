@@ -119,6 +119,28 @@ done
 "$bin/faceshard-pack" clean "$work/data/train.rec" "$work/cleaned3/train" --reports "$work/hand2" --merge --warn-above 1.5 \
   > "$work/pack3.log" 2>&1 && fail "--warn-above 1.5 was accepted"
 grep -q "warn-above" "$work/pack3.log" || { cat "$work/pack3.log"; fail "--warn-above 1.5 refused without naming it"; }
+# A clean copy of the set packed from photos keeps the identity names and the photos: its
+# labels.tsv names the identities of each new class (three merged into one), its sources.tsv
+# lists each kept image's photo, whose bytes are the clean .rec's record.
+"$bin/faceshard-pack" clean "$work/same/train.rec" "$work/same_clean/train" --reports "$work/hand2" --merge \
+  > "$work/same_clean_pack.log" 2>&1 || { cat "$work/same_clean_pack.log"; fail "pack clean of the set packed from photos"; }
+grep -qF "labels.tsv names each class's identities" "$work/same_clean_pack.log" &&
+  grep -qF "lists each kept image's photo" "$work/same_clean_pack.log" || { cat "$work/same_clean_pack.log"; fail "pack clean did not carry the names"; }
+"$bin/faceshard-pack" unpack "$work/same_clean/train.rec" "$work/same_clean_img" > /dev/null 2>&1 || fail "unpack the clean copy"
+python3 - "$work" <<'PY' || fail "the clean copy's names"
+import os, sys
+w = sys.argv[1]
+lab = [l.rstrip('\n').split('\t') for l in open(w + '/same_clean/train.labels.tsv')]
+assert lab[0] == ['label', 'source_classes', 'images', 'identities'], lab[0]
+rows = {r[1]: r[3] for r in lab[1:]}
+assert rows['1,2,3'] == 'c01,c02,c03' and rows['0'] == 'c00' and '5' not in rows, rows
+src = [l.rstrip('\n').split('\t') for l in open(w + '/same_clean/train.sources.tsv')][1:]
+assert len(src) == 117 and [int(r[0]) for r in src] == list(range(117)), len(src)
+for i, label, path in src:  # key = index + 1 in the clean .rec
+    got = open(os.path.join(w, 'same_clean_img', label, '%d.jpg' % (int(i) + 1)), 'rb').read()
+    assert got == open(path, 'rb').read(), (i, path)
+print('the clean copy names its identities and photos')
+PY
 printf '# the first class but its third image\n%s\n0\n1\n3 4 5 6 7\n' "$set_line" > "$work/keep.txt"
 "$bin/faceshard-pack" clean "$work/data/train.rec" "$work/kept/train" --keep "$work/keep.txt" > "$work/keep.log" 2>&1 \
   || { cat "$work/keep.log"; fail "faceshard-pack clean --keep"; }
