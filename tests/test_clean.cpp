@@ -16,6 +16,7 @@
 
 #include "app/clean/clean_audit.h"
 #include "app/clean/clean_pack.h"
+#include "app/clean/tail_threshold.h"
 #include "partial_fc/runtime/error.h"
 #include "test_files.h"
 
@@ -199,8 +200,11 @@ void check_reports(const World& w, const std::string& folder) {
   const Table mis = read_tsv(folder + "/mislabeled.tsv");
   ASSERT_FALSE(mis.rows.empty());
   bool printed = false;
-  for (const auto& c : mis.comments) printed |= c.find("--mislabeled-angle 75.00 degrees") != std::string::npos;
-  EXPECT_TRUE(printed) << "mislabeled.tsv's header names its threshold";
+  for (const auto& c : mis.comments)
+    printed |= c.find("# thresholds: --mislabeled-angle ") == 0 &&
+               c.find("degrees (from the data: cos ") != std::string::npos &&
+               c.find("image-to-other-class cosines") != std::string::npos;
+  EXPECT_TRUE(printed) << "mislabeled.tsv's header names its threshold and where it comes from";
   std::set<int64_t> found;
   int64_t relabel_right = 0, relabel_truth = 0;
   for (const auto& r : mis.rows) {
@@ -242,6 +246,64 @@ void check_reports(const World& w, const std::string& folder) {
   }
   expect_precision_recall(copies, w.copies, "near_duplicates");
   EXPECT_GT(same_bytes, 0);
+}
+
+// The data's thresholds (tail_threshold.h): a standard normal's upper quantiles by their
+// definition (erfc), and the identity and overlap cosines of the hand-built world equal to
+// mean + z sd of its class pairs' and test-identity-to-class cosines computed here in float64
+// from the world itself (z for 0.1 expected false pairs); the mislabeled angle's text says
+// its fit; a threshold given as a flag is kept and named as given.
+TEST(CleanAudit, DataThresholdsAreTheNormalTailOfTheSetsOwnPairs) {
+  for (double p : {0.5, 0.1, 1e-3, 1e-7, 1e-13}) {
+    const double z = normal_upper_quantile(p);
+    EXPECT_NEAR(0.5 * std::erfc(z / std::sqrt(2.0)) / p, 1.0, 1e-9) << p;
+  }
+  EXPECT_NEAR(normal_upper_quantile(1e-3), 3.090232306, 1e-8);
+  TempDir dir;
+  const World w = make_world(1, 11);
+  const CleanCounts c = run_audit(w, dir.path);
+  // Identity vectors: each class's mean embedding (K = 1: every image of it), normalised.
+  std::vector<at::Tensor> sum(size_t(w.classes));
+  for (size_t i = 0; i < w.emb.size(); ++i) {
+    at::Tensor& t = sum[size_t(w.label[i])];
+    t = t.defined() ? t + w.emb[i] : w.emb[i].clone();
+  }
+  std::vector<at::Tensor> id;
+  for (const auto& t : sum)
+    if (t.defined()) id.push_back(t / t.norm());
+  auto tail = [](const std::vector<double>& x, double pairs) {
+    double m = 0, q = 0;
+    for (double v : x) m += v;
+    m /= double(x.size());
+    for (double v : x) q += (v - m) * (v - m);
+    const double sd = std::sqrt(q / double(x.size() - 1));
+    return m + normal_upper_quantile(0.1 / pairs) * sd;
+  };
+  std::vector<double> pairs;
+  for (size_t a = 0; a < id.size(); ++a)
+    for (size_t b = a + 1; b < id.size(); ++b) pairs.push_back((id[a] * id[b]).sum().item<double>());
+  EXPECT_NEAR(c.identity_cos, tail(pairs, double(pairs.size())), 2e-4) << c.identity_from;
+  EXPECT_NE(c.identity_from.find("the data: cos "), std::string::npos) << c.identity_from;
+  std::vector<double> tv;
+  for (const TestIdentity& t : w.tests) {
+    const at::Tensor v = t.embedding.to(torch::kDouble) / t.embedding.to(torch::kDouble).norm();
+    for (const auto& x : id) tv.push_back((v * x).sum().item<double>());
+  }
+  EXPECT_NEAR(c.overlap_cos, tail(tv, double(tv.size())), 2e-4) << c.overlap_from;
+  EXPECT_NE(c.mislabeled_from.find("the data: cos "), std::string::npos) << c.mislabeled_from;
+  EXPECT_GT(c.mislabeled_angle, 0);
+  EXPECT_LT(c.mislabeled_angle, 180);
+  // Flags win, and say so.
+  TempDir given;
+  CleanThresholds t;
+  t.mislabeled_angle = 75, t.mislabeled_given = true;
+  t.identity_cos = 0.6, t.identity_given = true;
+  t.overlap_cos = 0.5, t.overlap_given = true;
+  const CleanCounts g = run_audit(w, given.path, t);
+  EXPECT_EQ(g.mislabeled_angle, 75);
+  EXPECT_EQ(g.identity_cos, 0.6);
+  EXPECT_EQ(g.overlap_cos, 0.5);
+  EXPECT_EQ(g.identity_from, "--identity-cos");
 }
 
 TEST(CleanAudit, InjectedProblemsFoundK1) {

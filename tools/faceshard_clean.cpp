@@ -4,6 +4,7 @@
 // other images; the findings are TSV reports in one folder (app/clean/clean_audit.h).
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -56,11 +57,16 @@ const char* kUsage =
     "  --bin FILE [FILE...]      verification sets (insightface .bin) to look for in the training set;\n"
     "                            images joined by a genuine pair are one test identity\n"
     "  --test-identities DIR     a folder with one sub-folder per test identity, as --bin\n"
-    "  --mislabeled-angle DEG    default 75 (Sub-center ArcFace's drop threshold)\n"
-    "  --identity-cos C          duplicate identities above this cosine (default 0.6)\n"
+    "  --mislabeled-angle DEG    default: from the data (below); Sub-center ArcFace drops at 75\n"
+    "  --identity-cos C          duplicate identities above this cosine (default: from the data)\n"
     "  --identity-by means|centres  a class's identity vector: the mean embedding of its images nearest\n"
     "                            its dominant centre (default), or that centre\n"
-    "  --overlap-cos C           test identity vs class above this cosine (default 0.5)\n"
+    "  --overlap-cos C           test identity vs class above this cosine (default: from the data)\n"
+    "  --mislabeled-rate R       the data's mislabeled angle: an image no nearer its own class than R of the\n"
+    "                            cosines of images to classes they are not filed under (default 0.001)\n"
+    "  --false-pairs N           the data's identity and overlap cosines: N pairs of different people\n"
+    "                            expected above each (default 0.1), from a normal fit to the set's cosines\n"
+    "                            between classes, and between test identities and classes\n"
     "  --near-duplicate-cos C    images above this cosine (default 0.95) or with identical bytes\n"
     "  --near-duplicate-memory-mb N  embeddings kept for the near-duplicate search (default 1024)\n"
     "  --subcenters K            sub-centres per class (default: the checkpoint's; another K is refused)\n"
@@ -145,10 +151,12 @@ int main(int argc, char** argv) {
       else if (a.is("--output")) output = a.value();
       else if (a.is("--bin")) bins.push_back(a.repeated_value()), after_bin = true;
       else if (a.is("--test-identities")) tests_dir = a.value();
-      else if (a.is("--mislabeled-angle")) t.mislabeled_angle = a.number();
-      else if (a.is("--identity-cos")) t.identity_cos = a.number();
+      else if (a.is("--mislabeled-angle")) t.mislabeled_angle = a.number(), t.mislabeled_given = true;
+      else if (a.is("--identity-cos")) t.identity_cos = a.number(), t.identity_given = true;
       else if (a.is("--identity-by")) t.identity_by = a.value();
-      else if (a.is("--overlap-cos")) t.overlap_cos = a.number();
+      else if (a.is("--overlap-cos")) t.overlap_cos = a.number(), t.overlap_given = true;
+      else if (a.is("--mislabeled-rate")) t.mislabeled_rate = a.number();
+      else if (a.is("--false-pairs")) t.false_pairs = a.number();
       else if (a.is("--near-duplicate-cos")) t.near_duplicate_cos = a.number();
       else if (a.is("--near-duplicate-memory-mb")) t.near_duplicate_memory_mb = a.integer(1);
       else if (a.is("--subcenters")) subcenters = a.integer(1);
@@ -168,6 +176,10 @@ int main(int argc, char** argv) {
     for (const auto& [flag, v] : {std::pair<const char*, double>{"--identity-cos", t.identity_cos},
                                   {"--overlap-cos", t.overlap_cos}, {"--near-duplicate-cos", t.near_duplicate_cos}})
       if (!(v > -1 && v <= 1)) throw usage_error(flag, ": expected a cosine in (-1, 1], got ", v);
+    if (!(t.mislabeled_rate > 0 && t.mislabeled_rate < 0.5))
+      throw usage_error("--mislabeled-rate: expected a rate in (0, 0.5), got ", t.mislabeled_rate);
+    if (!(t.false_pairs > 0 && std::isfinite(t.false_pairs)))
+      throw usage_error("--false-pairs: expected a positive number of pairs, got ", t.false_pairs);
     if (t.identity_by != "means" && t.identity_by != "centres")
       throw usage_error("--identity-by: expected means or centres, got '", t.identity_by, "'");
 
@@ -436,6 +448,9 @@ int main(int argc, char** argv) {
     for (const auto& set : sets) header.push_back("test set: " + set.path);
     if (tests_ds) header.push_back("test identities: " + tests_dir);
     const CleanCounts c = audit.write_reports(header, tests);
+    log_info("thresholds: --mislabeled-angle ", format_sig(c.mislabeled_angle, 4), " degrees from ", c.mislabeled_from);
+    log_info("thresholds: --identity-cos ", format_sig(c.identity_cos, 4), " from ", c.identity_from);
+    log_info("thresholds: --overlap-cos ", format_sig(c.overlap_cos, 4), " from ", c.overlap_from);
     log_info("wrote ", output, ": ", c.mislabeled, " mislabeled images, ", c.duplicate_identities,
              " duplicate identity pairs, ", c.overlap, " overlapping identities, ", c.near_duplicates,
              " near-duplicate pairs", k > 1 ? ", " + std::to_string(c.dropped_subcenters) + " dropped sub-centres" : "",

@@ -12,6 +12,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "app/clean/tail_threshold.h"
 #include "app/io/checkpoint.h"
 #include "partial_fc/runtime/error.h"
 
@@ -24,6 +25,47 @@ namespace {
 constexpr double kPi = 3.14159265358979323846;
 
 double degrees(double cosine) { return std::acos(std::clamp(cosine, -1.0, 1.0)) * 180.0 / kPi; }
+
+// A 64-bit mix (splitmix64's finaliser): the sample's choices as a function of the image.
+uint64_t mix64(uint64_t x) {
+  x += 0x9e3779b97f4a7c15ull;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+  return x ^ (x >> 31);
+}
+
+// Up to `cap` cosines of distinct pairs of rows of `v` ([n, E], the rows in `live`): every
+// pair when there are few, else pairs drawn by a fixed sequence (the same on every run).
+std::vector<float> pair_cosines(const at::Tensor& v, const std::vector<int64_t>& live, size_t cap) {
+  std::vector<float> out;
+  const int64_t n = int64_t(live.size());
+  if (n < 2) return out;
+  const at::Tensor idx = torch::tensor(live, torch::kLong).to(v.device());
+  const at::Tensor x = v.index_select(0, idx);
+  const double pairs = double(n) * double(n - 1) / 2;
+  if (pairs <= double(cap)) {
+    const int64_t chunk = std::max<int64_t>(1, (int64_t(16) << 20) / n);
+    for (int64_t r0 = 0; r0 < n; r0 += chunk) {
+      const int64_t nr = std::min(chunk, n - r0);
+      const at::Tensor s = at::matmul(x.narrow(0, r0, nr), x.t()).cpu().contiguous();
+      const float* p = s.data_ptr<float>();
+      for (int64_t i = 0; i < nr; ++i)
+        for (int64_t j = r0 + i + 1; j < n; ++j) out.push_back(p[i * n + j]);
+    }
+    return out;
+  }
+  std::vector<int64_t> a(cap), b(cap);
+  for (size_t i = 0; i < cap; ++i) {
+    const uint64_t h = mix64(0x7061697273ull ^ i);
+    a[i] = int64_t(h % uint64_t(n));
+    b[i] = int64_t(mix64(h) % uint64_t(n - 1));
+    if (b[i] >= a[i]) ++b[i];
+  }
+  const at::Tensor ta = torch::tensor(a, torch::kLong).to(v.device()), tb = torch::tensor(b, torch::kLong).to(v.device());
+  const at::Tensor c = (x.index_select(0, ta) * x.index_select(0, tb)).sum(1).cpu().contiguous();
+  out.assign(c.data_ptr<float>(), c.data_ptr<float>() + c.numel());
+  return out;
+}
 
 // A path in a TSV cell: tabs and line breaks would break the row.
 std::string cell(std::string s) {
@@ -247,6 +289,30 @@ void CleanAudit::add(const at::Tensor& embeddings, const std::vector<int64_t>& l
     best = torch::where(better, std::get<0>(mx), best);
     best_class = torch::where(better, std::get<1>(mx) + c0, best_class);
   }
+  // One class each image is not filed under, picked by a hash of its index: its cosine to
+  // that class (the class's best sub-centre), a sample for the mislabeled threshold.
+  if (c_ > 1) {
+    std::vector<int64_t> other(static_cast<size_t>(b));
+    for (int64_t i = 0; i < b; ++i) {
+      int64_t o = int64_t(mix64(uint64_t(indices[size_t(i)])) % uint64_t(c_ - 1));
+      if (o >= labels[size_t(i)]) ++o;
+      other[size_t(i)] = o;
+    }
+    const at::Tensor ot = torch::tensor(other, torch::kLong).to(device_);
+    const at::Tensor orows = (ot.unsqueeze(1) * k_ + torch::arange(k_, ot.options()).unsqueeze(0)).reshape({-1});
+    const at::Tensor sc = at::bmm(centres_.index_select(0, orows).view({b, k_, e_}), e.unsqueeze(2)).squeeze(2).amax(1);
+    const at::Tensor scc = sc.cpu().contiguous();
+    const float* sp = scc.data_ptr<float>();
+    for (int64_t i = 0; i < b; ++i, ++stranger_seen_) {
+      if (stranger_.size() < kStrangerSample) {
+        stranger_.push_back(sp[i]);
+        continue;
+      }
+      // A reservoir: the sample stays uniform over the images seen.
+      const uint64_t j = mix64(uint64_t(indices[size_t(i)]) ^ 0x5eedull) % uint64_t(stranger_seen_ + 1);
+      if (j < kStrangerSample) stranger_[size_t(j)] = sp[i];
+    }
+  }
   // The sub-centre each image is nearest to among its label's: dominance counts and sums.
   const at::Tensor nearest_k = own.argmax(1);
   sums_.index_add_(0, lab * k_ + nearest_k, e);
@@ -382,6 +448,68 @@ CleanCounts CleanAudit::write_reports(const std::vector<std::string>& header, co
   std::vector<int64_t> class_images(size_t(c_), 0);
   for (int64_t c = 0; c < c_; ++c)
     for (int64_t k = 0; k < k_; ++k) class_images[size_t(c)] += counts_[size_t(c * k_ + k)];
+  // The thresholds not given, from the set's own known-different pairs (tail_threshold.h).
+  n.mislabeled_from = t_.mislabeled_given ? "--mislabeled-angle" : "the published 75 degrees (too few images to fit)";
+  if (!t_.mislabeled_given && stranger_.size() >= 2) {
+    const TailThreshold tt = normal_tail(stranger_, t_.mislabeled_rate, images_ * (c_ - 1));
+    t_.mislabeled_angle = degrees(tt.value);
+    n.mislabeled_from = "the data: " + tt.describe("image-to-other-class cosines") +
+                        " (an image no nearer its own class; --mislabeled-angle sets it)";
+  }
+  std::vector<int64_t> live;  // classes with images: an identity vector each
+  for (int64_t c = 0; c < c_; ++c)
+    if (class_images[size_t(c)] > 0) live.push_back(c);
+  const at::Tensor id = identity_vectors(dom);
+  n.identity_from = t_.identity_given ? "--identity-cos" : "the fixed 0.6 (too few classes to fit)";
+  if (!t_.identity_given) {
+    const std::vector<float> pc = pair_cosines(id, live, kStrangerSample);
+    if (pc.size() >= 2) {
+      const double pairs = double(live.size()) * double(live.size() - 1) / 2;
+      const TailThreshold tt = normal_tail(pc, std::min(0.5, t_.false_pairs / pairs), int64_t(pairs));
+      t_.identity_cos = tt.value;
+      n.identity_from = "the data: " + tt.describe("class-pair cosines") + " (--identity-cos sets it)";
+    }
+  }
+  n.overlap_from = t_.overlap_given ? "--overlap-cos" : "the fixed 0.5 (no test identities to fit)";
+  if (!t_.overlap_given && !tests.empty() && !live.empty()) {
+    // Every test identity against every class with images (a sample when there are many).
+    std::vector<at::Tensor> rows;
+    for (const TestIdentity& ti : tests) {
+      const at::Tensor v = ti.embedding.to(device_, torch::kFloat).reshape({-1});
+      if (v.size(0) == e_) rows.push_back(v / v.norm().clamp_min(1e-12));
+    }
+    if (!rows.empty()) {
+      const at::Tensor tv = torch::stack(rows);
+      const at::Tensor lv = id.index_select(0, torch::tensor(live, torch::kLong).to(device_));
+      const double pairs = double(tv.size(0)) * double(lv.size(0));
+      std::vector<float> oc;
+      if (pairs <= double(kStrangerSample)) {
+        const at::Tensor s = at::matmul(tv, lv.t()).cpu().contiguous();
+        oc.assign(s.data_ptr<float>(), s.data_ptr<float>() + s.numel());
+      } else {
+        std::vector<int64_t> a(kStrangerSample), bb(kStrangerSample);
+        for (size_t i = 0; i < kStrangerSample; ++i) {
+          const uint64_t h = mix64(0x6f7665726c6170ull ^ i);
+          a[i] = int64_t(h % uint64_t(tv.size(0)));
+          bb[i] = int64_t(mix64(h) % uint64_t(lv.size(0)));
+        }
+        const at::Tensor c = (tv.index_select(0, torch::tensor(a, torch::kLong).to(device_)) *
+                              lv.index_select(0, torch::tensor(bb, torch::kLong).to(device_)))
+                                 .sum(1)
+                                 .cpu()
+                                 .contiguous();
+        oc.assign(c.data_ptr<float>(), c.data_ptr<float>() + c.numel());
+      }
+      if (oc.size() >= 2) {
+        const TailThreshold tt = normal_tail(oc, std::min(0.5, t_.false_pairs / pairs), int64_t(pairs));
+        t_.overlap_cos = tt.value;
+        n.overlap_from = "the data: " + tt.describe("test-identity-to-class cosines") + " (--overlap-cos sets it)";
+      }
+    }
+  }
+  n.mislabeled_angle = t_.mislabeled_angle;
+  n.identity_cos = t_.identity_cos;
+  n.overlap_cos = t_.overlap_cos;
   std::string head;
   for (const auto& h : header) head += "# " + h + "\n";
   head += "# images: " + std::to_string(images_) + ", classes: " + std::to_string(c_) +
@@ -418,7 +546,8 @@ CleanCounts CleanAudit::write_reports(const std::vector<std::string>& header, co
     std::FILE* f = begin("mislabeled.tsv",
                          "images farther from their class's dominant centre than the threshold, with the class they "
                          "are nearest to",
-                         "--mislabeled-angle " + fmt(t_.mislabeled_angle, 2) + " degrees (Sub-center ArcFace's 75)",
+                         "--mislabeled-angle " + fmt(t_.mislabeled_angle, 2) + " degrees (from " + n.mislabeled_from +
+                             "; Sub-center ArcFace drops at 75)",
                          "index\timage\tlabel\tangle_deg\tcos\tnearest_class\tnearest_cos\tnearest_angle_deg\tsuggestion");
     if (std::fflush(scratch_) != 0) throw runtime_error("cannot write '", folder_, "/.scratch.partial'");
     std::rewind(scratch_);
@@ -471,7 +600,6 @@ CleanCounts CleanAudit::write_reports(const std::vector<std::string>& header, co
     end(f, "dropped_subcenters.tsv");
   }
 
-  const at::Tensor id = identity_vectors(dom);
   // duplicate_identities.tsv: every pair of classes above the threshold, a chunk of rows at
   // a time against all classes ([rows, C] at most).
   {
@@ -480,7 +608,7 @@ CleanCounts CleanAudit::write_reports(const std::vector<std::string>& header, co
         "--identity-cos " + fmt(t_.identity_cos, 3) + " (cosine of the classes' " +
             (t_.identity_by == "means" ? std::string("mean embeddings of the images nearest the dominant centre")
                                        : std::string("dominant centres")) +
-            ", --identity-by " + t_.identity_by + ")",
+            ", --identity-by " + t_.identity_by + "; from " + n.identity_from + ")",
         "class_a\tclass_b\tcos\tangle_deg\tcentre_cos\tmean_cos\timages_a\timages_b\tsuggestion");
     std::vector<int64_t> rows(static_cast<size_t>(c_));
     for (int64_t c = 0; c < c_; ++c) rows[size_t(c)] = c * k_ + dom[size_t(c)];
@@ -491,7 +619,8 @@ CleanCounts CleanAudit::write_reports(const std::vector<std::string>& header, co
     const int64_t chunk = std::max<int64_t>(1, (int64_t(64) << 20) / std::max<int64_t>(c_, 1) / 4);
     for (int64_t r0 = 0; r0 < c_; r0 += chunk) {
       const int64_t nr = std::min(chunk, c_ - r0);
-      at::Tensor s = at::matmul(id.narrow(0, r0, nr), id.t());
+      // Cosines of unit vectors (float32 rounding may pass 1 by an ulp: clamped).
+      at::Tensor s = at::matmul(id.narrow(0, r0, nr), id.t()).clamp_(-1, 1);
       // Each pair once: only columns after the row's class.
       const at::Tensor col = torch::arange(c_, torch::TensorOptions().dtype(torch::kLong).device(device_)).unsqueeze(0);
       const at::Tensor row = torch::arange(r0, r0 + nr, col.options()).unsqueeze(1);
@@ -523,7 +652,8 @@ CleanCounts CleanAudit::write_reports(const std::vector<std::string>& header, co
   {
     std::FILE* f = begin("overlap.tsv", "training classes that are identities of the given test sets",
                          "--overlap-cos " + fmt(t_.overlap_cos, 3) + " (cosine of the test identity's mean embedding " +
-                             "and the class's identity vector, --identity-by " + t_.identity_by + ")",
+                             "and the class's identity vector, --identity-by " + t_.identity_by + "; from " +
+                             n.overlap_from + ")",
                          "set\ttest_identity\ttest_images\tclass\tcos\tangle_deg\tclass_images\tsuggestion");
     const int64_t chunk = 1024;
     for (size_t t0 = 0; t0 < tests.size(); t0 += size_t(chunk)) {
@@ -536,7 +666,7 @@ CleanCounts CleanAudit::write_reports(const std::vector<std::string>& header, co
                             " dimensions, the run's embeddings ", e_);
         rows.push_back(v / v.norm().clamp_min(1e-12));
       }
-      const at::Tensor s = at::matmul(torch::stack(rows), id.t());
+      const at::Tensor s = at::matmul(torch::stack(rows), id.t()).clamp_(-1, 1);
       const at::Tensor hits = (s > t_.overlap_cos).nonzero().cpu();
       const at::Tensor sc = s.cpu();
       for (int64_t h = 0; h < hits.size(0); ++h) {

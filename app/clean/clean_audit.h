@@ -36,6 +36,16 @@ struct CleanThresholds {
   std::string identity_by = "means";
   // Bound on the embeddings kept for the near-duplicate search (MiB).
   int64_t near_duplicate_memory_mb = 1024;
+  // The defaults of the three above come from the set (tail_threshold.h) unless given: the
+  // mislabeled angle from the cosines of images to classes they are not filed under (an
+  // image no nearer its own class's dominant centre than `mislabeled_rate` of those reach),
+  // the identity and overlap cosines from the cosines between classes, and between test
+  // identities and classes, so that `false_pairs` pairs of different people are expected
+  // above each. The fixed values above are the ones given (or, where the set has too few
+  // pairs to fit, the published ones).
+  bool mislabeled_given = false, identity_given = false, overlap_given = false;
+  double mislabeled_rate = 1e-3;
+  double false_pairs = 0.1;
 };
 
 // A test identity for the overlap report: its images' mean embedding, L2-normalised.
@@ -55,6 +65,9 @@ struct CleanCounts {
   // Where the time went (seconds): the nearest-centre search with the sums and the scratch
   // records, the near-duplicate search, and write_reports (pairs of classes, overlap, files).
   double centre_s = 0, near_duplicate_s = 0, reports_s = 0;
+  // The thresholds used, each with where it came from (a flag, or the data: tail_threshold.h).
+  double mislabeled_angle = 0, identity_cos = 0, overlap_cos = 0;
+  std::string mislabeled_from, identity_from, overlap_from;
 };
 
 class CleanAudit {
@@ -126,6 +139,11 @@ class CleanAudit {
   int64_t buffer_bytes_ = 0;
   std::vector<bool> evicted_;
   int64_t seen_after_eviction_ = 0;
+  // A sample (a reservoir of at most kStrangerSample) of the cosines of images to one class
+  // each that they are not filed under: the mislabeled threshold's known-different pairs.
+  static constexpr size_t kStrangerSample = size_t(1) << 20;
+  std::vector<float> stranger_;
+  int64_t stranger_seen_ = 0;
 };
 
 // The rows of a float32 N x E .npy matrix, as faceshard-extract writes them, read a chunk

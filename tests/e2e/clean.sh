@@ -29,7 +29,31 @@ for r in mislabeled duplicate_identities overlap near_duplicates dropped_subcent
   grep -q "^# images: 128, classes: 16, sub-centres per class: 3" "$f" || fail "$r.tsv: wrong counts in its header"
   [ "$(grep -vc '^#' "$f")" -ge 1 ] || fail "$r.tsv: no column line"
 done
-grep -q "^# thresholds: --mislabeled-angle 75.00 degrees" "$work/reports/mislabeled.tsv" || fail "default 75 degrees"
+# The defaults come from the set's own cosines (the fit said in each header and in the log);
+# a flag sets each.
+grep -qE "^# thresholds: --mislabeled-angle [0-9.]+ degrees \(from the data: cos -?[0-9.]+ = mean -?[0-9.]+ \+ 3.09 sd [0-9.]+ of 128 image-to-other-class cosines \(of 1920\)" \
+  "$work/reports/mislabeled.tsv" || { grep '^# thr' "$work/reports/mislabeled.tsv"; fail "the mislabeled angle's default is not the data's"; }
+grep -qE "^# thresholds: --identity-cos -?[0-9.]+ .*from the data: cos .* of 120 class-pair cosines \(of 120\)" "$work/reports/duplicate_identities.tsv" ||
+  { grep '^# thr' "$work/reports/duplicate_identities.tsv"; fail "the identity cosine's default is not the data's"; }
+for k in mislabeled-angle identity-cos overlap-cos; do
+  grep -q "thresholds: --$k .* from the data: cos " "$work/clean.log" || { cat "$work/clean.log"; fail "the log does not say where --$k comes from"; }
+done
+# Each flag decides what is flagged, at its extremes: an angle of 0.01 degrees flags every
+# image and 179.9 none; a cosine of -0.99 pairs every two classes (16 x 15 / 2) and every test
+# identity with every class, 1.0 none.
+clean --rec "$work/data" --bin "$work/data/synth.bin" --output "$work/low" --mislabeled-angle 0.01 --identity-cos -0.99 \
+  --overlap-cos -0.99 > "$work/low.log" 2>&1 || { cat "$work/low.log"; fail "faceshard-clean at the low extremes"; }
+clean --rec "$work/data" --bin "$work/data/synth.bin" --output "$work/high" --mislabeled-angle 179.9 --identity-cos 1.0 \
+  --overlap-cos 1.0 > "$work/high.log" 2>&1 || { cat "$work/high.log"; fail "faceshard-clean at the high extremes"; }
+rows() { grep -vc '^#' "$1" | awk '{print $1 - 1}'; }
+[ "$(rows "$work/low/mislabeled.tsv")" = 128 ] && [ "$(rows "$work/high/mislabeled.tsv")" = 0 ] ||
+  fail "--mislabeled-angle 0.01 / 179.9 flagged $(rows "$work/low/mislabeled.tsv") / $(rows "$work/high/mislabeled.tsv") of 128"
+[ "$(rows "$work/low/duplicate_identities.tsv")" = 120 ] && [ "$(rows "$work/high/duplicate_identities.tsv")" = 0 ] ||
+  fail "--identity-cos -0.99 / 1.0 paired $(rows "$work/low/duplicate_identities.tsv") / $(rows "$work/high/duplicate_identities.tsv") of 120"
+ov=$(rows "$work/low/overlap.tsv")
+[ "$ov" -gt 0 ] && [ $((ov % 16)) = 0 ] && [ "$(rows "$work/high/overlap.tsv")" = 0 ] ||
+  fail "--overlap-cos -0.99 / 1.0 gave $ov / $(rows "$work/high/overlap.tsv") rows (every test identity x 16 classes / none)"
+grep -q "thresholds: --identity-cos -0.99 from --identity-cos" "$work/low.log" || { cat "$work/low.log"; fail "a given flag is not named as given"; }
 [ -z "$(ls -A "$work/reports" | grep -v '\.tsv$')" ] || fail "left behind: $(ls -A "$work/reports")"
 
 # A set packed from photos names them: the same images unpacked, their names zero-padded so
