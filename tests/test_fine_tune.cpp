@@ -6,6 +6,9 @@
 // start-up lines (model.init, the learning rates, the freeze).
 #include <gtest/gtest.h>
 
+#include <fstream>
+#include <regex>
+
 #include <unistd.h>
 
 #include <cmath>
@@ -424,6 +427,74 @@ TEST(FineTuneLog, TrainerPrintsInitLearningRatesFreezeAndThaw) {
         std::string(" tensors) frozen until step 2: no update, and its BatchNorm statistics stay as loaded"),
         std::string("fine-tuning: after 2 frozen steps the whole backbone trains from step 3")})
     EXPECT_NE(r.output.find(want), std::string::npos) << want << "\n---\n" << r.output;
+}
+
+// The background checkpoint's staging is decided at the start for the whole run: a run
+// resumed while its backbone is still frozen holds momentum for the trained part only, and
+// the frozen part's arrives at the thaw. The staging a rank it plans equals a fresh start's
+// (which counts every parameter's momentum before the first step).
+TEST(FineTuneLog, StagingPlannedAtAFrozenResumeCountsTheMomentumOfTheThaw) {
+  testing::TempDir d;
+  const std::string out = d / "run";
+  testing::write_text(d / "ft.yaml", "output: " + out +
+                                         "\ndata: {rec: synthetic, num_classes: 20, batch_size: 4, num_workers: 1}\n"
+                                         "model: {backbone: mbf_small, embedding_size: 64}\n"
+                                         "optim: {lr: 0.01, total_steps: 4, freeze_backbone_steps: 3, freeze_stages: 1}\n"
+                                         "train: {verify_every: 0, tensorboard: false, precision: fp32, checkpoint_every: 1, "
+                                         "checkpoint_async: on}\ndist: {device: cpu}\n");
+  const testing::CommandResult a =
+      testing::run_tool("faceshard-train", "--config '" + d / "ft.yaml" + "' --set train.max_steps=1 2>&1");
+  ASSERT_EQ(a.status, 0) << a.output;
+  const testing::CommandResult b = testing::run_tool("faceshard-train", "--config '" + d / "ft.yaml" + "' --resume 2>&1");
+  ASSERT_EQ(b.status, 0) << b.output;
+  ASSERT_NE(b.output.find("resumed from"), std::string::npos) << b.output;
+  const std::regex staging("staging (\\S+ \\S+) a rank");
+  std::smatch ma, mb;
+  ASSERT_TRUE(std::regex_search(a.output, ma, staging)) << a.output;
+  ASSERT_TRUE(std::regex_search(b.output, mb, staging)) << b.output;
+  EXPECT_EQ(mb[1].str(), ma[1].str()) << "the fresh start planned " << ma[1] << ", the frozen resume " << mb[1];
+}
+
+// optim.thaw_warmup_steps: the backbone's rate in metrics.jsonl, divided by the same run's
+// without it, is 1 while frozen, k/N over the N steps after the thaw, then 1; the
+// classifier's rate is the same in both; the key without a freeze is refused naming it.
+TEST(FineTuneLog, ThawWarmupRaisesTheBackboneRateAfterTheThaw) {
+  testing::TempDir d;
+  auto run = [&](const std::string& name, const std::string& extra) {
+    testing::write_text(d / (name + ".yaml"),
+                        "output: " + d / name +
+                            "\ndata: {rec: synthetic, num_classes: 20, batch_size: 4, num_workers: 1}\n"
+                            "model: {backbone: mbf_small, embedding_size: 64}\n"
+                            "optim: {lr: 0.01, total_steps: 7, warmup_steps: 0, freeze_backbone_steps: 2" + extra +
+                            "}\ntrain: {verify_every: 0, tensorboard: false, precision: fp32, log_every: 1, "
+                            "checkpoint_every: 0}\ndist: {device: cpu}\n");
+    const testing::CommandResult r = testing::run_tool("faceshard-train", "--config '" + d / (name + ".yaml") + "' 2>&1");
+    EXPECT_EQ(r.status, 0) << r.output;
+    std::map<int64_t, std::pair<double, double>> lr;  // step -> (lr, fc_lr)
+    std::ifstream f(d / name + "/metrics.jsonl");
+    const std::regex row("\"step\": ?([0-9]+).*\"lr\": ?([-0-9.e+]+).*\"fc_lr\": ?([-0-9.e+]+)");
+    std::smatch m;
+    for (std::string line; std::getline(f, line);)
+      if (std::regex_search(line, m, row)) lr[std::stoll(m[1])] = {std::stod(m[2]), std::stod(m[3])};
+    return std::make_pair(lr, r.output);
+  };
+  const auto [plain, plain_log] = run("plain", "");
+  const auto [warm, warm_log] = run("warm", ", thaw_warmup_steps: 3");
+  ASSERT_EQ(plain.size(), 7u) << plain_log;
+  ASSERT_EQ(warm.size(), 7u) << warm_log;
+  const double want[] = {1, 1, 1.0 / 3, 2.0 / 3, 1, 1, 1};  // steps 1-7 (1-based): frozen 1-2
+  for (int64_t s = 1; s <= 7; ++s) {
+    EXPECT_NEAR(warm.at(s).first / plain.at(s).first, want[s - 1], 1e-9) << "step " << s;
+    EXPECT_EQ(warm.at(s).second, plain.at(s).second) << "step " << s << ": the classifier's rate changed";
+  }
+  EXPECT_NE(warm_log.find("rises from 1/3 to all of it over 3 steps (optim.thaw_warmup_steps)"), std::string::npos)
+      << warm_log;
+  testing::write_text(d / "bad.yaml", "data: {rec: synthetic, num_classes: 20}\noptim: {thaw_warmup_steps: 3}\n");
+  const testing::CommandResult bad = testing::run_tool("faceshard-config", "--config '" + d / "bad.yaml" + "' 2>&1");
+  EXPECT_EQ(bad.status, 2) << bad.output;
+  EXPECT_NE(bad.output.find("key 'optim.thaw_warmup_steps': there is no thaw while optim.freeze_backbone_steps is 0"),
+            std::string::npos)
+      << bad.output;
 }
 
 }  // namespace

@@ -711,6 +711,7 @@ void Config::visit(FieldVisitor& v) {
   v.field("optim.grad_clip", optim.grad_clip, at_least(0));
   v.field("optim.freeze_backbone_steps", optim.freeze_backbone_steps, at_least(0));
   v.field("optim.freeze_stages", optim.freeze_stages, at_least(0));
+  v.field("optim.thaw_warmup_steps", optim.thaw_warmup_steps, at_least(0));
   v.field("optim.grad_accumulation", optim.grad_accumulation, range(1, 1024));
 
   v.field("train.precision", train.precision, choices({"auto", "fp32", "bf16", "fp16"}));
@@ -761,6 +762,10 @@ void Config::validate_relations() const {
   if (optim.freeze_stages && optim.freeze_backbone_steps == 0)
     throw usage_error(origin("optim.freeze_stages"), ": key 'optim.freeze_stages': freezes nothing while "
                       "optim.freeze_backbone_steps is 0; set optim.freeze_backbone_steps to the number of steps to freeze");
+  if (optim.thaw_warmup_steps > 0 && optim.freeze_backbone_steps == 0)
+    throw usage_error(origin("optim.thaw_warmup_steps"), ": key 'optim.thaw_warmup_steps': there is no thaw while "
+                      "optim.freeze_backbone_steps is 0 (the schedule's own warm-up is optim.warmup_epochs or "
+                      "optim.warmup_steps)");
   if (dist.backend == "nccl" && dist.device == "cpu")
     throw usage_error(origin("dist.backend"), ": key 'dist.backend': nccl carries CUDA tensors only, but dist.device is cpu");
   // arcface_torch's CombinedMarginLoss has two branches and raises for anything else.

@@ -163,6 +163,11 @@ struct OptimConfig {
   // the whole backbone, its embedding head included).
   int64_t freeze_backbone_steps = 0;
   std::optional<int64_t> freeze_stages;
+  // A warm-up at the thaw: the backbone's learning rate rises linearly over the first
+  // thaw_warmup_steps steps after the freeze (1/N of the schedule's at the first, N/N at the
+  // N-th), so that momentum-free layers meeting a trained classifier do not take full steps
+  // at once (0: off; the classifier's rate is not changed).
+  int64_t thaw_warmup_steps = 0;
   int64_t grad_accumulation = 1;
 
   const std::string& classifier_optimizer() const { return fc_optimizer ? *fc_optimizer : optimizer; }

@@ -310,12 +310,16 @@ std::unique_ptr<CheckpointWriter> make_checkpoint_writer(const TrainJob& job, co
   Distributed& d = *job.dist;
   const std::string& choice = job.cfg.train.checkpoint_async;
   double per_rank = staging_bytes(state.contents(), d.rank());
-  // A fresh run's backbone optimiser has no state before its first step: counted as it will be
-  // (SGD's momentum: one fp32 value a parameter; AdamW's moments: two).
-  if (d.rank() == 0 && job.opt->state().empty()) {
-    double params = 0;
+  // The backbone optimiser's state at its largest, for every parameter: a fresh run has none
+  // before its first step, and a frozen part gets its momentum only at the thaw
+  // (optim.freeze_backbone_steps), after this decision (SGD's momentum: one fp32 value a
+  // parameter; AdamW's moments: two).
+  if (d.rank() == 0) {
+    double params = 0, held = 0;
     for (const at::Tensor& t : job.backbone_params) params += tensor_bytes(t);
-    per_rank += params * (job.cfg.optim.optimizer == "adamw" ? 2.0 : job.cfg.optim.momentum != 0 ? 1.0 : 0.0);
+    for (const auto& kv : job.opt->state()) held += tensor_bytes(kv.second);
+    const double full = params * (job.cfg.optim.optimizer == "adamw" ? 2.0 : job.cfg.optim.momentum != 0 ? 1.0 : 0.0);
+    per_rank += std::max(0.0, full - held);
   }
   const int local = std::max(1, d.env().local_world_size);
   const double per_host = per_rank * local;

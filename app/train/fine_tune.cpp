@@ -113,7 +113,16 @@ std::string describe_learning_rates(const OptimConfig& o) {
   os << (o.fc_lr ? "; optim.fc_lr sets the classifier's" : "; the classifier's is optim.lr (optim.fc_lr unset)");
   if (o.freeze_backbone_steps > 0)
     os << "; the frozen part of the backbone takes no step for the first " << o.freeze_backbone_steps << " steps";
+  if (o.thaw_warmup_steps > 0)
+    os << ", then the backbone's rate rises from 1/" << o.thaw_warmup_steps << " to all of it over "
+       << o.thaw_warmup_steps << " steps (optim.thaw_warmup_steps)";
   return os.str();
+}
+
+double thaw_warmup_factor(const OptimConfig& o, int64_t step) {
+  const int64_t s = o.freeze_backbone_steps, n = o.thaw_warmup_steps;
+  if (n <= 0 || s <= 0 || step < s || step >= s + n) return 1.0;
+  return static_cast<double>(step - s + 1) / static_cast<double>(n);
 }
 
 }  // namespace faceshard

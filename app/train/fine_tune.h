@@ -55,6 +55,11 @@ class BackboneFreeze {
   bool frozen_ = false;
 };
 
+// The backbone's learning rate factor at step `step` (0-based) for optim.thaw_warmup_steps:
+// (step - S + 1) / N over the N steps from the thaw S = optim.freeze_backbone_steps, 1
+// otherwise (and 1 while frozen: nothing of the frozen part steps then).
+double thaw_warmup_factor(const OptimConfig& o, int64_t step);
+
 // The stages optim.freeze_stages may name for `backbone` (its stage count): a config error
 // naming the key when the network has fewer.
 void check_freeze_config(const Config& cfg);

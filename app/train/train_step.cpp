@@ -9,6 +9,7 @@
 #include <c10/core/Event.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 
+#include "app/train/fine_tune.h"
 #include "app/train/grad_clip.h"
 #include "partial_fc/runtime/designed_host_sync.h"
 
@@ -74,7 +75,7 @@ StepResult TrainStep::run(const BatchSource& next, int64_t step) {
   TrainJob& j = job_;
   j.freeze.apply(step);  // fine-tuning: frozen or thawed before this step's forward
   StepResult r;
-  r.lr = j.schedule.lr(step);
+  r.lr = j.schedule.lr(step) * thaw_warmup_factor(j.cfg.optim, step);
   r.fc_lr = j.fc_schedule.lr(step);
   PhaseClock clock(timing_, j.device, *j.dist);
   const auto zero = torch::TensorOptions().device(j.device);
