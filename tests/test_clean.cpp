@@ -293,6 +293,19 @@ TEST(CleanAudit, DataThresholdsAreTheNormalTailOfTheSetsOwnPairs) {
   EXPECT_NE(c.mislabeled_from.find("the data: cos "), std::string::npos) << c.mislabeled_from;
   EXPECT_GT(c.mislabeled_angle, 0);
   EXPECT_LT(c.mislabeled_angle, 180);
+  // A tail above the known-same pairs (a rate no fit can resolve: 1e-290 expected false pairs
+  // puts it near 1): the threshold comes down to the 5th percentile of the classes' two
+  // halves, said so, and every split identity is still found.
+  TempDir strict;
+  CleanThresholds st;
+  st.false_pairs = 1e-290;
+  const CleanCounts sc = run_audit(w, strict.path, st);
+  EXPECT_NE(sc.identity_from.find("the 5th percentile of "), std::string::npos) << sc.identity_from;
+  EXPECT_LT(sc.identity_cos, 0.999) << sc.identity_from;
+  std::set<std::pair<int64_t, int64_t>> found;
+  for (const auto& r : read_tsv(strict / "duplicate_identities.tsv").rows)
+    found.insert({std::stoll(r.at("class_a")), std::stoll(r.at("class_b"))});
+  for (const auto& pr : w.split) EXPECT_TRUE(found.count(pr)) << pr.first << "-" << pr.second << " not found";
   // Flags win, and say so.
   TempDir given;
   CleanThresholds t;

@@ -15,6 +15,7 @@
 #include "app/clean/tail_threshold.h"
 #include "app/io/checkpoint.h"
 #include "partial_fc/runtime/error.h"
+#include "partial_fc/runtime/log.h"
 
 namespace faceshard {
 
@@ -313,6 +314,25 @@ void CleanAudit::add(const at::Tensor& embeddings, const std::vector<int64_t>& l
       if (j < kStrangerSample) stranger_[size_t(j)] = sp[i];
     }
   }
+  // The two halves of the sampled classes (known-same pairs for the identity threshold).
+  {
+    const at::Tensor ec = e.cpu().contiguous();
+    const float* ep0 = ec.data_ptr<float>();
+    for (int64_t i = 0; i < b; ++i) {
+      const int64_t l = labels[size_t(i)];
+      if (!half_class(l)) continue;
+      auto it = half_slot_.find(l);
+      if (it == half_slot_.end()) {
+        it = half_slot_.emplace(l, half_slot_.size()).first;
+        half_sums_.resize(half_slot_.size() * 2 * size_t(e_), 0.0);
+        half_counts_.resize(half_slot_.size() * 2, 0);
+      }
+      const size_t h = size_t(mix64(uint64_t(indices[size_t(i)]) ^ 0x68616c66ull) & 1);
+      double* dst = half_sums_.data() + (it->second * 2 + h) * size_t(e_);
+      for (int64_t d = 0; d < e_; ++d) dst[d] += ep0[i * e_ + d];
+      half_counts_[it->second * 2 + h]++;
+    }
+  }
   // The sub-centre each image is nearest to among its label's: dominance counts and sums.
   const at::Tensor nearest_k = own.argmax(1);
   sums_.index_add_(0, lab * k_ + nearest_k, e);
@@ -411,6 +431,10 @@ void CleanAudit::near_duplicates(const float* e, int64_t index, int64_t label, i
   }
 }
 
+bool CleanAudit::half_class(int64_t c) const {
+  return c_ <= kHalfClasses || mix64(uint64_t(c) ^ 0x636c617373ull) % uint64_t(c_) < uint64_t(kHalfClasses);
+}
+
 std::vector<int64_t> CleanAudit::dominant() const {
   std::vector<int64_t> dom(size_t(c_), 0);
   for (int64_t c = 0; c < c_; ++c)
@@ -468,6 +492,35 @@ CleanCounts CleanAudit::write_reports(const std::vector<std::string>& header, co
       const TailThreshold tt = normal_tail(pc, std::min(0.5, t_.false_pairs / pairs), int64_t(pairs));
       t_.identity_cos = tt.value;
       n.identity_from = "the data: " + tt.describe("class-pair cosines") + " (--identity-cos sets it)";
+      // Known-same pairs: the two halves of a class (means, as --identity-by means compares
+      // classes). A person under two labels is two such halves: where the different pairs'
+      // tail lies above most of them, the threshold comes down to their 5th percentile, so
+      // that a duplicate scoring like one class's halves is found.
+      std::vector<double> same;
+      if (t_.identity_by == "means")
+        for (const auto& [c, slot] : half_slot_) {
+          if (half_counts_[slot * 2] < 1 || half_counts_[slot * 2 + 1] < 1) continue;
+          const double* a = half_sums_.data() + slot * 2 * size_t(e_);
+          const double* bb = a + e_;
+          double ab = 0, aa = 0, b2 = 0;
+          for (int64_t d = 0; d < e_; ++d) ab += a[d] * bb[d], aa += a[d] * a[d], b2 += bb[d] * bb[d];
+          if (aa > 0 && b2 > 0) same.push_back(ab / std::sqrt(aa * b2));
+        }
+      if (same.size() >= 20) {
+        std::sort(same.begin(), same.end());
+        const double p5 = same[size_t(0.05 * double(same.size() - 1))];
+        if (p5 < t_.identity_cos && p5 > tt.mean) {
+          t_.identity_cos = p5;
+          const double expected = 0.5 * std::erfc((p5 - tt.mean) / (tt.sd * std::sqrt(2.0))) * pairs;
+          char b[256];
+          std::snprintf(b, sizeof b,
+                        "the data: cos %.4f, the 5th percentile of %zu classes' two halves (known-same pairs), below the "
+                        "class pairs' tail (",
+                        p5, same.size());
+          n.identity_from = std::string(b) + tt.describe("class-pair cosines") + "); at it the fit expects " +
+                            format_sig(expected, 3) + " different pairs (--identity-cos sets it)";
+        }
+      }
     }
   }
   n.overlap_from = t_.overlap_given ? "--overlap-cos" : "the fixed 0.5 (no test identities to fit)";

@@ -144,6 +144,14 @@ class CleanAudit {
   static constexpr size_t kStrangerSample = size_t(1) << 20;
   std::vector<float> stranger_;
   int64_t stranger_seen_ = 0;
+  // Known-same pairs for the identity threshold: for a sample of classes (at most
+  // kHalfClasses), the embedding sums of each class's two halves (its images split by a
+  // hash of their index): two halves of one person score as a duplicate identity would.
+  static constexpr int64_t kHalfClasses = 20000;
+  std::unordered_map<int64_t, size_t> half_slot_;  // class -> slot
+  std::vector<double> half_sums_;                  // [slot][2][E]
+  std::vector<int64_t> half_counts_;               // [slot][2]
+  bool half_class(int64_t c) const;
 };
 
 // The rows of a float32 N x E .npy matrix, as faceshard-extract writes them, read a chunk
