@@ -165,6 +165,45 @@ TEST(PlanTime, HoursAreTheScheduleOverTheMeasuredRate) {
 }
 
 // BatchNorm's running statistics per network, from the networks as built.
+// A network without a measured step in the job's precision: r50's figure in the same precision
+// scaled by the MACs per image (insightface publishes 6.3 and 12.1 GFLOPs for r50 and r100:
+// the ratio within 1%), said to be an estimate. The planned device memory of another card
+// than the figures' gets one warning line; the card's own memory none.
+TEST(PlanTime, UnmeasuredNetworkIsScaledByMacsAndSaidToBeAnEstimate) {
+  JobPlanInputs in = r50_eight_ranks();
+  in.network = "r100";
+  TimePlanInputs tin;
+  tin.images = 5000000;
+  tin.epochs = 2;
+  const TimePlan p = plan_job_time(in, tin, StepRateTable::shipped());
+  ASSERT_TRUE(p.rate);
+  EXPECT_TRUE(p.estimated);
+  EXPECT_EQ(p.rate->network, "r50");
+  const double rate = report_rate("r50", "bf16");
+  EXPECT_NEAR(p.images_per_s_per_gpu, rate * p.reference_macs / p.macs, 1e-9);
+  EXPECT_NEAR(p.macs / p.reference_macs, 12.1 / 6.3, 0.01 * 12.1 / 6.3);
+  EXPECT_NEAR(p.hours, double(p.total_steps) * 1024 / (p.images_per_s_per_gpu * 8) / 3600, 1e-9);
+  EXPECT_NE(p.rate_note.find("an estimate: no measured step of r100 in bf16"), std::string::npos) << p.rate_note;
+  // The measured network itself is no estimate.
+  EXPECT_FALSE(plan_job_time(r50_eight_ranks(), tin, StepRateTable::shipped()).estimated);
+  const StepRateTable rates = StepRateTable::shipped();
+  ASSERT_GT(rates.card_memory_gib(), 100);
+  EXPECT_NE(card_mismatch_warning(rates, 32510.0 * 1048576).find("is another card's"), std::string::npos);
+  EXPECT_EQ(card_mismatch_warning(rates, rates.card_memory_gib() * 1073741824.0), "");
+  EXPECT_EQ(card_mismatch_warning(StepRateTable::parse("{\"mode\":\"step\",\"network\":\"r50\",\"world_size\":1,"
+                                                       "\"batch_per_rank\":128,\"precision\":\"bf16\",\"images_per_s\":100}",
+                                                       "step.json"),
+                                  32510.0 * 1048576),
+            "")
+      << "a bench file says no card memory: no warning";
+  const auto r = testing::run_tool("faceshard-plan", "--network r100 --precision bf16 --batch 128 --ranks 8 --classes 2M "
+                                                     "--images 5M --epochs 2 --device-memory 32510MiB");
+  ASSERT_EQ(r.status, 0) << r.output;
+  for (const char* want : {"warning: the step figures are of NVIDIA H200 with", "speed: ", "an estimate: no measured step of r100",
+                           ": an estimate"})
+    EXPECT_NE(r.output.find(want), std::string::npos) << want << "\n" << r.output;
+}
+
 TEST(PlanCheckpoint, BufferTableIsTheBuiltNetworks) {
   // r2060, vit_l and vit_h (over 250M parameters) are left out for time: the same formulas.
   for (const std::string& net : backbone_names()) {

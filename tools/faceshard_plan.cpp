@@ -333,11 +333,14 @@ int main(int argc, char** argv) {
                   static_cast<long long>(t.global_batch), static_cast<long long>(in.batch_per_rank), in.world_size,
                   in.grad_accumulation > 1 ? (" x " + std::to_string(in.grad_accumulation) + " micro-batches").c_str() : "",
                   static_cast<long long>(t.total_steps));
+      if (device)
+        if (const std::string w = card_mismatch_warning(rates, *device); !w.empty()) std::printf("  %s\n", w.c_str());
       if (t.rate) {
         std::printf("  speed: %.0f images/s per GPU (%s)\n", t.images_per_s_per_gpu, t.rate_note.c_str());
-        std::printf("  hours: %.1f on %d GPUs (the measured GPU's rate x %d; the communication between GPUs and a "
-                    "batch other than the measured one are not counted)\n",
-                    t.hours, in.world_size, in.world_size);
+        std::printf("  hours: %.1f on %d GPUs (the %s GPU's rate x %d; the communication between GPUs and a "
+                    "batch other than the measured one are not counted)%s\n",
+                    t.hours, in.world_size, t.estimated ? "estimated" : "measured", in.world_size,
+                    t.estimated ? ": an estimate" : "");
         std::printf("  loader: %.0f images/s to decode per host (%d GPUs x %.0f images/s; faceshard-bench --mode data "
                     "measures a host's rate)\n",
                     t.decode_per_host, t.gpus_per_host, t.images_per_s_per_gpu);
@@ -405,6 +408,7 @@ int main(int argc, char** argv) {
            << ",\"gpus_per_host\":" << t.gpus_per_host << ",\"classifier_columns\":" << t.classifier_columns
            << ",\"classifier_gemm_flops\":" << t.classifier_gemm_flops;
         if (t.rate) js << ",\"measured_classifier_gemm_flops\":" << t.measured_classifier_gemm_flops;
+        if (t.rate) js << ",\"estimated\":" << (t.estimated ? "true" : "false");
         if (t.rate)
           js << ",\"images_per_s_per_gpu\":" << t.images_per_s_per_gpu << ",\"measured_on\":\""
              << json_escape(t.rate->card) << "\",\"measured_batch\":" << t.rate->batch_per_rank << ",\"hours\":" << t.hours

@@ -5,6 +5,7 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <mutex>
 #include <sstream>
 
 #include <yaml-cpp/yaml.h>
@@ -12,6 +13,7 @@
 #include "app/config/config.h"
 #include "models/backbone_registry.h"
 #include "models/iresnet.h"
+#include "models/model_stats.h"
 #include "partial_fc/runtime/error.h"
 
 namespace faceshard {
@@ -24,6 +26,22 @@ namespace fs = std::filesystem;
 namespace {
 
 std::string num(double v) { return plan_number(v); }
+
+// MACs per 112x112 image of `network` as built (models/model_stats.h), once per network.
+int64_t network_macs(const std::string& network, int64_t embedding_size) {
+  static std::mutex mutex;
+  static std::map<std::pair<std::string, int64_t>, int64_t> cache;
+  std::lock_guard<std::mutex> lock(mutex);
+  const auto key = std::make_pair(network, embedding_size);
+  if (const auto it = cache.find(key); it != cache.end()) return it->second;
+  BackboneOptions o;
+  o.name = network;
+  o.embedding_size = embedding_size;
+  const std::shared_ptr<Backbone> b = make_backbone(o);
+  const int64_t macs = count_macs(*b);
+  cache[key] = macs;
+  return macs;
+}
 
 template <typename T>
 T get(const YAML::Node& n, const char* key, const std::string& where) {
@@ -99,6 +117,15 @@ StepRateTable StepRateTable::parse(const std::string& json, const std::string& s
                               "check report (\"records\")");
   }
   if (t.entries_.empty()) throw usage_error(source, ": holds no faceshard step figure");
+  if (const YAML::Node env = root["env"]; env && env.IsMap() && env["gpus"] && env["gpus"].IsSequence() &&
+                                          env["gpus"].size() > 0 && env["gpus"][0].IsMap() && env["gpus"][0]["memory_gib"]) {
+    try {
+      const double g = env["gpus"][0]["memory_gib"].as<double>();
+      if (g > 0 && std::isfinite(g)) t.card_memory_gib_ = g;
+    } catch (const YAML::Exception&) {
+      // A report without a readable size: the card's memory is not known.
+    }
+  }
   return t;
 }
 
@@ -145,6 +172,44 @@ TimePlan plan_job_time(const JobPlanInputs& job, const TimePlanInputs& in, const
   if (job.num_classes > 0) p.classifier_gemm_flops = classifier_gemm_flops(job, &p.classifier_columns);
   const StepRate* r = rates.find(job.network, job.precision, job.batch_per_rank);
   if (!r) {
+    // Another network measured in the same precision, scaled by the MACs per image: the
+    // family's first (iresnets from an iresnet), else the first measured.
+    const StepRate* ref = nullptr;
+    std::string family;
+    try {
+      family = backbone_traits(job.network).family;
+    } catch (const Error&) {
+    }
+    for (const StepRate& s : rates.entries()) {
+      if (s.precision != job.precision) continue;
+      std::string f;
+      try {
+        f = backbone_traits(s.network).family;
+      } catch (const Error&) {
+        continue;
+      }
+      if (!ref || (f == family && backbone_traits(ref->network).family != family)) ref = &s;
+    }
+    if (ref && !family.empty()) {
+      ref = rates.find(ref->network, ref->precision, job.batch_per_rank);
+      p.macs = double(network_macs(job.network, job.embedding_size));
+      p.reference_macs = double(network_macs(ref->network, job.embedding_size));
+      if (p.macs > 0 && p.reference_macs > 0) {
+        p.rate = *ref;
+        p.estimated = true;
+        p.images_per_s_per_gpu = ref->images_per_s_per_gpu * p.reference_macs / p.macs;
+        p.rate_note = "an estimate: no measured step of " + job.network + " in " + job.precision + "; " +
+                      ref->network + "'s " + num(std::round(ref->images_per_s_per_gpu)) + " images/s per GPU on " +
+                      (ref->card.empty() ? "an unnamed device" : ref->card) + " (" + rates.source() +
+                      ") scaled by the networks' MACs per image (" + num(std::round(p.reference_macs / 1e6)) + "M against " +
+                      num(std::round(p.macs / 1e6)) + "M); measure it: faceshard-bench --mode step --device cuda --network " +
+                      job.network + " --precision " + job.precision + " --batch " + std::to_string(job.batch_per_rank) +
+                      " --json step.json, then --bench step.json";
+        p.hours = double(p.total_steps) * double(p.global_batch) / (p.images_per_s_per_gpu * job.world_size) / 3600.0;
+        p.decode_per_host = p.images_per_s_per_gpu * p.gpus_per_host;
+        return p;
+      }
+    }
     std::string measured;
     for (const StepRate& s : rates.entries())
       if (measured.find(s.network + " " + s.precision) == std::string::npos)
@@ -174,6 +239,23 @@ TimePlan plan_job_time(const JobPlanInputs& job, const TimePlanInputs& in, const
   p.hours = double(p.total_steps) * double(p.global_batch) / (p.images_per_s_per_gpu * job.world_size) / 3600.0;
   p.decode_per_host = p.images_per_s_per_gpu * p.gpus_per_host;
   return p;
+}
+
+std::string card_mismatch_warning(const StepRateTable& rates, double device_bytes) {
+  const double card = rates.card_memory_gib() * 1073741824.0;
+  if (!(card > 0) || !(device_bytes > 0)) return "";
+  if (std::abs(device_bytes - card) <= 0.25 * card) return "";
+  std::string name;
+  for (const StepRate& s : rates.entries())
+    if (!s.card.empty()) name = s.card;
+  char b[512];
+  std::snprintf(b, sizeof b,
+                "warning: the step figures are of %s with %.1f GiB (%s); the planned device memory, %.1f GiB, is another "
+                "card's: the speed and hours below are %s's, not your card's (faceshard-bench --mode step --json on "
+                "yours, then --bench FILE)",
+                name.empty() ? "a card" : name.c_str(), rates.card_memory_gib(), rates.source().c_str(),
+                device_bytes / 1073741824.0, name.empty() ? "that card" : name.c_str());
+  return b;
 }
 
 double backbone_buffer_bytes(const std::string& network) {

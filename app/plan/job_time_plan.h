@@ -44,11 +44,19 @@ class StepRateTable {
   const StepRate* find(const std::string& network, const std::string& precision, int64_t batch) const;
   const std::vector<StepRate>& entries() const { return entries_; }
   const std::string& source() const { return source_; }
+  // The measured card's memory (GiB), where the report says it (a GPU check's env.gpus);
+  // 0: not said.
+  double card_memory_gib() const { return card_memory_gib_; }
 
  private:
   std::vector<StepRate> entries_;
   std::string source_;
+  double card_memory_gib_ = 0;
 };
+
+// A warning line when the planned device memory (bytes) is not the measured card's (more than
+// 25% apart): the hours are then another card's. Empty when they agree or either is unknown.
+std::string card_mismatch_warning(const StepRateTable& rates, double device_bytes);
 
 struct TimePlanInputs {
   int64_t images = 0;                 // per epoch (data.num_images or the data set's count); 0: unknown
@@ -63,6 +71,10 @@ struct TimePlan {
   int64_t total_steps = 0;
   int gpus_per_host = 0;
   std::optional<StepRate> rate;  // the figure used; unset: none measured for this job
+  // No figure of this network and precision: `rate` is another network's in the same
+  // precision, its images/s scaled by the two networks' MACs per image (an estimate).
+  bool estimated = false;
+  double macs = 0, reference_macs = 0;  // per image, of the job's network and of the rate's
   std::string rate_note;         // what the figure is, or why there is none
   double images_per_s_per_gpu = 0;
   double hours = 0;              // total_steps x global batch / (images/s per GPU x ranks) / 3600
