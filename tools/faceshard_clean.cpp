@@ -17,6 +17,7 @@
 #include <opencv2/imgproc.hpp>
 
 #include "app/clean/clean_audit.h"
+#include "app/eval/embedding_cache.h"
 #include "app/eval/evaluation.h"
 #include "app/eval/inference_model.h"
 #include "app/eval/tool_args.h"
@@ -414,8 +415,34 @@ int main(int argc, char** argv) {
 
     std::vector<TestIdentity> tests;
     const auto t_tests = std::chrono::steady_clock::now();
+    // A test set's embeddings are the same on every pass over one run (the calibration
+    // recipe's): kept in the embedding cache (app/eval/embedding_cache.h).
+    const EmbeddingCache cache(EmbeddingCache::default_dir());
+    std::string committed;
+    {
+      std::ifstream c(step_dir + "/COMMITTED");
+      committed.assign(std::istreambuf_iterator<char>(c), std::istreambuf_iterator<char>());
+    }
     for (const VerificationData& set : sets) {
-      const at::Tensor emb = embed_with_flip(*model.backbone, set, batch, device).cpu();
+      const std::string stamp = EmbeddingCache::file_stamp(set.path);
+      const std::string key =
+          EmbeddingCache::key({"faceshard-clean test set", fs::absolute(step_dir).lexically_normal().string(), committed,
+                               stamp, "flip", spec.precision, device.is_cuda() ? "cuda" : "cpu"});
+      at::Tensor emb;
+      const auto t_set = std::chrono::steady_clock::now();
+      if (std::optional<at::Tensor> hit =
+              stamp.empty() ? std::nullopt : cache.find(key, int64_t(set.images.size()), emb_size)) {
+        emb = *hit;
+        log_info("test set ", set.name, ": embeddings from the cache, made on an earlier pass with this run and file (",
+                 EmbeddingCache::default_dir(), "; FACESHARD_EMBEDDING_CACHE=off embeds again)");
+      } else {
+        emb = embed_with_flip(*model.backbone, set, batch, device).cpu();
+        std::string problem;
+        if (!stamp.empty() && cache.enabled() && !cache.put(key, emb, &problem))
+          log_warn("test set ", set.name, ": its embeddings are not kept for the next pass (", problem, ")");
+        log_info("test set ", set.name, ": ", set.images.size(), " images embedded in ", format_sig(since(t_set)), " s",
+                 cache.enabled() && !stamp.empty() ? " (kept for the next pass)" : "");
+      }
       std::vector<uint64_t> hashes;
       for (const auto& img : set.images) hashes.push_back(bytes_hash(img.data(), img.size()));
       for (const auto& group : bin_identities(hashes, set.issame))

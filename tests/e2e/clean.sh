@@ -17,6 +17,8 @@ trained_k3_run 3 2
 # The training log says K.
 grep -q "classifier 16 classes x 3 sub-centres (loss.subcenters)" "$work/train.log" || fail "the training log does not say K"
 clean() { "$bin/faceshard-clean" --device cpu --run "$work/out" "$@"; }
+# The test sets' embeddings are kept between passes over one run (this test's own cache).
+export FACESHARD_EMBEDDING_CACHE="$work/ecache"
 clean --rec "$work/data" --bin "$work/data/synth.bin" --output "$work/reports" > "$work/clean.log" 2>&1 \
   || { cat "$work/clean.log"; fail "faceshard-clean on the .rec"; }
 grep -q "saved on 2 ranks" "$work/clean.log" || { cat "$work/clean.log"; fail "the run's 2 shards were not read"; }
@@ -54,6 +56,16 @@ ov=$(rows "$work/low/overlap.tsv")
 [ "$ov" -gt 0 ] && [ $((ov % 16)) = 0 ] && [ "$(rows "$work/high/overlap.tsv")" = 0 ] ||
   fail "--overlap-cos -0.99 / 1.0 gave $ov / $(rows "$work/high/overlap.tsv") rows (every test identity x 16 classes / none)"
 grep -q "thresholds: --identity-cos -0.99 from --identity-cos" "$work/low.log" || { cat "$work/low.log"; fail "a given flag is not named as given"; }
+# The first pass embedded the .bin and kept it; the later passes over the same run and file
+# took it from the cache; a file changed since (its time) is embedded again.
+grep -q "test set synth: [0-9]* images embedded in .* s (kept for the next pass)" "$work/clean.log" &&
+  grep -q "test set synth: embeddings from the cache" "$work/low.log" &&
+  grep -q "test set synth: embeddings from the cache" "$work/high.log" || { cat "$work/clean.log" "$work/low.log"; fail "the test set was not kept between passes"; }
+[ "$(ls "$work/ecache" | wc -l)" = 1 ] || fail "the cache holds $(ls "$work/ecache")"
+touch "$work/data/synth.bin"
+clean --rec "$work/data" --bin "$work/data/synth.bin" --output "$work/again" > "$work/again.log" 2>&1 || { cat "$work/again.log"; fail "faceshard-clean after touching the .bin"; }
+grep -q "test set synth: [0-9]* images embedded in" "$work/again.log" || { cat "$work/again.log"; fail "a changed .bin was taken from the cache"; }
+cmp -s "$work/reports/overlap.tsv" "$work/again/overlap.tsv" || { diff "$work/reports/overlap.tsv" "$work/again/overlap.tsv" | head; fail "the cached pass's overlap report differs from the embedded one's"; }
 [ -z "$(ls -A "$work/reports" | grep -v '\.tsv$')" ] || fail "left behind: $(ls -A "$work/reports")"
 
 # A set packed from photos names them: the same images unpacked, their names zero-padded so
