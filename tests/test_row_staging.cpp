@@ -6,6 +6,7 @@
 
 #include <atomic>
 #include <map>
+#include <set>
 #include <random>
 #include <thread>
 #include <vector>
@@ -176,6 +177,15 @@ TEST_P(AsyncCheckpointRows, TheNextStepsChangesAreNotSaved) {
   writer.set_before_write_hook([&](int64_t) { gate.wait(); });
   std::map<std::string, at::Tensor> at_step;
   for (const auto& [name, t] : job.fc->state()) at_step["rows/" + name] = t.clone();
+  // The whole checkpoint at its step, for the backbone's and the train state's files too
+  // (the backbone optimiser's momentum, the scaler and the head's state change at the next
+  // steps as the rows do): a staging that handed over a live tensor would write the later value.
+  const CheckpointContents live = state.contents();
+  std::map<std::string, at::Tensor> backbone_at_step, train_state_at_step;
+  for (const auto& [name, t] : live.backbone)
+    if (t.defined()) backbone_at_step[name] = t.detach().clone();
+  for (const auto& [name, t] : live.train_state)
+    if (t.defined()) train_state_at_step[name] = t.detach().clone();
   EXPECT_FALSE(writer.save(state).has_value());
   for (int64_t k = 1; k < 3; ++k) step.run(batch, k);
   // The control: the steps changed the live centres.
@@ -197,6 +207,26 @@ TEST_P(AsyncCheckpointRows, TheNextStepsChangesAreNotSaved) {
     compared++;
   }
   EXPECT_EQ(compared, static_cast<int>(at_step.size())) << c.name;
+  // train_state.pt and backbone.pt hold the checkpoint step's values, bit for bit, every key.
+  for (const auto& [file, want] : {std::make_pair(std::string("train_state.pt"), &train_state_at_step),
+                                   std::make_pair(std::string("backbone.pt"), &backbone_at_step)}) {
+    const StateDict saved = read_state_dict(dir + "/ck/step_00000001/" + file);
+    std::set<std::string> seen;
+    for (const auto& [name, t] : saved) {
+      auto it = want->find(name);
+      if (it == want->end()) continue;
+      seen.insert(name);
+      EXPECT_TRUE(t.sizes() == it->second.sizes() && torch::equal(t, it->second.to(t.scalar_type())))
+          << c.name << ": " << file << " '" << name << "' is not the checkpoint step's value";
+    }
+    EXPECT_EQ(seen.size(), want->size()) << c.name << ": " << file << " lacks keys of the checkpoint step";
+  }
+  // The backbone optimiser's state did change after the checkpoint (the control of the check above).
+  bool moved = false;
+  for (const auto& [name, t] : job.opt->state())
+    if (auto it = train_state_at_step.find("opt/" + name); it != train_state_at_step.end())
+      moved |= !torch::equal(t, it->second);
+  EXPECT_TRUE(moved) << c.name << ": the two steps left the backbone optimiser's state as it was";
 }
 
 INSTANTIATE_TEST_SUITE_P(

@@ -52,9 +52,12 @@ class CheckpointWriter {
   // Waits for the save in flight (at the run's end, at a stop); its outcome, nothing when none.
   virtual std::optional<CheckpointOutcome> finish() = 0;
   virtual bool background() const = 0;
-  // The step of the save being written in the background, nothing when none is in flight
-  // (the same on every rank: saves are taken at the same steps everywhere).
+  // The step of the last save written in the background and not yet taken back (finish() or
+  // the next save), nothing when none: the same on every rank (saves are taken at the same
+  // steps everywhere).
   virtual std::optional<int64_t> in_flight_step() const { return std::nullopt; }
+  // Whether that save's write is still going on on this rank (it may be done on another).
+  virtual bool still_writing() const { return false; }
 };
 
 class SyncCheckpointWriter : public CheckpointWriter {
@@ -118,6 +121,7 @@ class AsyncCheckpointWriter : public CheckpointWriter {
   std::optional<int64_t> in_flight_step() const override {
     return thread_.joinable() ? std::optional<int64_t>(in_flight_.step) : std::nullopt;
   }
+  bool still_writing() const override { return thread_.joinable() && !written_.load(); }
 
   // Allocates the staging buffers for `contents`' tensors (this rank's part) now, at the
   // run's start, instead of at the first checkpoint step. Returns the seconds it took.

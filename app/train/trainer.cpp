@@ -188,9 +188,19 @@ int run_training(const TrainRequest& req) {
   // it (twice the stop's time: what a scheduler's grace period may not allow). Where it
   // fails, the stop's own step is written.
   int64_t stop_checkpoint_step = -1;  // the step of the stop's checkpoint
+  // Whether the background write of step `q` is still going on on any rank (collective: the
+  // same answer everywhere, so that every rank takes the same checkpoint).
+  auto writing_anywhere = [&](const std::optional<int64_t>& q) {
+    if (!q) return false;
+    at::Tensor w = torch::tensor({static_cast<float>(writer->still_writing())});
+    if (d.world_size() > 1) d.all_reduce(w, ReduceOp::Max);
+    return w.item<float>() > 0;
+  };
   auto stop_checkpoint = [&](const std::string& who) -> bool {
     stop_checkpoint_step = p.step;
-    if (const std::optional<int64_t> q = writer->in_flight_step(); q && *q < p.step) {
+    // A write already over everywhere costs the stop nothing to wait for: the stop's own
+    // step is written (one write), as with no write in flight.
+    if (const std::optional<int64_t> q = writer->in_flight_step(); q && *q < p.step && writing_anywhere(q)) {
       log_info("stop requested (", who, ") at step ", p.step, ": the checkpoint of step ", *q,
                ", being written in the background, is the stop's checkpoint (the resume redoes steps ", *q + 1, "-",
                p.step, " rather than the stop writing a second checkpoint after it)");

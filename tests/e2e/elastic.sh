@@ -145,7 +145,8 @@ YAML
   t_join=$(now)
   logged() { grep -qh "$1" "$work"/agent*.log; }
   wait_for 240 logged "classifier resharded from 2 to 3 ranks" || { show; fail "the run did not grow back to 3 ranks"; }
-  logged "stop requested (signal): checkpointing at step" ||
+  # (The stop writes its own step's checkpoint, or takes the one still being written.)
+  logged "stop requested (signal)\(: checkpointing at step\| at step [0-9]*: the checkpoint of step [0-9]*, being written\)" ||
     { show; fail "the membership change did not checkpoint the 2-rank workers"; }
   for k in 0 1 2; do
     eval "p=\$agent_pid$k"
@@ -294,7 +295,10 @@ YAML
   kill -TERM "${p[@]}"
   for k in 0 1; do wait "${p[$k]}"; rc=$?; [ "$rc" -eq 0 ] || { cat "$work/task$k.log"; fail "task $k exited $rc after SIGTERM"; }; done
   grep -q "via slurm" "$work/task0.log" || { cat "$work/task0.log"; fail "not seen as a SLURM job"; }
-  n=$(sed -n 's/.*stop requested (signal): checkpointing at step \([0-9]*\) and exiting.*/\1/p' "$work/task0.log" | head -1)
+  # The stop's checkpoint: its own step's, or the one still being written when it came.
+  n=$(sed -n -e 's/.*stop requested (signal): checkpointing at step \([0-9]*\) and exiting.*/\1/p' \
+             -e 's/.*stop requested (signal) at step [0-9]*: the checkpoint of step \([0-9]*\), being written.*/\1/p' \
+             "$work/task0.log" | head -1)
   [ -n "$n" ] || { cat "$work/task0.log"; fail "no checkpoint on SIGTERM"; }
   [ -f "$(printf "%s/out/checkpoints/step_%08d/COMMITTED" "$work" "$n")" ] || fail "the checkpoint of step $n is not committed"
   # The requeued job: the same command (train.resume: auto in the config), a shorter schedule

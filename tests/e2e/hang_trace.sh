@@ -62,6 +62,14 @@ wait "$launcher"; rc=$?
 e0=$(grep "\[rank 0/3\].*error: .*more than 3 x the median step" "$log" | head -1)
 [ -n "$e0" ] || fail "rank 0 wrote no hang error"
 limit=$(echo "$e0" | sed -E 's/.*\+ 5 s = ([0-9.]+) s.*/\1/'); median=$(echo "$e0" | sed -E 's/.*the median step \(([0-9.]+) s\).*/\1/')
+# The printed limit is its formula's (3 x the printed median + 5 s, to the digits printed),
+# and the median is a round's: at least the 50 ms the rounds are paced at, at most the few
+# hundred ms a loaded 2-core machine adds to one.
+python3 -c "
+limit, median = $limit, $median
+assert abs(limit - (3 * median + 5)) <= 0.052, ('limit', limit, '3 x median + 5', 3 * median + 5)
+assert 0.049 <= median <= 0.5, ('median round', median, 'paced at 0.05 s')" ||
+  fail "the printed hang limit $limit s or median $median s is not the formula's or a round's"
 named2=$(python3 -c "import json; print(round(json.loads(open('$work/trace/rank2.jsonl').readline())['written_ms'] / 1000 - $start, 1))")
 read -r named_bound took_bound <<< "$(python3 -c "
 h = 0.5; s = h + 4 * $median + $react

@@ -375,12 +375,16 @@ def run_job(args, work, tag, plan, rng, token, replay_answer):
         bad = [l for l in text.splitlines() if "error:" in l or "terminate called" in l or "Aborted" in l]
         if bad:
             failures.append("%s: rank %d logged: %s" % (tag, r, bad[:3]))
-    stop_line = [l for l in t.job.log(0).splitlines() if "checkpointing at step" in l]
+    # The stop's checkpoint: its own step's ("checkpointing at step N"), or the one still being
+    # written when it came ("... at step M: the checkpoint of step N, being written ...").
+    stops = [re.search(r"checkpointing at step (\d+)|: the checkpoint of step (\d+), being written", l)
+             for l in t.job.log(0).splitlines() if "stop requested" in l]
+    stop_line = [m for m in stops if m]
     committed = fault_loops.committed_steps(out)
     if not stop_line or not committed:
         failures.append("%s: no checkpoint committed at the stop (committed: %s)" % (tag, committed))
     else:
-        n = int(stop_line[-1].split("checkpointing at step")[1].split()[0])
+        n = int(stop_line[-1].group(1) or stop_line[-1].group(2))
         if committed[-1] != n:
             failures.append("%s: stopped at step %d but the last committed checkpoint is %d" % (tag, n, committed[-1]))
     guard_lines = [l for r in range(2) for l in t.job.log(r).splitlines() if "network:" in l and "clos" in l]
