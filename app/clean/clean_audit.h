@@ -147,7 +147,7 @@ class CleanAudit {
   // Known-same pairs for the identity threshold: for a sample of classes (at most
   // kHalfClasses), the embedding sums of each class's two halves (its images split by a
   // hash of their index): two halves of one person score as a duplicate identity would.
-  static constexpr int64_t kHalfClasses = 20000;
+  static constexpr int64_t kHalfClasses = 4096;
   std::unordered_map<int64_t, size_t> half_slot_;  // class -> slot
   std::vector<double> half_sums_;                  // [slot][2][E]
   std::vector<int64_t> half_counts_;               // [slot][2]
