@@ -80,11 +80,12 @@ IdentityNames identity_names_beside(const std::string& rec_path, int64_t classes
   return out;
 }
 
-std::optional<SourcePaths> SourcePaths::open_beside(const std::string& rec_path, uint64_t images) {
+std::shared_ptr<const SourcePaths> SourcePaths::open_beside(const std::string& rec_path, uint64_t images) {
   const std::string file = sources_path_of(rec_path);
   std::error_code ec;
-  if (!std::filesystem::is_regular_file(file, ec)) return std::nullopt;
-  SourcePaths s;
+  if (!std::filesystem::is_regular_file(file, ec)) return nullptr;
+  std::shared_ptr<SourcePaths> owned(new SourcePaths());
+  SourcePaths& s = *owned;
   s.file_ = file;
   s.fd_ = ::open(file.c_str(), O_RDONLY | O_CLOEXEC);
   if (s.fd_ < 0) throw usage_error(file, ": cannot open: ", std::strerror(errno));
@@ -142,22 +143,7 @@ std::optional<SourcePaths> SourcePaths::open_beside(const std::string& rec_path,
   if (header || s.offsets_.size() != images)
     throw usage_error(file, ": lists ", s.offsets_.size(), " images, the set has ", images, " (made for another set?)");
   s.offsets_.push_back(pos);  // the end, for the last line
-  return s;
-}
-
-SourcePaths::SourcePaths(SourcePaths&& o) noexcept : file_(std::move(o.file_)), fd_(o.fd_), offsets_(std::move(o.offsets_)) {
-  o.fd_ = -1;
-}
-
-SourcePaths& SourcePaths::operator=(SourcePaths&& o) noexcept {
-  if (this != &o) {
-    if (fd_ >= 0) ::close(fd_);
-    file_ = std::move(o.file_);
-    fd_ = o.fd_;
-    offsets_ = std::move(o.offsets_);
-    o.fd_ = -1;
-  }
-  return *this;
+  return owned;
 }
 
 SourcePaths::~SourcePaths() {

@@ -5,7 +5,7 @@
 // held (8 bytes an image); a path is read from the file when asked for.
 #pragma once
 #include <cstdint>
-#include <optional>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -17,11 +17,11 @@ std::string sources_path_of(const std::string& rec_path);
 class SourcePaths {
  public:
   // The sources file beside `rec_path`, checked to list `images` images in order; nothing
-  // when there is none. A file that is there but does not fit (another number of lines, a
+  // (null) when there is none. A file that is there but does not fit (another number of lines, a
   // row out of order, no header) is a usage error naming the file and line.
-  static std::optional<SourcePaths> open_beside(const std::string& rec_path, uint64_t images);
-  SourcePaths(SourcePaths&&) noexcept;
-  SourcePaths& operator=(SourcePaths&&) noexcept;
+  static std::shared_ptr<const SourcePaths> open_beside(const std::string& rec_path, uint64_t images);
+  SourcePaths(const SourcePaths&) = delete;
+  SourcePaths& operator=(const SourcePaths&) = delete;
   ~SourcePaths();
 
   // Image `index`'s source path (thread-safe).

@@ -26,11 +26,11 @@ TEST(SourcePaths, PathsByIndexAndListsThatDoNotFitRefused) {
   TempDir dir;
   const std::string rec = dir / "train.rec";
   EXPECT_EQ(sources_path_of(rec), dir / "train.sources.tsv");
-  EXPECT_FALSE(SourcePaths::open_beside(rec, 3).has_value());  // none: the set names its records
+  EXPECT_FALSE(SourcePaths::open_beside(rec, 3));  // none: the set names its records
   auto write = [&](const std::string& text) { std::ofstream(dir / "train.sources.tsv") << text; };
   write("index\tlabel\tpath\n0\t0\t/p/alice/1.jpg\n1\t0\t/p/alice/a\tb.jpg\n2\t1\t/p/bob/x.png");  // no final newline
-  const std::optional<SourcePaths> s = SourcePaths::open_beside(rec, 3);
-  ASSERT_TRUE(s.has_value());
+  const std::shared_ptr<const SourcePaths> s = SourcePaths::open_beside(rec, 3);
+  ASSERT_TRUE(s);
   EXPECT_EQ(s->path(0), "/p/alice/1.jpg");
   EXPECT_EQ(s->path(1), "/p/alice/a\tb.jpg");  // a tab inside a path is the path's
   EXPECT_EQ(s->path(2), "/p/bob/x.png");

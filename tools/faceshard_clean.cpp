@@ -288,8 +288,7 @@ int main(int argc, char** argv) {
     // list is beside the .rec (data/source_paths.h); otherwise by its record.
     std::shared_ptr<const SourcePaths> sources;
     if (const auto* rec = dynamic_cast<const RecordIODataset*>(ds.get()))
-      if (std::optional<SourcePaths> sp = SourcePaths::open_beside(rec->records().file().path(), ds->size())) {
-        sources = std::make_shared<const SourcePaths>(std::move(*sp));
+      if ((sources = SourcePaths::open_beside(rec->records().file().path(), ds->size()))) {
         log_info("the reports name each image by the photo it was packed from (", sources->file(), ")");
       }
     CleanAudit audit(centres, ck.num_classes, k, t, device, output, [ds, sources](int64_t i) {

@@ -569,8 +569,8 @@ int cmd_clean(const Args& a) {
   faceshard::CleanPackNames names;
   const faceshard::IdentityNames ids = faceshard::identity_names_beside(rec, classes);
   names.identities = ids.names;
-  const std::optional<faceshard::SourcePaths> photos = faceshard::SourcePaths::open_beside(rec, ds.size());
-  if (photos) names.sources = &*photos;
+  const std::shared_ptr<const faceshard::SourcePaths> photos = faceshard::SourcePaths::open_beside(rec, ds.size());
+  names.sources = photos.get();
   const faceshard::CleanPackResult r = faceshard::write_clean_rec(ds, plan, a.pos[1], names);
   if (!names.identities.empty())
     std::printf("faceshard-pack: %s.labels.tsv names each class's identities (from %s)\n", a.pos[1].c_str(),

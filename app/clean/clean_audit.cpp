@@ -314,25 +314,6 @@ void CleanAudit::add(const at::Tensor& embeddings, const std::vector<int64_t>& l
       if (j < kStrangerSample) stranger_[size_t(j)] = sp[i];
     }
   }
-  // The two halves of the sampled classes (known-same pairs for the identity threshold).
-  {
-    const at::Tensor ec = e.cpu().contiguous();
-    const float* ep0 = ec.data_ptr<float>();
-    for (int64_t i = 0; i < b; ++i) {
-      const int64_t l = labels[size_t(i)];
-      if (!half_class(l)) continue;
-      auto it = half_slot_.find(l);
-      if (it == half_slot_.end()) {
-        it = half_slot_.emplace(l, half_slot_.size()).first;
-        half_sums_.resize(half_slot_.size() * 2 * size_t(e_), 0.0);
-        half_counts_.resize(half_slot_.size() * 2, 0);
-      }
-      const size_t h = size_t(mix64(uint64_t(indices[size_t(i)]) ^ 0x68616c66ull) & 1);
-      double* dst = half_sums_.data() + (it->second * 2 + h) * size_t(e_);
-      for (int64_t d = 0; d < e_; ++d) dst[d] += ep0[i * e_ + d];
-      half_counts_[it->second * 2 + h]++;
-    }
-  }
   // The sub-centre each image is nearest to among its label's: dominance counts and sums.
   const at::Tensor nearest_k = own.argmax(1);
   sums_.index_add_(0, lab * k_ + nearest_k, e);
@@ -344,6 +325,23 @@ void CleanAudit::add(const at::Tensor& embeddings, const std::vector<int64_t>& l
   const int64_t* oc = other_c.data_ptr<int64_t>();
   const int64_t* kc = k_c.data_ptr<int64_t>();
   const float* ep = e_c.data_ptr<float>();
+  // The two halves of the sampled classes (known-same pairs for the identity threshold).
+  {
+    for (int64_t i = 0; i < b; ++i) {
+      const int64_t l = labels[size_t(i)];
+      if (!half_class(l)) continue;
+      auto it = half_slot_.find(l);
+      if (it == half_slot_.end()) {
+        it = half_slot_.emplace(l, half_slot_.size()).first;
+        half_sums_.resize(half_slot_.size() * 2 * size_t(e_), 0.0);
+        half_counts_.resize(half_slot_.size() * 2, 0);
+      }
+      const size_t h = size_t(mix64(uint64_t(indices[size_t(i)]) ^ 0x68616c66ull) & 1);
+      double* dst = half_sums_.data() + (it->second * 2 + h) * size_t(e_);
+      for (int64_t d = 0; d < e_; ++d) dst[d] += ep[i * e_ + d];
+      half_counts_[it->second * 2 + h]++;
+    }
+  }
   std::vector<char> rec(sizeof(ScratchHead) + size_t(k_) * sizeof(float));
   for (int64_t i = 0; i < b; ++i) {
     const int64_t l = labels[size_t(i)];
