@@ -14,6 +14,7 @@
 #include <optional>
 #include <sstream>
 
+#include "app/clean/report_table.h"
 #include "app/io/checkpoint.h"
 #include "data/insightface_rec.h"
 #include "partial_fc/runtime/error.h"
@@ -25,73 +26,8 @@ namespace fs = std::filesystem;
 
 namespace {
 
-std::vector<std::string> split_tabs(const std::string& s) {
-  std::vector<std::string> out;
-  std::stringstream ss(s);
-  std::string x;
-  while (std::getline(ss, x, '\t')) out.push_back(x);
-  return out;
-}
-
-int64_t parse_index(const std::string& text, const std::string& where, int64_t limit, const char* what) {
-  char* end = nullptr;
-  errno = 0;
-  const long long v = std::strtoll(text.c_str(), &end, 10);
-  if (text.empty() || *end != '\0' || errno != 0 || v < 0 || v >= limit)
-    throw usage_error(where, ": ", what, " '", text, "' is not one of the set's ", limit);
-  return v;
-}
-
-constexpr size_t kAbsent = size_t(-1);
-
-// Calls row(values of `columns`, "file:line") for every row of a faceshard-clean report; a
-// column named "?name" may be absent (its value then "").
-template <class F>
-void read_report(const std::string& path, const std::vector<std::string>& columns, F&& row) {
-  std::ifstream f(path);
-  if (!f) throw usage_error(path, ": cannot open (not a faceshard-clean report folder?)");
-  std::string line;
-  std::vector<size_t> at;
-  int64_t no = 0;
-  while (std::getline(f, line)) {
-    ++no;
-    if (line.empty() || line[0] == '#') continue;
-    const std::vector<std::string> cells = split_tabs(line);
-    if (at.empty()) {
-      for (const auto& c : columns) {
-        const bool optional = !c.empty() && c[0] == '?';
-        const auto it = std::find(cells.begin(), cells.end(), optional ? c.substr(1) : c);
-        if (it == cells.end() && !optional) throw usage_error(path, ":", no, ": no column '", c, "'");
-        at.push_back(it == cells.end() ? kAbsent : size_t(it - cells.begin()));
-      }
-      continue;
-    }
-    std::vector<std::string> v;
-    for (size_t i : at) {
-      if (i == kAbsent) {
-        v.emplace_back();
-        continue;
-      }
-      if (i >= cells.size()) throw usage_error(path, ":", no, ": ", cells.size(), " cells, expected more");
-      v.push_back(cells[i]);
-    }
-    row(v, path + ":" + std::to_string(no));
-  }
-  if (at.empty()) throw usage_error(path, ": no column line (not a faceshard-clean report)");
-}
-
-// The set a report or keep-list names on its "# set: " comment line, if any (the first
-// 64 comment lines are looked at: the header).
-std::optional<std::string> named_set(const std::string& path) {
-  std::ifstream f(path);
-  if (!f) throw usage_error(path, ": cannot open (not a faceshard-clean report folder?)");
-  std::string line;
-  for (int n = 0; n < 64 && std::getline(f, line); ++n) {
-    if (line.rfind("# set: ", 0) == 0) return line.substr(7);
-    if (!line.empty() && line[0] != '#') break;
-  }
-  return std::nullopt;
-}
+// The set a report or keep-list names on its "# set: " comment line, if any.
+std::optional<std::string> named_set(const std::string& path) { return report_comment(path, "set"); }
 
 void check_named_set(const std::string& path, const std::string& named, const SetIdentity& set) {
   const std::optional<SetIdentity> id = parse_set_identity(named);
@@ -121,18 +57,18 @@ CleanPlan plan_from_reports(const std::string& folder, uint64_t images, int64_t 
   if (o.merge_identities)
     read_report(folder + "/duplicate_identities.tsv", {"class_a", "class_b"},
                 [&](const auto& v, const std::string& where) {
-                  const int64_t a = root(p.merge_into, parse_index(v[0], where, classes, "class"));
-                  const int64_t b = root(p.merge_into, parse_index(v[1], where, classes, "class"));
+                  const int64_t a = root(p.merge_into, parse_report_index(v[0], where, classes, "class"));
+                  const int64_t b = root(p.merge_into, parse_report_index(v[1], where, classes, "class"));
                   if (a != b) p.merge_into[size_t(std::max(a, b))] = std::min(a, b), ++p.merged_classes;
                 });
   for (int64_t c = 0; c < classes; ++c) p.merge_into[size_t(c)] = root(p.merge_into, c);
   if (o.drop_mislabeled)
     read_report(folder + "/mislabeled.tsv", {"index", "?label", "?suggestion"},
                 [&](const auto& v, const std::string& where) {
-                  const int64_t i = parse_index(v[0], where, n, "image");
+                  const int64_t i = parse_report_index(v[0], where, n, "image");
                   if (o.merge_identities && !v[1].empty() && v[2].rfind("relabel ", 0) == 0) {
-                    const int64_t label = parse_index(v[1], where, classes, "class");
-                    const int64_t to = parse_index(v[2].substr(8), where, classes, "class");
+                    const int64_t label = parse_report_index(v[1], where, classes, "class");
+                    const int64_t to = parse_report_index(v[2].substr(8), where, classes, "class");
                     if (p.merge_into[size_t(label)] == p.merge_into[size_t(to)]) {
                       ++p.kept_mislabeled_merged;
                       return;
@@ -142,12 +78,12 @@ CleanPlan plan_from_reports(const std::string& folder, uint64_t images, int64_t 
                 });
   if (o.drop_near_duplicates)
     read_report(folder + "/near_duplicates.tsv", {"index_b"}, [&](const auto& v, const std::string& where) {
-      drop(parse_index(v[0], where, n, "image"), p.dropped_near_duplicates);
+      drop(parse_report_index(v[0], where, n, "image"), p.dropped_near_duplicates);
     });
   std::vector<bool> drop_class(size_t(classes), false);
   if (o.drop_overlap)
     read_report(folder + "/overlap.tsv", {"class"}, [&](const auto& v, const std::string& where) {
-      drop_class[size_t(parse_index(v[0], where, classes, "class"))] = true;
+      drop_class[size_t(parse_report_index(v[0], where, classes, "class"))] = true;
     });
   {
     std::map<int64_t, std::vector<int64_t>> groups;
@@ -205,7 +141,7 @@ CleanPlan plan_from_keep_list(const std::string& file, uint64_t images, int64_t 
     std::istringstream words(line);
     std::string word;
     while (words >> word)
-      p.drop[size_t(parse_index(word, file + ":" + std::to_string(no), int64_t(images), "image"))] = false;
+      p.drop[size_t(parse_report_index(word, file + ":" + std::to_string(no), int64_t(images), "image"))] = false;
   }
   return p;
 }

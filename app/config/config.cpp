@@ -667,6 +667,8 @@ void Config::visit(FieldVisitor& v) {
   v.field("loss.interclass_filtering_threshold", loss.interclass_filtering_threshold, range(0, 1));
   v.field("loss.sample_rate", loss.sample_rate, range(0, 1));
   v.field("loss.subcenters", loss.subcenters, range(1, 255));
+  v.field("loss.init_centres", loss.init_centres, none);
+  v.field("loss.init_centres_report", loss.init_centres_report, none);
   v.field("loss.logits", loss.logits, choices({"auto", "buffer", "streamed"}));
   // The heads and their parameters: the head catalogue (each head's own file registers it).
   std::vector<std::string> heads;
@@ -766,6 +768,9 @@ void Config::validate_relations() const {
     throw usage_error(origin("optim.thaw_warmup_steps"), ": key 'optim.thaw_warmup_steps': there is no thaw while "
                       "optim.freeze_backbone_steps is 0 (the schedule's own warm-up is optim.warmup_epochs or "
                       "optim.warmup_steps)");
+  if (loss.init_centres_report && !loss.init_centres)
+    throw usage_error(origin("loss.init_centres_report"), ": key 'loss.init_centres_report': names the report of the "
+                      "checkpoint loss.init_centres starts the centres from, which is not set");
   if (dist.backend == "nccl" && dist.device == "cpu")
     throw usage_error(origin("dist.backend"), ": key 'dist.backend': nccl carries CUDA tensors only, but dist.device is cpu");
   // arcface_torch's CombinedMarginLoss has two branches and raises for anything else.

@@ -105,6 +105,11 @@ struct LossConfig {
   // Centres per class (Sub-center ArcFace): a class's cosine is the best of its K, then the
   // head's margin applies (partial_fc/classifier/subcenter.h). 1: one centre per class.
   int64_t subcenters = 1;
+  // A run or checkpoint folder whose classifier centres start this run's (app/train/
+  // centre_init.h): the same K, or K = 1 from K > 1 keeping each class's dominant sub-centre,
+  // which init_centres_report (faceshard-clean's --output folder of that checkpoint) names.
+  std::optional<std::string> init_centres;
+  std::optional<std::string> init_centres_report;
   // auto | buffer | streamed: whether the classifier holds the global batch's logits against
   // its (sampled) centres in one fp32 buffer, or streams through the centres chunk by chunk
   // and recomputes them in backward (streamed_softmax.h): no memory that grows with the

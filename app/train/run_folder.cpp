@@ -93,24 +93,26 @@ std::string move_previous_run_aside(const std::string& output) {
   return aside.string();
 }
 
-std::string resolve_resume_source(const std::string& dir) {
+std::string resolve_checkpoint_source(const std::string& dir, const std::string& what) {
   std::error_code ec;
   const fs::path p(dir);
-  if (!fs::exists(p, ec)) throw usage_error("--resume '", absolute_text(dir), "': does not exist");
+  if (!fs::exists(p, ec)) throw usage_error(what, " '", absolute_text(dir), "': does not exist");
   if (!fs::is_directory(p, ec))
-    throw usage_error("--resume '", absolute_text(dir), "': is a file; give a run folder or a checkpoint folder");
+    throw usage_error(what, " '", absolute_text(dir), "': is a file; give a run folder or a checkpoint folder");
   if (fs::exists(p / "COMMITTED", ec) || fs::exists(p / "backbone.pt", ec)) return dir;  // one checkpoint
   fs::path root;
   if (fs::is_directory(p / "checkpoints", ec)) root = p / "checkpoints";  // a run folder
   else if (has_step_folders(p)) root = p;                                  // a checkpoints folder
   else
-    throw usage_error("--resume '", absolute_text(dir),
+    throw usage_error(what, " '", absolute_text(dir),
                       "': is neither a run folder (with checkpoints/) nor a checkpoint (with COMMITTED)");
   const std::string latest = latest_checkpoint(root.string());
   if (latest.empty())
-    throw usage_error("--resume '", absolute_text(dir), "': holds no committed checkpoint under '",
+    throw usage_error(what, " '", absolute_text(dir), "': holds no committed checkpoint under '",
                       absolute_text(root.string()), "'");
   return latest;
 }
+
+std::string resolve_resume_source(const std::string& dir) { return resolve_checkpoint_source(dir, "--resume"); }
 
 }  // namespace faceshard

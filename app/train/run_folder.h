@@ -33,5 +33,8 @@ std::string move_previous_run_aside(const std::string& output);
 // checkpoint under checkpoints/, a checkpoints folder its newest. Usage errors name the
 // absolute path: "does not exist", "is a file", "holds no committed checkpoint".
 std::string resolve_resume_source(const std::string& dir);
+// The same for another option that names a run or a checkpoint (`what`, e.g.
+// "loss.init_centres", begins its messages).
+std::string resolve_checkpoint_source(const std::string& dir, const std::string& what);
 
 }  // namespace faceshard

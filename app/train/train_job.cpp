@@ -15,6 +15,7 @@
 #include <limits>
 #include <sstream>
 
+#include "app/train/centre_init.h"
 #include "app/train/data_counts.h"
 #include "app/train/sync_bn.h"
 #include "data/sampler.h"
@@ -166,7 +167,8 @@ void build_model(TrainJob& j, ClassifierStart start) {
     const std::string path = std::filesystem::absolute(*cfg.model.init).lexically_normal().string();
     const StateDictLoad load = load_backbone_weights(*j.backbone, *cfg.model.init);
     if (d.rank() == 0)
-      log_info("model.init: ", describe_load(*j.backbone, path, load), "; the classifier starts fresh",
+      log_info("model.init: ", describe_load(*j.backbone, path, load),
+               cfg.loss.init_centres ? "; the classifier's centres from loss.init_centres" : "; the classifier starts fresh",
                start == ClassifierStart::FromCheckpoint ? " (the checkpoint resumed replaces both)" : "");
   }
   j.backbone->to(j.device);
@@ -203,7 +205,9 @@ void build_model(TrainJob& j, ClassifierStart start) {
   po.head.name = cfg.loss.head;
   po.head.params = cfg.loss.chosen_head_params();
   po.step_all_rows = cfg.optim.fc_update == "all";
-  po.initialise_rows = start == ClassifierStart::Fresh;
+  // Centres from another run (loss.init_centres) fill the rows instead of the random draw.
+  const bool centres_from_run = start == ClassifierStart::Fresh && cfg.loss.init_centres.has_value();
+  po.initialise_rows = start == ClassifierStart::Fresh && !centres_from_run;
   po.seed = static_cast<uint64_t>(cfg.seed);
   // The big GEMMs in the body's precision, as arcface_torch runs its classifier under autocast.
   po.gemm_dtype = bo.precision == BodyPrecision::BFloat16 ? at::kBFloat16
@@ -238,6 +242,11 @@ void build_model(TrainJob& j, ClassifierStart start) {
       check_classifier_fits(cfg, plan, d.world_size(), d.rank(), *available, j.device);
     return std::make_unique<PartialFC>(d, po, j.device);
   });
+  if (centres_from_run) {
+    const CentreInitPlan plan = plan_centre_init(cfg, po.num_classes, po.subcenters);
+    init_centres(*j.fc, plan);
+    if (d.rank() == 0) log_info(describe(plan));
+  }
 
   BackboneOptimizerOptions boo;
   boo.kind = cfg.optim.optimizer;

@@ -5,6 +5,8 @@
 # then the refusals: a missing run, a checkpoint without its classifier shards, a .bin that
 # does not parse, a K the checkpoint does not have, a report folder that cannot be made. Each refusal is one error line and a
 # non-zero exit, and leaves the reports already in the folder as they were.
+# Then the recipe's last step: K = 1 on a cleaned copy starting at each class's dominant
+# sub-centre (loss.init_centres), the rows checked against the K = 3 checkpoint in Python.
 # usage: clean.sh SOURCE_DIR BIN_DIR
 set -u
 root="$1"; bin="$2"
@@ -137,6 +139,44 @@ printf '%s\nclass_a\tclass_b\n1\t2\n' "$set_line" > "$work/hand/duplicate_identi
   || { cat "$work/pack.log"; fail "faceshard-pack clean --reports"; }
 grep -q "117 images kept, 11 dropped (2 mislabeled, 1 duplicates, 1 classes in test sets), 14 classes (1 merged)" "$work/pack.log" \
   || { cat "$work/pack.log"; fail "faceshard-pack clean's counts"; }
+# The recipe's last step: K = 1 on the cleaned set from the K = 3 run, each class starting at
+# its dominant sub-centre (the report's dropped_subcenters.tsv), classes matched through the
+# cleaned set's labels.tsv (classes renumbered, 1 and 2 merged: the one with more images at
+# its dominant sub-centre gives the centre), on 2 ranks from the 2 saved shards. A learning
+# rate of 1e-30 leaves the rows as they started, so the run's checkpoint shows them.
+k3_step=$(ls -d "$work/out/checkpoints/step_"* | tail -1)
+"$root/tools/launch.sh" --nproc 2 --grace-s 20 -- "$bin/faceshard-train" --config "$work/tiny.yaml" \
+  --set output="$work/k1" --set data.rec="$work/cleaned" --set data.num_classes=14 --set loss.subcenters=1 \
+  --set loss.init_centres="$work/out" --set loss.init_centres_report="$work/reports" --set optim.lr=1e-30 \
+  --set optim.total_steps=1 --set train.checkpoint_every=1 --set model.init="$k3_step/backbone.pt" \
+  > "$work/k1.log" 2>&1 || { tail -20 "$work/k1.log"; fail "K = 1 from the K = 3 run's dominant sub-centres"; }
+grep -qF "loss.init_centres: 14 classes' centres from '$k3_step' (step 4, classes matched by '$work/cleaned/train.labels.tsv' (source_classes), 1 of them merged from several; of its 3 sub-centres per class each keeps its dominant one" "$work/k1.log" \
+  || { grep init_centres "$work/k1.log"; fail "the K = 1 run does not say where its centres come from"; }
+"$py" - "$k3_step" "$work/reports/dropped_subcenters.tsv" "$work/cleaned/train.labels.tsv" "$work/k1/checkpoints" <<'PY' || fail "the K = 1 run's centres are not the dominant sub-centres"
+import glob, sys, torch
+k3, dropped, labels, k1 = sys.argv[1:]
+def rows(step):
+    return torch.cat([torch.load(f, weights_only=False)["rows/weight"].float()
+                      for f in sorted(glob.glob(step + "/fc_shard_*.pt"), key=lambda f: int(f.split("_")[-1][:-3]))])
+old = rows(k3).view(16, 3, -1)
+dom, n = {}, {}
+for line in open(dropped):
+    if line.startswith("#") or line.startswith("class\t"): continue
+    c, k, imgs, d, dimgs, ang = line.rstrip("\n").split("\t")
+    dom[int(c)], n[int(c)] = int(d), int(dimgs)
+want = []
+for line in list(open(labels))[1:]:
+    src = [int(x) for x in line.split("\t")[1].split(",")]
+    best = max(src, key=lambda x: (n.get(x, 0), -x))
+    want.append(old[best, dom.get(best, 0)])
+want = torch.stack(want)
+got = rows(sorted(glob.glob(k1 + "/step_*"))[-1])
+assert got.shape == want.shape, (got.shape, want.shape)
+err = (got - want).abs().max().item()
+assert err < 1e-6, f"max difference {err}"
+assert any(len(l.split("\t")[1].split(",")) > 1 for l in list(open(labels))[1:]), "no merged class"
+print(f"K = 1 centres: the dominant sub-centres of {len(want)} classes (max difference {err:.1e})")
+PY
 # What each report removes, chains of merges named, a share above --warn-above warned about;
 # with --merge an image whose "relabel C" names its own merged identity is kept.
 mkdir -p "$work/hand2"
