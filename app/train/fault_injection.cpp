@@ -12,6 +12,7 @@
 #include <ATen/core/grad_mode.h>
 
 #include "app/io/checkpoint.h"
+#include "app/train/checkpoint_writer.h"
 #include "app/train/train_step.h"
 #include "partial_fc/runtime/error.h"
 
@@ -33,12 +34,16 @@ FaultPlan FaultPlan::parse(const std::string& spec) {
     if (kind == "inf_gradient") plan.inf_gradient = At{rank, step};
     else if (kind == "crash_in_save") plan.crash_in_save = At{rank, step};
     else if (kind == "hold_save") plan.hold_save = At{rank, step};
-    else throw usage_error("FACESHARD_FAULTS: unknown fault '", kind, "' (inf_gradient, crash_in_save or hold_save)");
+    else if (kind == "hold_write") plan.hold_write = At{rank, step};
+    else
+      throw usage_error("FACESHARD_FAULTS: unknown fault '", kind,
+                        "' (inf_gradient, crash_in_save, hold_save or hold_write)");
   }
-  if (plan.hold_save) {
+  if (plan.hold_save || plan.hold_write) {
     const char* release = std::getenv("FACESHARD_FAULTS_RELEASE");
     if (!release || !*release)
-      throw usage_error("FACESHARD_FAULTS: hold_save needs FACESHARD_FAULTS_RELEASE (the file whose creation ends the hold)");
+      throw usage_error("FACESHARD_FAULTS: ", plan.hold_save ? "hold_save" : "hold_write",
+                        " needs FACESHARD_FAULTS_RELEASE (the file whose creation ends the hold)");
     plan.release_file = release;
   }
   return plan;
@@ -49,19 +54,25 @@ FaultPlan FaultPlan::from_environment() {
   return v ? parse(v) : FaultPlan{};
 }
 
+namespace {
+
+// Until the release file exists (the test creates it once it has seen what it waits for),
+// five minutes at most.
+void wait_for_release(const std::string& file) {
+  const auto until = std::chrono::steady_clock::now() + std::chrono::minutes(5);
+  while (!std::filesystem::exists(file) && std::chrono::steady_clock::now() < until)
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+}
+
+}  // namespace
+
 void install_faults(const FaultPlan& plan, int rank, CheckpointManager& checkpoints, TrainStep& step,
                     const std::vector<at::Tensor>& backbone_params) {
   auto hits = [rank](const std::optional<FaultPlan::At>& at, int64_t s) { return at && at->rank == rank && at->step == s; };
   if (plan.crash_in_save || plan.hold_save)
     checkpoints.set_mid_save_hook([hits, plan](int64_t s) {
       if (hits(plan.crash_in_save, s)) std::raise(SIGKILL);
-      if (hits(plan.hold_save, s)) {
-        // Until the release file exists (the test creates it once it has seen what it waits
-        // for), five minutes at most.
-        const auto until = std::chrono::steady_clock::now() + std::chrono::minutes(5);
-        while (!std::filesystem::exists(plan.release_file) && std::chrono::steady_clock::now() < until)
-          std::this_thread::sleep_for(std::chrono::milliseconds(20));
-      }
+      if (hits(plan.hold_save, s)) wait_for_release(plan.release_file);
     });
   if (plan.inf_gradient)
     step.set_gradient_hook([hits, at = plan.inf_gradient, params = backbone_params](int64_t s) {
@@ -75,6 +86,17 @@ void install_faults(const FaultPlan& plan, int rank, CheckpointManager& checkpoi
           return;
         }
     });
+}
+
+void install_writer_faults(const FaultPlan& plan, int rank, CheckpointWriter& writer) {
+  if (!plan.hold_write || plan.hold_write->rank != rank) return;
+  auto* async = dynamic_cast<AsyncCheckpointWriter*>(&writer);
+  if (!async)
+    throw usage_error("FACESHARD_FAULTS: hold_write holds a checkpoint written in the background; this run writes "
+                      "them synchronously (train.checkpoint_async)");
+  async->set_before_write_hook([step = plan.hold_write->step, file = plan.release_file](int64_t s) {
+    if (s == step) wait_for_release(file);
+  });
 }
 
 }  // namespace faceshard

@@ -6,6 +6,9 @@
 //   crash_in_save@0:8   rank 0 is killed (SIGKILL) half-way through the save of step 8
 //   hold_save@0:3       rank 0's save of step 3 stops half-way until the file named by
 //                       FACESHARD_FAULTS_RELEASE exists (a write kept in flight on purpose)
+//   hold_write@0:2      rank 0's background writer holds its checkpoint of step 2 before it
+//                       writes (or copies) anything, until that file exists: the training
+//                       takes its next steps meanwhile, which must not reach the checkpoint
 // Nothing in the training step reads the environment; an empty plan injects nothing.
 #pragma once
 #include <cstdint>
@@ -22,16 +25,17 @@ struct FaultPlan {
     int rank = 0;
     int64_t step = 0;
   };
-  std::optional<At> inf_gradient, crash_in_save, hold_save;
-  std::string release_file;  // hold_save's
+  std::optional<At> inf_gradient, crash_in_save, hold_save, hold_write;
+  std::string release_file;  // hold_save's and hold_write's
 
   // Usage error naming the variable and the item when the spec is malformed.
   static FaultPlan parse(const std::string& spec);
   static FaultPlan from_environment();
-  bool empty() const { return !inf_gradient && !crash_in_save && !hold_save; }
+  bool empty() const { return !inf_gradient && !crash_in_save && !hold_save && !hold_write; }
 };
 
 class CheckpointManager;
+class CheckpointWriter;
 class TrainStep;
 
 // Hooks the plan's faults for this rank into the run's checkpoints and training step
@@ -39,5 +43,8 @@ class TrainStep;
 // gradient; crash_in_save kills the process with SIGKILL (no handler, no flush).
 void install_faults(const FaultPlan& plan, int rank, CheckpointManager& checkpoints, TrainStep& step,
                     const std::vector<at::Tensor>& backbone_params);
+// hold_write into the run's checkpoint writer: a usage error when the writer does not write
+// in the background (the hold would stop the training itself).
+void install_writer_faults(const FaultPlan& plan, int rank, CheckpointWriter& writer);
 
 }  // namespace faceshard

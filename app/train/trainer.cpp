@@ -221,6 +221,7 @@ int run_training(const TrainRequest& req) {
   if (req.resume && from.empty()) log_info("--resume: no committed checkpoint under ", checkpoints.root(), ", starting fresh");
   if (!from.empty()) state.load(from);
   writer = make_checkpoint_writer(j, state, checkpoints);
+  install_writer_faults(req.faults, d.rank(), *writer);
   // (An explicit --resume DIR at its last step still saves at once: resharding a checkpoint.)
   if (!from.empty() && req.resume_from.empty() && p.step >= j.last_step) {
     // A scheduler reran a finished job: nothing to train; the export is written if the

@@ -50,6 +50,7 @@ import struct
 import subprocess
 import sys
 import tempfile
+import threading
 import zipfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -113,7 +114,34 @@ dist: {{device: cpu}}
            more=", checkpoint_async: " + args.checkpoint_async if args.checkpoint_async else ""))
         # The starting point of every trial: committed checkpoints at steps 2 and 4.
         self.base = os.path.join(work, "base")
-        code, out = self.train_run(self.base, ["--set", "train.max_steps=4"])
+        # With checkpoints in the background, step 2's write is held until step 4 has been
+        # logged (the fault plan's hold_save): the checkpoint must hold step 2's state although
+        # steps 3 and 4 changed all of it before it was written.
+        held = args.checkpoint_async == "on"
+        release = os.path.join(work, "release")
+        env = {"FACESHARD_FAULTS": "hold_write@0:2", "FACESHARD_FAULTS_RELEASE": release} if held else None
+        done = threading.Event()
+
+        def release_after_step_4():
+            metrics = os.path.join(self.base, "metrics.jsonl")
+            while not done.wait(0.05):
+                try:
+                    if any(json.loads(l).get("step") == 4 and "loss" in l for l in open(metrics)):
+                        break
+                except (OSError, ValueError):
+                    pass
+            open(release, "w").close()
+
+        watcher = threading.Thread(target=release_after_step_4)
+        if held:
+            watcher.start()
+        code, out = self.train_run(self.base, ["--set", "train.max_steps=4"], env)
+        done.set()
+        if held:
+            watcher.join()
+            # The hold happened: the training changed the rows while step 2's write waited.
+            if code == 0 and not re.search(r"step 2 \(in the background; the training copied \d+ classifier rows", out):
+                sys.exit("step 2's checkpoint was not held while the training went on:\n" + out[-3000:])
         if code != 0:
             sys.exit("the base run failed:\n" + out[-3000:])
         # What every trial starts from: the steps committed before its fault, and their bytes.
@@ -506,7 +534,13 @@ def corrupt_latest(args, s, rng):
             elif not re.search(r"resumed from \S*step_00000002 at step 2", out):
                 problem = "did not resume at step 2"
             else:
-                walked += 1
+                # Step 2's checkpoint was written in the background while steps 3 and 4 ran
+                # (train.checkpoint_async auto): the resumed steps are the faultless run's, so
+                # nothing of steps 3-4 (the backbone optimiser's state, the scaler, the head's
+                # state, the classifier's rows) reached it.
+                problem = losses_continue(logged_losses(out),
+                                          {k: v for k, v in s.reference_losses.items() if k <= 6}, 2)
+                walked += problem is None
         if problem:
             failures.append("trial %d (%s): %s" % (trial, "; ".join(what), problem))
         line = re.sub(r"^\[rank \d+/\d+\] ", "", (said or errors or [""])[0])
