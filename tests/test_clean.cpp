@@ -6,7 +6,9 @@
 // precision and recall are measured against the injected truth; angles against float64.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
+#include <functional>
 #include <fstream>
 #include <map>
 #include <random>
@@ -345,6 +347,84 @@ TEST(CleanAudit, InjectedProblemsFoundK3WithDroppedSubcenters) {
     EXPECT_EQ(std::stoll(r.at("dominant")), w.dom[size_t(std::stoll(r.at("class")))]);
   }
   EXPECT_EQ(dropped, truth);
+}
+
+// Thresholds given away from the defaults, each cutting through the world's own distribution
+// (about half the images' angles; the 300 closest of the 130k class pairs; the 40 closest
+// test-identity-to-class pairs): every report flags exactly the set the float64 computation
+// from the world flags at that threshold (a value within 1e-5 of it may round either way in
+// float32 and is not counted). A threshold read from another field flags another set.
+TEST(CleanAudit, GivenThresholdsFlagWhatFloat64FlagsAtThem) {
+  TempDir dir;
+  const World w = make_world(3, 14);
+  const int64_t n = int64_t(w.emb.size()), C = w.classes;
+  std::vector<at::Tensor> dom_rows;
+  for (int64_t c = 0; c < C; ++c) dom_rows.push_back(w.centres[c * w.k + w.dom[size_t(c)]]);
+  const at::Tensor id = torch::stack(dom_rows);  // unit rows, float64
+  std::vector<double> angle(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) {
+    const double cos = (w.emb[size_t(i)] * id[w.label[size_t(i)]]).sum().item<double>();
+    angle[size_t(i)] = std::acos(std::clamp(cos, -1.0, 1.0)) * 180 / kPi;
+  }
+  const at::Tensor pair_cos = at::matmul(id, id.t());
+  std::vector<std::tuple<double, int64_t, int64_t>> pairs;
+  for (int64_t a = 0; a < C; ++a)
+    for (int64_t b = a + 1; b < C; ++b) pairs.emplace_back(pair_cos[a][b].item<double>(), a, b);
+  std::vector<at::Tensor> test_rows;
+  for (const auto& t : w.tests) test_rows.push_back(unit(t.embedding.to(torch::kDouble)));
+  const at::Tensor test_cos = at::matmul(torch::stack(test_rows), id.t());
+  std::vector<double> tc(test_cos.data_ptr<double>(), test_cos.data_ptr<double>() + test_cos.numel());
+  // Midpoints between neighbours of the sorted values.
+  auto cut = [](std::vector<double> v, size_t from_top) {
+    std::sort(v.begin(), v.end(), std::greater<double>());
+    return 0.5 * (v[from_top - 1] + v[from_top]);
+  };
+  std::vector<double> pc;
+  for (const auto& p : pairs) pc.push_back(std::get<0>(p));
+  CleanThresholds t;
+  t.mislabeled_angle = cut(angle, size_t(n / 2));
+  t.identity_cos = cut(pc, 300);
+  t.overlap_cos = cut(tc, 40);
+  t.identity_by = "centres";
+  t.mislabeled_given = t.identity_given = t.overlap_given = true;
+  std::printf("thresholds: angle %.3f, identity cos %.4f, overlap cos %.4f\n", t.mislabeled_angle, t.identity_cos,
+              t.overlap_cos);
+  run_audit(w, dir.path, t);
+  constexpr double kTie = 1e-5;
+  // mislabeled.tsv
+  std::set<int64_t> got, want, near;
+  for (const auto& r : read_tsv(dir / "mislabeled.tsv").rows) got.insert(std::stoll(r.at("index")));
+  for (int64_t i = 0; i < n; ++i) {
+    const double a = angle[size_t(i)];
+    if (std::abs(std::cos(a * kPi / 180) - std::cos(t.mislabeled_angle * kPi / 180)) < kTie) near.insert(i);
+    else if (a > t.mislabeled_angle) want.insert(i);
+  }
+  for (int64_t i : near) got.erase(i);
+  EXPECT_EQ(got, want) << "mislabeled.tsv at --mislabeled-angle " << t.mislabeled_angle;
+  EXPECT_GT(want.size(), size_t(n / 3));
+  // duplicate_identities.tsv
+  std::set<std::pair<int64_t, int64_t>> gp, wp, np;
+  for (const auto& r : read_tsv(dir / "duplicate_identities.tsv").rows)
+    gp.insert({std::stoll(r.at("class_a")), std::stoll(r.at("class_b"))});
+  for (const auto& [cos, a, b] : pairs) {
+    if (std::abs(cos - t.identity_cos) < kTie) np.insert({a, b});
+    else if (cos > t.identity_cos) wp.insert({a, b});
+  }
+  for (const auto& p : np) gp.erase(p);
+  EXPECT_EQ(gp, wp) << "duplicate_identities.tsv at --identity-cos " << t.identity_cos;
+  EXPECT_GE(wp.size(), size_t(290));
+  // overlap.tsv
+  std::set<std::pair<std::string, int64_t>> go, wo, no;
+  for (const auto& r : read_tsv(dir / "overlap.tsv").rows) go.insert({r.at("test_identity"), std::stoll(r.at("class"))});
+  for (size_t i = 0; i < w.tests.size(); ++i)
+    for (int64_t c = 0; c < C; ++c) {
+      const double cos = test_cos[int64_t(i)][c].item<double>();
+      if (std::abs(cos - t.overlap_cos) < kTie) no.insert({w.tests[i].name, c});
+      else if (cos > t.overlap_cos) wo.insert({w.tests[i].name, c});
+    }
+  for (const auto& p : no) go.erase(p);
+  EXPECT_EQ(go, wo) << "overlap.tsv at --overlap-cos " << t.overlap_cos;
+  EXPECT_GE(wo.size(), size_t(35));
 }
 
 // A near-duplicate buffer far smaller than the set still finds every copy of a set written
