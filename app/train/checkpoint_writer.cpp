@@ -277,6 +277,7 @@ std::optional<CheckpointOutcome> AsyncCheckpointWriter::save(const TrainState& s
       o.problem = "rank " + std::to_string(rank_) + ": " + one_line(e);
     }
     o.write_s = seconds_since(t_write);
+    if (after_write_) after_write_(staged->step);
     {
       std::lock_guard<std::mutex> lock(written_mutex_);
       written_ = true;

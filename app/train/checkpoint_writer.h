@@ -138,6 +138,9 @@ class AsyncCheckpointWriter : public CheckpointWriter {
   // Called on the background thread before it writes a checkpoint: where tests hold the
   // write back until the training has taken its next step.
   void set_before_write_hook(std::function<void(int64_t step)> hook) { before_write_ = std::move(hook); }
+  // Called on the background thread after the write (committed or not), before the write
+  // counts as done: where tests keep one rank's write in flight after the others' are done.
+  void set_after_write_hook(std::function<void(int64_t step)> hook) { after_write_ = std::move(hook); }
   // Called by finish() (every rank at the same point) before it waits for the write in
   // flight: a collective of the training's (a barrier) whose hang detection ends the run when
   // a peer is frozen or gone, instead of the wait lasting the agreement's whole timeout (the
@@ -155,7 +158,7 @@ class AsyncCheckpointWriter : public CheckpointWriter {
   PartialFC* fc_ = nullptr;  // copy_rows_on_write's
   std::thread thread_;
   CheckpointOutcome in_flight_;  // the thread's, read after it is joined (its step: set before the thread starts)
-  std::function<void(int64_t)> before_write_;
+  std::function<void(int64_t)> before_write_, after_write_;
   std::function<void()> before_wait_;
   std::function<bool(bool)> all_done_;
   std::atomic<bool> abort_{false};

@@ -35,14 +35,15 @@ FaultPlan FaultPlan::parse(const std::string& spec) {
     else if (kind == "crash_in_save") plan.crash_in_save = At{rank, step};
     else if (kind == "hold_save") plan.hold_save = At{rank, step};
     else if (kind == "hold_write") plan.hold_write = At{rank, step};
+    else if (kind == "hold_written") plan.hold_written = At{rank, step};
     else
       throw usage_error("FACESHARD_FAULTS: unknown fault '", kind,
-                        "' (inf_gradient, crash_in_save, hold_save or hold_write)");
+                        "' (inf_gradient, crash_in_save, hold_save, hold_write or hold_written)");
   }
-  if (plan.hold_save || plan.hold_write) {
+  if (plan.hold_save || plan.hold_write || plan.hold_written) {
     const char* release = std::getenv("FACESHARD_FAULTS_RELEASE");
     if (!release || !*release)
-      throw usage_error("FACESHARD_FAULTS: ", plan.hold_save ? "hold_save" : "hold_write",
+      throw usage_error("FACESHARD_FAULTS: ", plan.hold_save ? "hold_save" : plan.hold_write ? "hold_write" : "hold_written",
                         " needs FACESHARD_FAULTS_RELEASE (the file whose creation ends the hold)");
     plan.release_file = release;
   }
@@ -89,14 +90,21 @@ void install_faults(const FaultPlan& plan, int rank, CheckpointManager& checkpoi
 }
 
 void install_writer_faults(const FaultPlan& plan, int rank, CheckpointWriter& writer) {
-  if (!plan.hold_write || plan.hold_write->rank != rank) return;
+  const bool write = plan.hold_write && plan.hold_write->rank == rank;
+  const bool written = plan.hold_written && plan.hold_written->rank == rank;
+  if (!write && !written) return;
   auto* async = dynamic_cast<AsyncCheckpointWriter*>(&writer);
   if (!async)
-    throw usage_error("FACESHARD_FAULTS: hold_write holds a checkpoint written in the background; this run writes "
-                      "them synchronously (train.checkpoint_async)");
-  async->set_before_write_hook([step = plan.hold_write->step, file = plan.release_file](int64_t s) {
-    if (s == step) wait_for_release(file);
-  });
+    throw usage_error("FACESHARD_FAULTS: ", write ? "hold_write" : "hold_written",
+                      " holds a checkpoint written in the background; this run writes them synchronously "
+                      "(train.checkpoint_async)");
+  auto hold = [file = plan.release_file](int64_t at) {
+    return [at, file](int64_t s) {
+      if (s == at) wait_for_release(file);
+    };
+  };
+  if (write) async->set_before_write_hook(hold(plan.hold_write->step));
+  if (written) async->set_after_write_hook(hold(plan.hold_written->step));
 }
 
 }  // namespace faceshard

@@ -9,6 +9,9 @@
 //   hold_write@0:2      rank 0's background writer holds its checkpoint of step 2 before it
 //                       writes (or copies) anything, until that file exists: the training
 //                       takes its next steps meanwhile, which must not reach the checkpoint
+//   hold_written@1:2    rank 1's background write of step 2, committed, does not count as
+//                       done until that file exists: the other ranks' writes are done, this
+//                       rank's is still in flight
 // Nothing in the training step reads the environment; an empty plan injects nothing.
 #pragma once
 #include <cstdint>
@@ -25,13 +28,13 @@ struct FaultPlan {
     int rank = 0;
     int64_t step = 0;
   };
-  std::optional<At> inf_gradient, crash_in_save, hold_save, hold_write;
-  std::string release_file;  // hold_save's and hold_write's
+  std::optional<At> inf_gradient, crash_in_save, hold_save, hold_write, hold_written;
+  std::string release_file;  // the holds'
 
   // Usage error naming the variable and the item when the spec is malformed.
   static FaultPlan parse(const std::string& spec);
   static FaultPlan from_environment();
-  bool empty() const { return !inf_gradient && !crash_in_save && !hold_save && !hold_write; }
+  bool empty() const { return !inf_gradient && !crash_in_save && !hold_save && !hold_write && !hold_written; }
 };
 
 class CheckpointManager;
@@ -43,7 +46,7 @@ class TrainStep;
 // gradient; crash_in_save kills the process with SIGKILL (no handler, no flush).
 void install_faults(const FaultPlan& plan, int rank, CheckpointManager& checkpoints, TrainStep& step,
                     const std::vector<at::Tensor>& backbone_params);
-// hold_write into the run's checkpoint writer: a usage error when the writer does not write
+// hold_write and hold_written into the run's checkpoint writer: a usage error when the writer does not write
 // in the background (the hold would stop the training itself).
 void install_writer_faults(const FaultPlan& plan, int rank, CheckpointWriter& writer);
 

@@ -2,11 +2,11 @@
 # End-to-end tests of faceshard-train on CPU with 2 ranks and a tiny synthetic data set.
 # usage: train_e2e.sh SOURCE_DIR BIN_DIR CASE
 #   CASE: loss_falls | resume_exact | resume_auto | global_batch | resume_accumulate | reshard | crash_in_save | sigterm | peer_stop | fp16_skip | nan_stop |
-#         verify_tool | bad_input | bf16 | vit_t | stop_in_flight
+#         verify_tool | bad_input | bf16 | vit_t | stop_in_flight | skip_when_busy
 set -u
 root="$1"; bin="$2"; case_name="$3"
 py="$root/.venv/bin/python"; [ -x "$py" ] || py=python3
-work=$(mktemp -d); trap 'rm -rf "$work"' EXIT
+work=$(mktemp -d); [ -n "${KEEP_WORK:-}" ] || trap 'rm -rf "$work"' EXIT
 fail() { echo "FAIL: $*"; exit 1; }
 
 "$bin/faceshard-synth" --output "$work/data" --identities 16 --images 8 --holdout 8 --pairs 40 --seed 3 > /dev/null \
@@ -349,6 +349,39 @@ assert not bad, 'resumed vs uninterrupted (step, resumed, uninterrupted): %r' % 
 print('steps 4-8 equal to the uninterrupted run')
 PY
   echo "PASS: stopped at step $at with the checkpoint of step 3 in flight as its own; resumed there, equal to the run uninterrupted" ;;
+skip_when_busy)
+  # train.checkpoint_when_busy skip on 2 ranks, through the real writer: rank 1's background
+  # write of step 2 is kept in flight after it committed (the fault hold_written) while rank
+  # 0's is done, so at step 4 only the ranks' all-reduce knows that a write is in flight:
+  # every rank skips step 4 (one line each, no step_4 folder); once released, a later due
+  # checkpoint is taken by every rank alike, the last one always.
+  rel="$work/release"
+  # (Every rank logs: FACESHARD_LOG_ALL_RANKS.)
+  FACESHARD_LOG_ALL_RANKS=1 FACESHARD_FAULTS=hold_written@1:2 FACESHARD_FAULTS_RELEASE="$rel" "$root/tools/launch.sh" --nproc 2 --grace-s 20 -- \
+    "$bin/faceshard-train" --config "$work/tiny.yaml" --set optim.total_steps=10 --set train.checkpoint_every=2 \
+    --set train.checkpoint_async=on --set train.checkpoint_when_busy=skip > "$work/a.log" 2>&1 &
+  pid=$!
+  skipped4="checkpoint step 4 skipped: the one of step 2 is still being written in the background"
+  for _ in $(seq 1 1500); do
+    [ "$(grep -c "$skipped4" "$work/a.log")" -ge 2 ] && break
+    kill -0 "$pid" 2>/dev/null || break; sleep 0.2
+  done
+  touch "$rel"
+  wait "$pid"; rc=$?
+  [ "$rc" -eq 0 ] || { cat "$work/a.log"; fail "exit status $rc"; }
+  [ "$(grep -c "$skipped4" "$work/a.log")" = 2 ] || { cat "$work/a.log"; fail "step 4 was not skipped by both ranks"; }
+  [ ! -e "$work/out/checkpoints/step_00000004" ] || fail "a step_00000004 folder was written"
+  [ -f "$work/out/checkpoints/step_00000002/COMMITTED" ] || { cat "$work/a.log"; fail "step 2 did not commit"; }
+  [ -f "$work/out/checkpoints/step_00000010/COMMITTED" ] || { cat "$work/a.log"; fail "the last checkpoint was not taken"; }
+  # Steps 6 and 8: skipped by both ranks (no folder) or taken by both (committed).
+  for s in 6 8; do
+    n=$(grep -c "checkpoint step $s skipped" "$work/a.log")
+    f="$work/out/checkpoints/step_$(printf '%08d' "$s")"
+    if [ "$n" = 0 ]; then [ -f "$f/COMMITTED" ] || { cat "$work/a.log"; fail "step $s neither skipped nor committed"; }
+    elif [ "$n" = 2 ]; then [ ! -e "$f" ] || fail "step $s skipped but written"
+    else cat "$work/a.log"; fail "step $s skipped by $n of 2 ranks"; fi
+  done
+  echo "PASS: step 4 skipped by both ranks while rank 1's write of step 2 was held in flight (rank 0's done); the last checkpoint taken" ;;
 verify_tool)
   # faceshard-verify on the exported model reports what the trainer logged last, and the
   # checkpoint folder the same: trained far enough that the accuracy says something (an
