@@ -104,6 +104,7 @@ bool RowStaging::complete(const std::atomic<bool>* abort) {
       return false;
     }
     if (done_[c].load(std::memory_order_acquire)) continue;
+    if (chunk_hook_) chunk_hook_(c);
     std::lock_guard<std::mutex> lock(locks_[c]);
     if (done_[c].load(std::memory_order_relaxed)) continue;
     const int64_t c0 = c * kChunkRows;

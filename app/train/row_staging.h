@@ -11,6 +11,7 @@
 #pragma once
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <utility>
@@ -42,6 +43,11 @@ class RowStaging {
   // Whether a copy is under way (begun, not complete).
   bool active() const { return active_.load(std::memory_order_acquire); }
 
+  // Called by complete() before each chunk it has not seen copied (its index), outside the
+  // chunk's lock: where tests make the writer wait for the training, so that the two sides
+  // interleave chunk by chunk instead of the writer finishing first.
+  void set_chunk_hook(std::function<void(int64_t chunk)> hook) { chunk_hook_ = std::move(hook); }
+
   // Of the last copy: the rows the training copied itself, and the seconds it spent on them
   // (waits for the writer's chunk included).
   int64_t rows_copied_by_training() const { return training_rows_.load(); }
@@ -66,6 +72,7 @@ class RowStaging {
   std::vector<int64_t> copied_in_chunk_;  // per chunk, its rows copied so far (under its lock)
   std::atomic<int64_t> training_rows_{0};
   std::atomic<int64_t> training_ns_{0};
+  std::function<void(int64_t)> chunk_hook_;
 };
 
 }  // namespace faceshard
