@@ -13,6 +13,7 @@
 #include <fstream>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "app/train/run_lock.h"
 #include "tests/test_errors.h"
@@ -77,6 +78,31 @@ TEST(RunLock, SecondHolderIsRefusedNamingTheFirstAndACleanEndRemovesTheFile) {
   EXPECT_FALSE(fs::exists(path));
   auto second = RunLock::acquire(out);
   EXPECT_FALSE(second->taken_over());  // a clean end leaves nothing stale
+}
+
+// The holder ends (unlinking its file, then unlocking it) just as a contender has opened the
+// file and before it locks it: the contender's flock succeeds, but on a file no longer in the
+// folder. It must open the folder's lock file again and hold that one, so that a third run is
+// refused; a contender that kept the unlinked file would leave the folder free for it.
+TEST(RunLock, AHolderThatEndsBetweenTheContendersOpenAndFlockIsNotTakenTwice) {
+  TempDir d;
+  const std::string out = d / "run";
+  auto first = RunLock::acquire(out);
+  const std::string path = run_lock_path(out);
+  RunLockOptions o;
+  std::vector<int> attempts;
+  o.after_open = [&](int attempt) {
+    attempts.push_back(attempt);
+    if (attempt == 0) first.reset();  // the holder's clean end, between the open and the flock
+  };
+  auto second = RunLock::acquire(out, o);
+  EXPECT_EQ(attempts.size(), 2u) << "the contender did not open the lock file again";
+  EXPECT_FALSE(second->taken_over());
+  ASSERT_TRUE(fs::exists(path)) << "the folder has no lock file while the second run holds it";
+  EXPECT_EQ(read_run_lock(path)->pid, getpid());
+  // The only holder: a third run is refused.
+  const std::string e = error_of([&] { RunLock::acquire(out); });
+  EXPECT_NE(e.find("is in use by another training run"), std::string::npos) << e;
 }
 
 TEST(RunLock, OutputThatIsAFileIsRefused) {

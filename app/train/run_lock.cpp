@@ -120,6 +120,7 @@ std::unique_ptr<RunLock> RunLock::acquire(const std::string& output, const RunLo
   for (int attempt = 0; attempt < 100; ++attempt) {
     const int fd = open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
     if (fd < 0) throw usage_error("output '", absolute_text(output), "': cannot open its lock file '", shown, "': ", std::strerror(errno));
+    if (options.after_open) options.after_open(attempt);
     if (flock(fd, LOCK_EX | LOCK_NB) != 0) {
       const int err = errno;
       if (err != EWOULDBLOCK) {

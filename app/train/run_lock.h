@@ -20,6 +20,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <functional>
 #include <condition_variable>
 #include <cstdint>
 #include <memory>
@@ -45,6 +46,9 @@ struct RunLockOptions {
   std::string job;   // this job's id (empty: run_lock_job_id())
   std::chrono::milliseconds heartbeat{10000};
   std::chrono::milliseconds stale_after{60000};
+  // Tests: called on each attempt between the lock file's open and its flock (where a holder
+  // may release, and unlink, the file the contender has just opened).
+  std::function<void(int attempt)> after_open;
 };
 
 class RunLock {
