@@ -228,16 +228,27 @@ bool CheckpointManager::save(int64_t step, int64_t num_classes, const StateDict&
     log_info("checkpoint step ", step, ": this rank wrote ", format_bytes(gb * 1e9), " in ", format_sig(s), " s (",
              format_bytes(gb * 1e9 / std::max(s, 1e-9)), "/s, fsync and read-back included)");
     // Every rank has its files in place and read back: rank 0 commits.
+    bool marker_written = false;
     if (dist_.rank() == 0) {
       try {
         std::ostringstream os;
         os << "step " << step << "\nworld_size " << dist_.world_size() << "\nnum_classes " << num_classes << "\n";
         write_text_durably(os.str(), dir + "/" + kMarker);
+        marker_written = true;
       } catch (const std::exception& e) {
         problem = "rank 0: " + describe_write_error(e, dir);
       }
     }
     problem = agreement.agree(problem);
+    if (!problem.empty() && marker_written) {
+      // Every rank's files were in place and verified (the stage before) and the marker is
+      // durable: the checkpoint is whole, although a rank did not confirm its commit (it died
+      // or froze since). It stays, the newest committed one.
+      log_warn("checkpoint step ", step, ": committed, but not every rank confirmed it: ", problem);
+      failed_in_a_row_ = 0;
+      prune(dir);
+      return true;
+    }
   }
   if (!problem.empty()) {
     // Nothing of this save stays: the previous committed checkpoint is the newest.

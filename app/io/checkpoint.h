@@ -31,6 +31,9 @@ struct CheckpointInfo {
 // training's process group, so that it cannot interleave with a training collective.
 class SaveAgreement {
  public:
+  // The stages of CheckpointManager::save, in order: the folder made, every rank's files
+  // written and read back, rank 0's COMMITTED marker written (then a barrier).
+  static constexpr int kFolderStage = 0, kFilesStage = 1, kCommitStage = 2;
   virtual ~SaveAgreement() = default;
   virtual std::string agree(const std::string& mine) = 0;
   // Every rank has reached this point.

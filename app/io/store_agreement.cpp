@@ -14,6 +14,8 @@ StoreAgreement::StoreAgreement(c10::intrusive_ptr<c10d::Store> store, std::strin
 
 std::string StoreAgreement::agree(const std::string& mine) {
   if (world_ <= 1) return mine;
+  if (!broken_.empty()) return broken_;
+  if (before_stage_) before_stage_(stage_);
   const std::string stage = prefix_ + "/" + std::to_string(stage_++) + "/";
   std::vector<std::string> keys;
   for (int r = 0; r < world_; ++r) keys.push_back(stage + std::to_string(r));
@@ -21,10 +23,26 @@ std::string StoreAgreement::agree(const std::string& mine) {
   const std::string value = "+" + mine.substr(0, 400);
   try {
     store_->set(keys[static_cast<size_t>(rank_)], std::vector<uint8_t>(value.begin(), value.end()));
-    // In slices of a second, so that an abort is seen soon.
-    const auto deadline = std::chrono::steady_clock::now() + timeout_;
+    // In slices of a second, so that an abort, or a dead or frozen peer, is seen soon.
+    const auto start = std::chrono::steady_clock::now();
+    const auto deadline = start + timeout_;
+    const int64_t start_ms = judge_.clock_ms ? judge_.clock_ms() : 0;
     for (;;) {
       if (abort_ && abort_->load()) return "rank " + std::to_string(rank_) + ": the save was given up (the run is ending)";
+      if (judge_.limit && judge_.silent) {
+        const auto waited = std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - start);
+        const auto limit = judge_.limit();
+        if (waited >= limit) {
+          std::vector<int> missing;
+          for (int r = 0; r < world_; ++r)
+            if (r != rank_ && !store_->check({keys[static_cast<size_t>(r)]})) missing.push_back(r);
+          const std::string who = missing.empty() ? std::string() : judge_.silent(missing, start_ms);
+          if (!who.empty())
+            return broken_ = "rank " + std::to_string(rank_) + ": the checkpoint's agreement waited " +
+                             std::to_string(waited.count() / 100 / 10.0).substr(0, 4) + " s, past the hang limit of " +
+                             std::to_string(limit.count() / 100 / 10.0).substr(0, 4) + " s, for " + who;
+        }
+      }
       const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
       try {
         store_->wait(keys, std::max(std::chrono::milliseconds(1), std::min(left, std::chrono::milliseconds(1000))));
@@ -36,8 +54,8 @@ std::string StoreAgreement::agree(const std::string& mine) {
   } catch (const std::exception& e) {
     // Every rank that sees this gives the save up: a rank that never reported is dead or
     // cut off, and its part cannot be trusted.
-    return "rank " + std::to_string(rank_) + ": the other ranks did not all report within " +
-           std::to_string(timeout_.count() / 1000) + " s (" + one_line(e) + ")";
+    return broken_ = "rank " + std::to_string(rank_) + ": the other ranks did not all report within " +
+                     std::to_string(timeout_.count() / 1000) + " s (" + one_line(e) + ")";
   }
   std::string verdict;
   for (int r = 0; r < world_ && verdict.empty(); ++r) {

@@ -261,6 +261,8 @@ std::optional<CheckpointOutcome> AsyncCheckpointWriter::save(const TrainState& s
       staging_.ready();
       StoreAgreement agreement(store_, "faceshard/ckpt/" + run_id_ + "/" + std::to_string(staged->step), rank_, world_,
                                timeout_, &abort_);
+      agreement.set_hang_judge(judge_);
+      if (before_stage_) agreement.set_before_stage([this, step = staged->step](int stage) { before_stage_(step, stage); });
       o.committed = checkpoints_.save(staged->step, staged->num_classes, staged->backbone, staged->train_state,
                                       staged->shard, agreement);
       o.problem = o.committed ? "" : checkpoints_.last_problem();
@@ -362,6 +364,10 @@ std::unique_ptr<CheckpointWriter> make_checkpoint_writer(const TrainJob& job, co
   auto writer = std::make_unique<AsyncCheckpointWriter>(checkpoints, d.rank(), d.world_size(), std::move(store),
                                                         std::to_string(id.item<int64_t>()), timeout);
   if (d.world_size() > 1) writer->set_before_wait([&d] { d.barrier(); });
+  if (d.world_size() > 1)
+    writer->set_hang_judge({[&d] { return d.hang_limit(); },
+                            [&d](const std::vector<int>& missing, int64_t since_ms) { return d.silent_peer(missing, since_ms); },
+                            [] { return Distributed::clock_ms(); }});
   if (job.cfg.train.checkpoint_when_busy == "skip")
     writer->skip_when_busy([&d](bool mine) {
       if (d.world_size() == 1) return mine;

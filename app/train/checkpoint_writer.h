@@ -21,6 +21,7 @@
 #include <thread>
 
 #include "app/io/checkpoint.h"
+#include "app/io/store_agreement.h"
 #include "app/train/row_staging.h"
 #include "partial_fc/classifier/partial_fc.h"
 #include "app/train/train_state.h"
@@ -141,6 +142,12 @@ class AsyncCheckpointWriter : public CheckpointWriter {
   // Called on the background thread after the write (committed or not), before the write
   // counts as done: where tests keep one rank's write in flight after the others' are done.
   void set_after_write_hook(std::function<void(int64_t step)> hook) { after_write_ = std::move(hook); }
+  // The ranks' agreement on each stage of a background save waits for a dead or frozen
+  // peer no longer than the training's hang detection would (store_agreement.h).
+  void set_hang_judge(AgreementHangJudge judge) { judge_ = std::move(judge); }
+  // Called on the background thread before this rank reports a stage of the agreement of
+  // `step`'s save (stage index from 0): where fault tests freeze a rank inside it.
+  void set_before_agreement_stage(std::function<void(int64_t step, int stage)> hook) { before_stage_ = std::move(hook); }
   // Called by finish() (every rank at the same point) before it waits for the write in
   // flight: a collective of the training's (a barrier) whose hang detection ends the run when
   // a peer is frozen or gone, instead of the wait lasting the agreement's whole timeout (the
@@ -159,6 +166,8 @@ class AsyncCheckpointWriter : public CheckpointWriter {
   std::thread thread_;
   CheckpointOutcome in_flight_;  // the thread's, read after it is joined (its step: set before the thread starts)
   std::function<void(int64_t)> before_write_, after_write_;
+  AgreementHangJudge judge_;
+  std::function<void(int64_t, int)> before_stage_;
   std::function<void()> before_wait_;
   std::function<bool(bool)> all_done_;
   std::atomic<bool> abort_{false};

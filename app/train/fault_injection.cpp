@@ -15,6 +15,7 @@
 #include "app/train/checkpoint_writer.h"
 #include "app/train/train_step.h"
 #include "partial_fc/runtime/error.h"
+#include "partial_fc/runtime/log.h"
 
 namespace faceshard {
 
@@ -36,9 +37,10 @@ FaultPlan FaultPlan::parse(const std::string& spec) {
     else if (kind == "hold_save") plan.hold_save = At{rank, step};
     else if (kind == "hold_write") plan.hold_write = At{rank, step};
     else if (kind == "hold_written") plan.hold_written = At{rank, step};
+    else if (kind == "freeze_in_agreement") plan.freeze_in_agreement = At{rank, step};
     else
       throw usage_error("FACESHARD_FAULTS: unknown fault '", kind,
-                        "' (inf_gradient, crash_in_save, hold_save, hold_write or hold_written)");
+                        "' (inf_gradient, crash_in_save, hold_save, hold_write, hold_written or freeze_in_agreement)");
   }
   if (plan.hold_save || plan.hold_write || plan.hold_written) {
     const char* release = std::getenv("FACESHARD_FAULTS_RELEASE");
@@ -92,10 +94,11 @@ void install_faults(const FaultPlan& plan, int rank, CheckpointManager& checkpoi
 void install_writer_faults(const FaultPlan& plan, int rank, CheckpointWriter& writer) {
   const bool write = plan.hold_write && plan.hold_write->rank == rank;
   const bool written = plan.hold_written && plan.hold_written->rank == rank;
-  if (!write && !written) return;
+  const bool freeze = plan.freeze_in_agreement && plan.freeze_in_agreement->rank == rank;
+  if (!write && !written && !freeze) return;
   auto* async = dynamic_cast<AsyncCheckpointWriter*>(&writer);
   if (!async)
-    throw usage_error("FACESHARD_FAULTS: ", write ? "hold_write" : "hold_written",
+    throw usage_error("FACESHARD_FAULTS: ", write ? "hold_write" : written ? "hold_written" : "freeze_in_agreement",
                       " holds a checkpoint written in the background; this run writes them synchronously "
                       "(train.checkpoint_async)");
   auto hold = [file = plan.release_file](int64_t at) {
@@ -105,6 +108,12 @@ void install_writer_faults(const FaultPlan& plan, int rank, CheckpointWriter& wr
   };
   if (write) async->set_before_write_hook(hold(plan.hold_write->step));
   if (written) async->set_after_write_hook(hold(plan.hold_written->step));
+  if (freeze)
+    async->set_before_agreement_stage([rank, at = plan.freeze_in_agreement->step](int64_t s, int stage) {
+      if (s != at || stage != SaveAgreement::kCommitStage) return;
+      log_notice("fault: rank ", rank, " freezes (SIGSTOP) inside the commit stage of step ", s, "'s agreement");
+      std::raise(SIGSTOP);
+    });
 }
 
 }  // namespace faceshard

@@ -12,6 +12,9 @@
 //   hold_written@1:2    rank 1's background write of step 2, committed, does not count as
 //                       done until that file exists: the other ranks' writes are done, this
 //                       rank's is still in flight
+//   freeze_in_agreement@1:8   rank 1 stops itself (SIGSTOP) inside the last stage of the
+//                       agreement of step 8's background save: after rank 0 wrote COMMITTED,
+//                       before rank 1 confirmed it (the other ranks wait on a frozen peer)
 // Nothing in the training step reads the environment; an empty plan injects nothing.
 #pragma once
 #include <cstdint>
@@ -28,13 +31,13 @@ struct FaultPlan {
     int rank = 0;
     int64_t step = 0;
   };
-  std::optional<At> inf_gradient, crash_in_save, hold_save, hold_write, hold_written;
+  std::optional<At> inf_gradient, crash_in_save, hold_save, hold_write, hold_written, freeze_in_agreement;
   std::string release_file;  // the holds'
 
   // Usage error naming the variable and the item when the spec is malformed.
   static FaultPlan parse(const std::string& spec);
   static FaultPlan from_environment();
-  bool empty() const { return !inf_gradient && !crash_in_save && !hold_save && !hold_write && !hold_written; }
+  bool empty() const { return !inf_gradient && !crash_in_save && !hold_save && !hold_write && !hold_written && !freeze_in_agreement; }
 };
 
 class CheckpointManager;
@@ -46,7 +49,7 @@ class TrainStep;
 // gradient; crash_in_save kills the process with SIGKILL (no handler, no flush).
 void install_faults(const FaultPlan& plan, int rank, CheckpointManager& checkpoints, TrainStep& step,
                     const std::vector<at::Tensor>& backbone_params);
-// hold_write and hold_written into the run's checkpoint writer: a usage error when the writer does not write
+// hold_write, hold_written and freeze_in_agreement into the run's checkpoint writer: a usage error when the writer does not write
 // in the background (the hold would stop the training itself).
 void install_writer_faults(const FaultPlan& plan, int rank, CheckpointWriter& writer);
 

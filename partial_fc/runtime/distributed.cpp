@@ -265,12 +265,13 @@ class RendezvousDeadline {
 // The heartbeat thread: every interval it writes this rank's beat (epoch ms and collective
 // count) and makes one round trip to the store, which proves the store still answers (a
 // set is not answered). While a collective has waited a second or more, that round trip
-// reads every rank's beat (the hang check judges them). Its connection's requests fail
+// reads every rank's beat (the hang check judges them), as it does while silent_peer() asks
+// for them (a wait outside the collectives). Its connection's requests fail
 // within a few beats, after which it connects afresh; a request that blocks for good (a
 // partition) blocks only this thread, which is never joined.
 void beat_loop(DistEnv env, std::chrono::milliseconds interval, std::shared_ptr<LinkWatch> links,
                std::shared_ptr<CollectiveTrace> trace, std::shared_ptr<std::atomic<int64_t>> seq,
-               std::shared_ptr<std::atomic<bool>> stop) {
+               std::shared_ptr<std::atomic<bool>> stop, std::shared_ptr<std::atomic<int64_t>> peers_wanted_until) {
   const auto timeout = std::max(interval * 4, std::chrono::milliseconds(2000));
   std::vector<std::string> keys;
   for (int r = 0; r < env.world_size; ++r) keys.push_back(key_hb(r));
@@ -281,7 +282,7 @@ void beat_loop(DistEnv env, std::chrono::milliseconds interval, std::shared_ptr<
       const auto t0 = Clock::now();
       beat->set(key_hb(env.rank), to_bytes(std::to_string(now_ms()) + " " + std::to_string(seq->load())));
       const std::optional<CollectiveRecord> pending = trace->oldest_pending();
-      if (pending && now_ms() - pending->issued_ms >= 1000) {
+      if ((pending && now_ms() - pending->issued_ms >= 1000) || now_ms() < peers_wanted_until->load()) {
         LinkWatch::PeerBeats peers;
         for (const auto& v : beat->multiGet(keys)) {
           std::istringstream is(to_string(v));
@@ -384,7 +385,8 @@ std::shared_ptr<Distributed> Distributed::init(const DistEnv& env, const DistOpt
     d->hb_store_->set(key_host(env.rank), to_bytes(me));
     d->hb_store_->set(key_hb(env.rank), to_bytes(std::to_string(now_ms()) + " 0"));
     std::signal(SIGUSR1, on_trace_signal);
-    std::thread(beat_loop, env, opts.heartbeat_interval, d->links_, d->trace_, d->seq_, d->beat_stop_).detach();
+    std::thread(beat_loop, env, opts.heartbeat_interval, d->links_, d->trace_, d->seq_, d->beat_stop_,
+                d->peers_wanted_until_).detach();
     d->watch_ = std::thread([p = d.get()] { p->watch_loop(); });
     deadline.stage("Gloo full mesh");
     d->rendezvous("Gloo full mesh", [&] {
@@ -590,6 +592,24 @@ void Distributed::check_for_hang() {
   write_trace(os.str());
   exit_fatal(os.str());
 }
+
+std::string Distributed::silent_peer(const std::vector<int>& ranks, int64_t since_ms) {
+  const auto silent_after = std::max(opts_.heartbeat_interval * 6, std::chrono::milliseconds(3000));
+  // The heartbeat thread reads the beats for the next few intervals (each call extends it).
+  peers_wanted_until_->store(now_ms() + 4 * opts_.heartbeat_interval.count());
+  const LinkWatch::PeerBeats peers = links_->peers();
+  if (peers.read_ms < since_ms || static_cast<int>(peers.beats.size()) != env_.world_size) return "";
+  for (int r : ranks) {
+    if (r == env_.rank || r < 0 || r >= env_.world_size) continue;
+    const int64_t silent_ms = peers.read_ms - peers.beats[static_cast<size_t>(r)].first;
+    if (silent_ms >= silent_after.count())
+      return "rank " + std::to_string(r) + " (host " + host_of(r) + "): no heartbeat for " +
+             std::to_string(silent_ms / 100 / 10.0).substr(0, 4) + " s: dead, frozen or cut off";
+  }
+  return "";
+}
+
+int64_t Distributed::clock_ms() { return now_ms(); }
 
 std::string Distributed::store_host() {
   return env_.agent_store ? env_.master_addr : host_of(0);

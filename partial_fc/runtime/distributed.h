@@ -109,6 +109,14 @@ class Distributed {
   void set_step_seconds(double seconds) { step_seconds_ = seconds; }
   // How long a collective of a step may wait while a peer that has not entered it is silent.
   std::chrono::milliseconds hang_limit() const;
+  // For a wait outside the training's collectives (the background checkpoint's agreement
+  // through the store) that began at `since_ms` (the clock of now_ms): of `ranks`, the first
+  // whose heartbeat, as read since then, has been silent as long as a collective's hang check
+  // requires, described ("rank 1 (host h): no heartbeat for 6.5 s: dead, frozen or cut off");
+  // "" when none is (or no read since `since_ms` says so).
+  std::string silent_peer(const std::vector<int>& ranks, int64_t since_ms);
+  // The clock the trace and the heartbeat reads use (ms).
+  static int64_t clock_ms();
   // The host each rank reported at start-up: its name and, on a job of several hosts, the
   // address its collectives use ("node7 (10.0.0.7)"; "?" when unknown).
   std::string host_of(int rank);
@@ -155,6 +163,9 @@ class Distributed {
   // can block for good, and the job must still be able to end.
   std::shared_ptr<std::atomic<int64_t>> seq_ = std::make_shared<std::atomic<int64_t>>(0);
   std::shared_ptr<std::atomic<bool>> beat_stop_ = std::make_shared<std::atomic<bool>>(false);
+  // Until when (now_ms) the heartbeat thread reads the peers' beats although no collective
+  // waits: silent_peer() asks for them.
+  std::shared_ptr<std::atomic<int64_t>> peers_wanted_until_ = std::make_shared<std::atomic<int64_t>>(0);
   std::shared_ptr<CollectiveTrace> trace_ = std::make_shared<CollectiveTrace>();
   std::mutex trace_mutex_;  // trace_dir_, async_seq_, hosts_
   std::string trace_dir_;

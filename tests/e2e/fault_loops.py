@@ -9,6 +9,10 @@
   kill_in_async_save
              kill_all's in-save trials with train.checkpoint_async on: the rank dies half-way
              through a checkpoint written in the background while the training goes on.
+  freeze_in_agreement
+             rank 1 of two freezes (SIGSTOP) inside the commit stage of the agreement of the
+             run's last checkpoint, written in the background: rank 0 must end within the
+             hang limit, the checkpoint stays committed, and the resume names it.
   lose_rank  one rank of three is killed (SIGKILL) or frozen (SIGSTOP) at a random moment,
              each rank and each signal in turn (rank 0 hosts the rendezvous store): every
              other rank must exit non-zero within the collective timeout (plus the failure
@@ -630,6 +634,68 @@ def kill_in_async_save(args, work, rng):
     return kill_all(args, work, rng, modes=("in_save",))
 
 
+def freeze_in_agreement(args, work, rng):
+    """Rank 1 freezes (SIGSTOP, the fault freeze_in_agreement) inside the commit stage of the
+    agreement of the run's last checkpoint, written in the background: after finish()'s
+    barrier, after rank 0 wrote COMMITTED, before rank 1 confirmed it. Rank 0 must end
+    within the hang limit it prints (plus the wait's one-second slices and its exit), not
+    after the agreement's ten minutes; the checkpoint stays committed (every rank's files
+    were verified the stage before), none committed earlier is lost, and the resume names
+    the newest committed step."""
+    out = os.path.join(work, "out")
+    failures = []
+    ended = []
+    for trial in range(args.trials):
+        shutil.rmtree(out, ignore_errors=True)
+        last = CHECKPOINT_EVERY * rng.randint(2, 3)
+        job = Job(args, work, "freeze%d" % trial, 2, ["--set", "train.max_steps=%d" % last],
+                  {"FACESHARD_FAULTS": "freeze_in_agreement@1:%d" % last, "FACESHARD_LOG_ALL_RANKS": "1"})
+        froze = job.wait_for(lambda: "freezes (SIGSTOP) inside the commit stage" in job.log(1), 120, "the freeze")
+        t_freeze = time.monotonic()
+        if not froze:
+            job.kill_all()
+            failures.append("trial %d: rank 1 did not freeze in step %d's agreement:\n%s" % (trial, last, job.log(1)[-2000:]))
+            continue
+        job.wait_for(lambda: job.procs[0].poll() is not None, 120, "rank 0's end")
+        job.poll()
+        took = (job.exit_time[0] - t_freeze) if job.exit_time[0] is not None else None
+        job.kill_all()
+        text = job.log(0)
+        m = re.search(r"past the hang limit of ([0-9.]+) s, for rank 1 \(host [^)]*\): no heartbeat", text)
+        limit = float(m.group(1)) if m else None
+        committed = committed_steps(out)
+        problem = None
+        if took is None:
+            problem = "rank 0 did not end within 120 s of the freeze"
+        elif limit is None:
+            problem = "rank 0 did not name the frozen rank past the hang limit:\n" + text[-2000:]
+        elif took > 2 * limit + 6:
+            # The agreement's wait, then the run's last collective's (which names the frozen
+            # rank and ends the run), each bounded by the hang limit, and a few seconds of
+            # slices, export and exit.
+            problem = "rank 0 ended %.1f s after the freeze, more than twice its hang limit %.1f s + 6 s" % (took, limit)
+        elif last not in committed or (last - CHECKPOINT_EVERY) not in committed:
+            problem = "committed checkpoints %s: expected steps %d and %d" % (committed, last - CHECKPOINT_EVERY, last)
+        else:
+            res = Job(args, work, "freeze%d_resume" % trial, 2, ["--resume", "--set", "train.max_steps=%d" % (last + 2)])
+            res.wait_for(lambda: not res.running(), 120, "the resume")
+            res.kill_all()
+            codes = [p.returncode for p in res.procs]
+            if codes != [0, 0] or resumed_step(res.log(0)) != max(committed):
+                problem = "the resume: exit %s, resumed at %s, newest committed %d:\n%s" % (
+                    codes, resumed_step(res.log(0)), max(committed), res.log(0)[-2000:])
+        if problem:
+            failures.append("trial %d: %s" % (trial, problem))
+        else:
+            ended.append(took)
+        print("trial %2d: freeze in step %d's commit stage; rank 0 ended after %s s (limit %s s, exit %s); committed %s%s" %
+              (trial, last, "%.1f" % took if took is not None else "-", limit, job.procs[0].returncode, committed,
+               "" if not problem else "; FAILED"), flush=True)
+    print("freeze_in_agreement: %d trials, rank 0 ended %.1f-%.1f s after the freeze, %d failures" %
+          (args.trials, min(ended or [0]), max(ended or [0]), len(failures)))
+    return failures
+
+
 def storage_case(name):
     def run_case(args, work, rng):
         sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -649,7 +715,7 @@ def stranger(args, work, rng):
 
 CASES = {"kill_all": kill_all, "lose_rank": lose_rank, "throttle": throttle, "partition": partition, "straggler": straggler,
          "enospc": storage_case("enospc"), "eio": storage_case("eio"), "corrupt_latest": storage_case("corrupt_latest"),
-         "stranger": stranger, "kill_in_async_save": kill_in_async_save}
+         "stranger": stranger, "kill_in_async_save": kill_in_async_save, "freeze_in_agreement": freeze_in_agreement}
 
 
 def main():
@@ -663,7 +729,7 @@ def main():
     ap.add_argument("--checkpoint-async", dest="checkpoint_async", default=None, choices=["on", "off", "auto"],
                     help="train.checkpoint_async of every run (kill_in_async_save: on)")
     args = ap.parse_args()
-    if args.case == "kill_in_async_save":
+    if args.case in ("kill_in_async_save", "freeze_in_agreement"):
         args.checkpoint_async = "on"
     args.source, args.bin = os.path.abspath(args.source), os.path.abspath(args.bin)
     seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(4), "little")
