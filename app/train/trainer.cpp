@@ -389,7 +389,10 @@ int run_training(const TrainRequest& req) {
     const JudgedStep judged = judged_step(seconds_since(t_step), d.take_blocked_seconds(), scheduled.take());
     const double step_s = judged.step_s;
     if (const std::optional<double> median = step_timer.add(step_s)) d.set_step_seconds(median_step = *median);
-    const double blocked_s = judged.blocked_s;
+    // What the heartbeat saw during the step; time this process itself did not run (stopped,
+    // starved) is no wait for the network or a peer, even where it fell inside a collective.
+    const LinkWatch::Stall silent = d.links().take_stall();
+    const double blocked_s = std::max(0.0, judged.blocked_s - silent.self_stopped_s);
     if (stragglers) {
       StepPhases own;
       if (j.device.is_cpu()) {  // the host's clock is the work's: each phase less its waits
@@ -399,7 +402,6 @@ int run_training(const TrainRequest& req) {
       }
       stragglers->add_step(p.step, step_s, r.data_wait_s, blocked_s, d.links().take_round_trips_ms(), own);
     }
-    const LinkWatch::Stall silent = d.links().take_stall();
     if (is_stall(blocked_s, median_step, !silent.empty()) && ++stalls_unreported && seconds_since(t_stall_line) >= 10) {
       log_warn("network: step ", p.step, " waited ", format_sig(blocked_s), " s in collectives (the median step is ",
                format_sig(median_step), " s)",

@@ -300,7 +300,14 @@ void beat_loop(DistEnv env, std::chrono::milliseconds interval, std::shared_ptr<
       beat.reset();  // the store host may be gone or cut off: the hang check judges it
     }
     const auto until = Clock::now() + interval;
-    while (!*stop && Clock::now() < until) std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    while (!*stop && Clock::now() < until) {
+      // A 20 ms sleep that lasted over a second more: this process was not running (stopped
+      // or starved), which the trainer does not count as a wait for the network.
+      const auto t = Clock::now();
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      const double over = std::chrono::duration<double>(Clock::now() - t).count() - 0.02;
+      if (over >= 1.0) links->self_stopped(over);
+    }
   }
 }
 

@@ -26,6 +26,11 @@ void LinkWatch::silent(int rank, double silent_s) {
   s = std::max(s, silent_s);
 }
 
+void LinkWatch::self_stopped(double s) {
+  std::lock_guard<std::mutex> lock(m_);
+  stall_.self_stopped_s += s;
+}
+
 void LinkWatch::peers_read(PeerBeats beats) {
   std::lock_guard<std::mutex> lock(m_);
   peers_ = std::move(beats);

@@ -22,6 +22,10 @@ class LinkWatch {
   int64_t last_answer_ms() const;
   // While a collective waits: a peer (or, with rank -1, the store) silent for `silent_s`.
   void silent(int rank, double silent_s);
+  // This process itself did not run for `s` seconds (stopped, SIGSTOP, or starved of the
+  // CPU): the heartbeat thread's own sleep overran by that much. Time this rank spent
+  // stopped inside a collective is not a wait for the network or a peer.
+  void self_stopped(double s);
 
   // Every rank's heartbeat as read from the store at `read_ms` (epoch ms): (the beat's
   // epoch ms, its collective count) per rank.
@@ -34,6 +38,7 @@ class LinkWatch {
 
   struct Stall {
     std::map<int, double> silent_s;  // rank (-1: the store) -> the longest silence seen
+    double self_stopped_s = 0;       // seconds this process did not run (self_stopped)
     bool empty() const { return silent_s.empty(); }
   };
   // What was seen since the last call, and a fresh start.

@@ -4,7 +4,8 @@
 # checkpoint at each of those steps. Neither rank may report a step held up in collectives for
 # that (the straggler windows' side: tests/test_user_reports.cpp). Then rank 1 really freezes
 # (SIGSTOP, 2.5 s, between verifications): rank 0 still names it, silent, in its
-# "network: step N waited" line.
+# "network: step N waited" line, and rank 1, stopped itself (inside a collective or not: its
+# own heartbeat thread's sleep overran), reports no wait.
 # usage: scheduled_work.sh SOURCE_DIR BIN_DIR
 set -u
 root="$1"; bin="$2"
