@@ -52,7 +52,10 @@ DominantSubcenters read_dominant_subcenters(const std::string& folder, int64_t c
                 const int64_t cls = parse_report_index(v[0], where, classes, "class");
                 const int64_t sub = parse_report_index(v[1], where, subcenters, "sub-centre");
                 const int64_t dom = parse_report_index(v[2], where, subcenters, "dominant sub-centre");
-                const int64_t n = parse_report_index(v[3], where, INT64_MAX, "image count");
+                char* end = nullptr;
+                const long long n = std::strtoll(v[3].c_str(), &end, 10);
+                if (v[3].empty() || *end != '\0' || n < 0)
+                  throw usage_error(where, ": dominant_images '", v[3], "' is not a count of images");
                 if (sub == dom) throw usage_error(where, ": class ", cls, "'s dominant sub-centre ", dom, " is listed as dropped");
                 int64_t& have = d.dominant[size_t(cls)];
                 if (have >= 0 && (have != dom || d.images[size_t(cls)] != n))
