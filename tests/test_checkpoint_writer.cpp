@@ -326,7 +326,7 @@ TEST(CheckpointStagingPlan, PinnedBuffersCountTheirBlocks) {
 TEST(CheckpointStagingPlan, RankAndHostBytesByHand) {
   CheckpointPlan ck;
   ck.files = {{"backbone.pt", 100, ""}, {"train_state.pt", 50, ""}, {"fc_shard_0.pt .. fc_shard_2.pt", 1000, ""}};
-  JobPlanInputs job;
+  JobSettings job;
   job.num_classes = 10;
   job.world_size = 3;
   const CheckpointStagingPlan s = plan_checkpoint_staging(ck, job, 2);

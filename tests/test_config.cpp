@@ -114,8 +114,8 @@ TEST(Config, PrecisionAutoIsBf16WhereTheDeviceHasIt) {
   }
   EXPECT_FALSE(device_has_bf16(torch::kCPU));
   // A plan is made for a GPU: auto plans bf16's activations.
-  EXPECT_EQ(job_plan_inputs(c, 1).precision, "bf16");
-  EXPECT_EQ(job_plan_inputs(load_config_text("data:\n  num_classes: 10\ntrain:\n  precision: fp32\n", "m.yaml"), 1).precision,
+  EXPECT_EQ(job_settings(c, 1).precision, "bf16");
+  EXPECT_EQ(job_settings(load_config_text("data:\n  num_classes: 10\ntrain:\n  precision: fp32\n", "m.yaml"), 1).precision,
             "fp32");
 }
 

@@ -146,7 +146,7 @@ TEST(PlanTable, EveryPresetIsPlanned) {
   for (const auto& e : std::filesystem::directory_iterator(std::string(FACESHARD_SOURCE_DIR) + "/configs")) {
     if (e.path().extension() != ".yaml" || e.path().stem() == "base" || e.path().stem() == "demo") continue;
     SCOPED_TRACE(e.path().string());
-    JobPlanInputs in = job_plan_inputs(load_config(e.path().string()), 8);
+    JobSettings in = job_settings(load_config(e.path().string()), 8);
     EXPECT_EQ(in.num_classes, 0);  // a preset leaves the count to the data
     in.num_classes = 1000000;
     const JobMemoryPlan plan = plan_job_memory(in, t);
@@ -164,7 +164,7 @@ TEST(PlanTable, EveryPresetIsPlanned) {
   // (n = ceil(C / 8)) 512 x 4 B of centre + 512 x 4 B of momentum, and per sampled row
   // (floor(0.2 n)) a column of 1024 x 4 B logits. The chunk temporaries are the plan's own
   // figure (chunk_policy.h: a budget, the same for every class count near the answer).
-  JobPlanInputs in = job_plan_inputs(load_config(std::string(FACESHARD_SOURCE_DIR) + "/configs/wf42m_pfc02_r50.yaml"), 8);
+  JobSettings in = job_settings(load_config(std::string(FACESHARD_SOURCE_DIR) + "/configs/wf42m_pfc02_r50.yaml"), 8);
   ASSERT_EQ(in.network, "r50");
   ASSERT_EQ(in.precision, "bf16");
   ASSERT_EQ(in.batch_per_rank, 128);
@@ -182,7 +182,7 @@ TEST(PlanTable, EveryPresetIsPlanned) {
   const double fixed = 4 * P + 4 * P + 4 * P + 2 * P + B * a.bytes_per_image + B * 3 * 112 * 112 * 4 + 4 * P +
                        (4 * B * W * d * 4 + B * W * d * 2);
   auto chunk_at = [&](int64_t classes) {
-    JobPlanInputs c = in;
+    JobSettings c = in;
     c.num_classes = classes;
     for (const auto& x : plan_job_memory(c, t).parts)
       if (x.group + "/" + x.name == "classifier/chunk temporaries") return x.bytes;
@@ -204,8 +204,8 @@ TEST(PlanTable, EveryPresetIsPlanned) {
   EXPECT_EQ(max_classes_that_fit(in, t, budget), by_hand) << "fixed " << fixed << " B, rows " << n;
 }
 
-JobPlanInputs r50_job() {
-  JobPlanInputs in;
+JobSettings r50_job() {
+  JobSettings in;
   in.network = "r50";
   in.batch_per_rank = 128;
   in.precision = "fp16";
@@ -248,7 +248,7 @@ TEST(Plan, PartsFollowTheirFormulas) {
   for (const auto& x : p.parts) sum += x.bytes;
   EXPECT_DOUBLE_EQ(p.total_bytes(), sum);
   // AdamW keeps two moments; fp32 keeps no weight copies.
-  JobPlanInputs in = r50_job();
+  JobSettings in = r50_job();
   in.optimizer = "adamw";
   in.precision = "fp32";
   const JobMemoryPlan q = plan_job_memory(in, t);
@@ -264,7 +264,7 @@ TEST(Plan, PartsFollowTheirFormulas) {
   // train.cuda_graph: one more part, the captured gradients, the static input batch and the
   // static output with its gradient; nothing else changes.
   EXPECT_EQ(part.count("backbone/CUDA graphs' static tensors"), 0u);
-  JobPlanInputs g = r50_job();
+  JobSettings g = r50_job();
   g.cuda_graph = true;
   const JobMemoryPlan pg = plan_job_memory(g, t);
   double graphs = -1;
@@ -273,13 +273,13 @@ TEST(Plan, PartsFollowTheirFormulas) {
   EXPECT_DOUBLE_EQ(graphs, 4 * P + 128.0 * 3 * 112 * 112 * 4 + 2 * 128.0 * 512 * 4);
   EXPECT_DOUBLE_EQ(pg.total_bytes(), p.total_bytes() + graphs);
   // The config's key reaches the plan.
-  EXPECT_TRUE(job_plan_inputs(load_config_text("train: {cuda_graph: true}\ndata: {num_classes: 1000}\n", "g.yaml"), 1)
+  EXPECT_TRUE(job_settings(load_config_text("train: {cuda_graph: true}\ndata: {num_classes: 1000}\n", "g.yaml"), 1)
                   .cuda_graph);
 }
 
 TEST(Plan, LargestClassCountFitsAndOneMoreDoesNot) {
   const ActivationTable t = ActivationTable::shipped();
-  JobPlanInputs in = r50_job();
+  JobSettings in = r50_job();
   const double budget = 80e9 - 1073741824.0;
   const int64_t best = max_classes_that_fit(in, t, budget);
   ASSERT_GT(best, 8);
@@ -348,7 +348,7 @@ TEST(PlanVsBench, WholeStepOfMbfSmallWithinTenPercent) {
                                                       "--set data.prefetch=1 --json " + dir + "/step.json");
   ASSERT_EQ(r.status, 0) << r.output;
   const YAML::Node js = read_json(dir + "/step.json");
-  JobPlanInputs in;
+  JobSettings in;
   in.network = "mbf_small";
   in.batch_per_rank = 16;
   in.num_classes = 20000;
@@ -369,7 +369,7 @@ TEST(PlanTool, PrintsThePartsTheFitAndTheLargestClassCount) {
                         "largest number of classes that fits"})
     EXPECT_NE(r.output.find(s), std::string::npos) << s << "\n" << r.output;
   const YAML::Node js = read_json(dir + "/plan.json");
-  const JobPlanInputs in = r50_job();
+  const JobSettings in = r50_job();
   const ActivationTable t = ActivationTable::shipped();
   EXPECT_DOUBLE_EQ(js["total_bytes"].as<double>(), plan_job_memory(in, t).total_bytes());
   EXPECT_EQ(js["max_classes"].as<int64_t>(), max_classes_that_fit(in, t, 80e9 - 1073741824.0));

@@ -29,8 +29,8 @@ namespace {
 
 namespace fs = std::filesystem;
 
-JobPlanInputs r50_eight_ranks() {
-  JobPlanInputs in;
+JobSettings r50_eight_ranks() {
+  JobSettings in;
   in.network = "r50";
   in.precision = "bf16";
   in.batch_per_rank = 128;
@@ -40,13 +40,13 @@ JobPlanInputs r50_eight_ranks() {
   return in;
 }
 
-bool fits(JobPlanInputs in, int64_t batch, const ActivationTable& t, double budget) {
+bool fits(JobSettings in, int64_t batch, const ActivationTable& t, double budget) {
   in.batch_per_rank = batch;
   return plan_job_memory(in, t).total_bytes() <= budget;
 }
 
 // The largest batch by a scan of every batch from 2 on, far past the last one that fits.
-int64_t scanned_largest_batch(const JobPlanInputs& in, const ActivationTable& t, double budget, int64_t scan_to) {
+int64_t scanned_largest_batch(const JobSettings& in, const ActivationTable& t, double budget, int64_t scan_to) {
   int64_t best = 0;
   for (int64_t b = 2; b <= scan_to; ++b)
     if (fits(in, b, t, budget)) best = b;
@@ -59,7 +59,7 @@ TEST(PlanBatch, LargestBatchFitsAndOneMoreDoesNot) {
   // loss.logits auto: the buffer of 4 B x global batch x sampled classes turns to streamed
   // logits at some batch, where the plan drops; the scan sees both sides.
   for (const std::string logits : {"auto", "buffer", "streamed"}) {
-    JobPlanInputs in = r50_eight_ranks();
+    JobSettings in = r50_eight_ranks();
     in.logits = logits;
     const int64_t best = max_batch_that_fits(in, t, budget);
     ASSERT_GT(best, 2) << logits;
@@ -70,12 +70,12 @@ TEST(PlanBatch, LargestBatchFitsAndOneMoreDoesNot) {
   // Where the plan drops: with loss.logits auto the buffer turns to streamed logits at the
   // first batch b* where it would outgrow the centres and their state (2M rows a rank here),
   // so b* - 1 needs more than b*. A budget between the two: b* - 1 does not fit, b* does.
-  JobPlanInputs in = r50_eight_ranks();
+  JobSettings in = r50_eight_ranks();
   in.num_classes = 16000000;
   in.sample_rate = 1.0;
   int64_t switch_at = 2;
   auto plan_at = [&](int64_t b) {
-    JobPlanInputs x = in;
+    JobSettings x = in;
     x.batch_per_rank = b;
     return plan_job_memory(x, t);
   };
@@ -103,7 +103,7 @@ double report_rate(const std::string& network, const std::string& precision) {
 }
 
 TEST(PlanTime, HoursAreTheScheduleOverTheMeasuredRate) {
-  const JobPlanInputs in = r50_eight_ranks();
+  const JobSettings in = r50_eight_ranks();
   TimePlanInputs tin;
   tin.images = 42474557;
   tin.epochs = 20;
@@ -123,7 +123,7 @@ TEST(PlanTime, HoursAreTheScheduleOverTheMeasuredRate) {
   // optim.total_steps overrides the epochs; fp32 has no measured figure and says how to get one.
   tin.total_steps = 1000;
   EXPECT_NEAR(plan_job_time(in, tin, StepRateTable::shipped()).hours, 1000.0 * 1024 / (rate * 8) / 3600, 1e-12);
-  JobPlanInputs fp32 = in;
+  JobSettings fp32 = in;
   fp32.precision = "fp32";
   const TimePlan none = plan_job_time(fp32, tin, StepRateTable::shipped());
   EXPECT_FALSE(none.rate);
@@ -170,7 +170,7 @@ TEST(PlanTime, HoursAreTheScheduleOverTheMeasuredRate) {
 // the ratio within 1%), said to be an estimate. The planned device memory of another card
 // than the figures' gets one warning line; the card's own memory none.
 TEST(PlanTime, UnmeasuredNetworkIsScaledByMacsAndSaidToBeAnEstimate) {
-  JobPlanInputs in = r50_eight_ranks();
+  JobSettings in = r50_eight_ranks();
   in.network = "r100";
   TimePlanInputs tin;
   tin.images = 5000000;
@@ -239,7 +239,7 @@ TEST(PlanCheckpoint, SizeIsTheFilesAShortTrainingWrites) {
   ASSERT_EQ(r.status, 0) << r.output;
   const std::string step = out + "/checkpoints/step_00000002";
   ASSERT_TRUE(fs::exists(step + "/COMMITTED")) << r.output;
-  JobPlanInputs in;
+  JobSettings in;
   in.network = "mbf_small";
   in.precision = "fp32";
   in.batch_per_rank = 4;

@@ -20,8 +20,8 @@ namespace {
 
 // 1,000,003 classes over 8 ranks: rank 0 holds ceil(C / 8) = 125,001 rows, samples
 // floor(0.1 x 125,001) = 12,500 of them.
-JobPlanInputs job(int64_t k) {
-  JobPlanInputs in;
+JobSettings job(int64_t k) {
+  JobSettings in;
   in.network = "r50";
   in.batch_per_rank = 128;
   in.world_size = 8;
@@ -43,7 +43,7 @@ TEST(PlanSubcenters, ClassifierGemmFlopsAreKTimesTheColumns) {
   TimePlanInputs tin;
   tin.images = 1000000;
   for (int64_t k : {1, 3}) {
-    const JobPlanInputs in = job(k);
+    const JobSettings in = job(k);
     // Forward logits [B x W, S x K] and the two backward products, 2 x rows x columns x E
     // FLOPs each, per micro-batch.
     const double want = 6.0 * (128 * 8) * (sampled * double(k)) * 512 * 2;

@@ -5,6 +5,7 @@
 #include <string>
 
 #include "app/config/cli.h"
+#include "app/config/job_settings.h"
 #include "app/train/data_counts.h"
 #include "app/train/train_job.h"
 #include "partial_fc/classifier/partial_fc.h"
@@ -34,14 +35,10 @@ int main(int argc, char** argv) {
     } else {
       // The whole classifier's size (one rank's is its share): what data.num_classes asks for.
       if (counted) std::printf("%s\n", counted->c_str());
-      PartialFCOptions po;
-      po.num_classes = *cfg.data.num_classes;
-      po.subcenters = cfg.loss.subcenters;
-      po.embedding_size = cfg.model.embedding_size;
-      po.optimizer.kind = cfg.optim.classifier_optimizer();
-      po.optimizer.state_dtype = cfg.optim.fc_state_dtype == "bf16" ? at::kBFloat16 : at::kFloat;
-      po.weight_dtype = cfg.optim.fc_weight_dtype == "bf16" ? at::kBFloat16 : at::kFloat;
-      const ClassifierMemoryPlan all = classifier_memory_plan(po, 1, 0, cfg.data.batch_size);
+      // On one rank, the whole classifier: the options on the trainer's road (job_settings.h).
+      const JobSettings one_rank = job_settings(cfg, 1);
+      const PartialFCOptions po = classifier_options(one_rank);
+      const ClassifierMemoryPlan all = classifier_memory_plan(po, 1, 0, one_rank.batch_per_rank);
       std::printf("%s: ok\nclassifier: %lld classes%s x %lld %s: %.0f bytes (%.3g GB) of centres + %.0f bytes (%.3g GB) "
                   "of optimiser state (%s), split over the ranks\n",
                   args.config.c_str(), static_cast<long long>(*cfg.data.num_classes),
@@ -49,6 +46,14 @@ int main(int argc, char** argv) {
                   static_cast<long long>(cfg.model.embedding_size), cfg.optim.fc_weight_dtype.c_str(), all.weight_bytes,
                   all.weight_bytes / 1e9,
                   all.state_bytes, all.state_bytes / 1e9, cfg.optim.fc_state_dtype.c_str());
+      // What a step of one rank takes, as faceshard-plan and the trainer's start-up line say it.
+      std::printf("on one rank: %lld classes take part in a step (loss.sample_rate %g), logits %s (batch %lld, %s "
+                  "GEMMs)\n",
+                  static_cast<long long>(all.sampled_rows), cfg.loss.sample_rate,
+                  po.streamed_logits ? "streamed (no buffer)"
+                                     : ("buffered: " + std::to_string(static_cast<long long>(all.logits_bytes)) +
+                                        " bytes").c_str(),
+                  static_cast<long long>(one_rank.batch_per_rank), one_rank.precision.c_str());
     }
     return 0;
   });

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "app/config/config.h"
+#include "app/config/job_settings.h"
 #include "app/io/checkpoint.h"
 #include "app/io/npy.h"
 #include "partial_fc/classifier/partial_fc.h"
@@ -128,20 +129,21 @@ int main(int argc, char** argv) {
 
     auto dist = Distributed::init(DistEnv::from_environment(), DistOptions{});
     if (dist->world_size() != 1) throw usage_error("faceshard-head runs as one process");
-    PartialFCOptions po;
-    po.num_classes = Cn.size(0);
-    po.embedding_size = E.size(1);
-    po.margin = CombinedMargin{cfg.loss.margin[0], cfg.loss.margin[1], cfg.loss.margin[2], cfg.loss.scale,
-                               cfg.loss.interclass_filtering_threshold, parse_margin_mode(cfg.loss.margin_mode)};
-    po.head.name = cfg.loss.head;
-    po.head.params = cfg.loss.chosen_head_params();
-    po.seed = static_cast<uint64_t>(cfg.seed);
-    po.weight_dtype = cfg.optim.fc_weight_dtype == "bf16" ? at::kBFloat16 : at::kFloat;
-    po.streamed_logits = cfg.loss.logits == "streamed";
+    // The head's options on the trainer's road (job_settings.h), for these centres and
+    // embeddings: every class takes part, one centre each, fp32 GEMMs, the logits buffered
+    // unless loss.logits streamed asks for them streamed.
+    JobSettings settings = job_settings(cfg, 1);
+    settings.num_classes = Cn.size(0);
+    settings.embedding_size = E.size(1);
+    settings.batch_per_rank = E.size(0);
+    settings.sample_rate = 1.0;
+    settings.subcenters = 1;
+    settings.precision = "fp32";
+    settings.logits = cfg.loss.logits == "streamed" ? "streamed" : "buffer";
     std::vector<std::pair<std::string, std::string>> keys{{"head", "loss.head"}, {"margin", "loss.margin"}};
     if (const HeadInfo* h = find_head_info(cfg.loss.head))
       for (const HeadParam& p : h->params) keys.emplace_back(p.name, "loss." + h->name + "." + p.name);
-    auto fc = with_config_keys(cfg, keys, [&] { return std::make_unique<PartialFC>(*dist, po); });
+    auto fc = with_config_keys(cfg, keys, [&] { return std::make_unique<PartialFC>(*dist, classifier_options(settings)); });
     fc->load_state({{"weight", Cn}}, centre_path);
 
     at::Tensor grad_e, grad_c;

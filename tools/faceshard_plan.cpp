@@ -163,7 +163,7 @@ int main(int argc, char** argv) {
     if (args.print_config) throw usage_error("--print-config: use faceshard-config");
     auto has = [&](const char* f) { return flag.count(f) > 0; };
     const int ranks = has("--ranks") ? static_cast<int>(std::min<int64_t>(parse_count("--ranks", flag["--ranks"]), 1 << 20)) : 1;
-    JobPlanInputs in;
+    JobSettings in;
     std::optional<Config> cfg;
     if (!args.config.empty()) {
       cfg = load_config_from_args(args);
@@ -171,7 +171,7 @@ int main(int argc, char** argv) {
       // and --images say them).
       if (!(flag.count("--classes") && flag.count("--images")))
         if (const std::optional<std::string> counted = count_config_data(*cfg)) std::printf("%s\n", counted->c_str());
-      in = job_plan_inputs(*cfg, ranks);
+      in = job_settings(*cfg, ranks);
     } else if (!args.overrides.empty()) {
       throw usage_error("--set needs --config FILE");
     }
@@ -297,7 +297,7 @@ int main(int argc, char** argv) {
                   mib(*device).c_str(), mib(reserve).c_str(), fits ? "fits" : "does NOT fit",
                   mib(std::abs(*device - reserve - plan.total_bytes())).c_str(), fits ? "to spare" : "short");
       if (max_classes > 0) {
-        JobPlanInputs at = in;
+        JobSettings at = in;
         at.num_classes = max_classes;
         const JobMemoryPlan mp = plan_job_memory(at, table);
         std::printf("largest number of classes that fits: %lld (%lld on rank 0; %s MiB planned)\n",
@@ -310,7 +310,7 @@ int main(int argc, char** argv) {
     }
     if (device) {
       if (max_batch > 0) {
-        JobPlanInputs at = in;
+        JobSettings at = in;
         at.batch_per_rank = max_batch;
         const JobMemoryPlan bp = plan_job_memory(at, table);
         std::printf("largest batch per rank that fits: %lld (global %lld; %s MiB planned%s)\n",

@@ -4,7 +4,7 @@
 
 namespace faceshard {
 
-CheckpointStagingPlan plan_checkpoint_staging(const CheckpointPlan& ck, const JobPlanInputs& job, int ranks_per_host) {
+CheckpointStagingPlan plan_checkpoint_staging(const CheckpointPlan& ck, const JobSettings& job, int ranks_per_host) {
   CheckpointStagingPlan s;
   const double C = static_cast<double>(std::max<int64_t>(1, job.num_classes));
   const int64_t W = std::max(1, job.world_size);

@@ -16,6 +16,6 @@ struct CheckpointStagingPlan {
 
 // From the checkpoint plan of the same job; ranks_per_host: the ranks one host runs (at most
 // the job's world size).
-CheckpointStagingPlan plan_checkpoint_staging(const CheckpointPlan& ck, const JobPlanInputs& job, int ranks_per_host);
+CheckpointStagingPlan plan_checkpoint_staging(const CheckpointPlan& ck, const JobSettings& job, int ranks_per_host);
 
 }  // namespace faceshard

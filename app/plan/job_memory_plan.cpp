@@ -23,41 +23,6 @@ std::string num(double v) { return plan_number(v); }
 
 }  // namespace
 
-JobPlanInputs job_plan_inputs(const Config& cfg, int world_size) {
-  JobPlanInputs in;
-  in.network = cfg.model.backbone;
-  in.batch_per_rank = cfg.data.batch_size;
-  if (cfg.data.global_batch_size) {
-    const int64_t g = *cfg.data.global_batch_size, parts = int64_t(world_size) * cfg.optim.grad_accumulation;
-    if (g % parts != 0)
-      throw_config_error(cfg, "data.global_batch_size",
-                         detail::concat(g, " cannot be split evenly over ", world_size, " ranks x ",
-                                        cfg.optim.grad_accumulation, " micro-batches (optim.grad_accumulation)"));
-    in.batch_per_rank = g / parts;
-  }
-  // A plan is made for a GPU: auto is bf16 there (resolve_precision).
-  in.precision = cfg.train.precision == "auto" ? "bf16" : cfg.train.precision;
-  in.precision_auto = cfg.train.precision == "auto";
-  in.head = cfg.loss.head;
-  in.head_params = cfg.loss.chosen_head_params();
-  in.checkpointing = cfg.model.checkpointing;
-  in.num_classes = cfg.data.num_classes.value_or(0);  // 0: counted from the data at start-up
-  in.world_size = world_size;
-  in.sample_rate = cfg.loss.sample_rate;
-  in.subcenters = cfg.loss.subcenters;
-  in.optimizer = cfg.optim.optimizer;
-  in.fc_optimizer = cfg.optim.classifier_optimizer();
-  in.momentum = cfg.optim.momentum;
-  in.fc_update_all = cfg.optim.fc_update == "all";
-  in.fc_state_dtype = cfg.optim.fc_state_dtype;
-  in.fc_weight_dtype = cfg.optim.fc_weight_dtype;
-  in.logits = cfg.loss.logits;
-  in.grad_accumulation = cfg.optim.grad_accumulation;
-  in.cuda_graph = cfg.train.cuda_graph;
-  in.embedding_size = cfg.model.embedding_size;
-  return in;
-}
-
 double JobMemoryPlan::total_bytes() const {
   double t = 0;
   for (const auto& p : parts) t += p.bytes;
@@ -71,7 +36,7 @@ double JobMemoryPlan::group_bytes(const std::string& group) const {
   return t;
 }
 
-JobMemoryPlan plan_job_memory(const JobPlanInputs& in, const ActivationTable& table) {
+JobMemoryPlan plan_job_memory(const JobSettings& in, const ActivationTable& table) {
   if (in.precision != "fp32" && in.precision != "bf16" && in.precision != "fp16")
     throw option_error("precision", "must be fp32, bf16 or fp16, got '", detail::printable(in.precision), "'");
   if (in.batch_per_rank < 2)
@@ -79,18 +44,11 @@ JobMemoryPlan plan_job_memory(const JobPlanInputs& in, const ActivationTable& ta
   if (in.world_size < 1) throw option_error("ranks", "must be at least 1, got ", in.world_size);
   if (in.num_classes < in.world_size || in.num_classes > kMaxNumClasses)
     throw option_error("classes", "must be in [ranks = ", in.world_size, ", 2^40], got ", in.num_classes);
-  const std::string fc_opt = in.fc_optimizer.empty() ? in.optimizer : in.fc_optimizer;
-  for (const std::string* o : {&in.optimizer, &fc_opt})
-    if (*o != "sgd" && *o != "adamw")
-      throw option_error("optimizer", "must be sgd or adamw, got '", detail::printable(*o), "'");
-  if (in.fc_state_dtype != "fp32" && in.fc_state_dtype != "bf16")
-    throw option_error("fc_state_dtype", "must be fp32 or bf16, got '", detail::printable(in.fc_state_dtype), "'");
-  if (in.fc_weight_dtype != "fp32" && in.fc_weight_dtype != "bf16")
-    throw option_error("fc_weight_dtype", "must be fp32 or bf16, got '", detail::printable(in.fc_weight_dtype), "'");
-  if (in.logits != "auto" && in.logits != "buffer" && in.logits != "streamed")
-    throw option_error("logits", "must be auto, buffer or streamed, got '", detail::printable(in.logits), "'");
-  if (in.grad_accumulation < 1)
-    throw option_error("grad_accumulation", "must be at least 1, got ", in.grad_accumulation);
+  if (in.optimizer != "sgd" && in.optimizer != "adamw")
+    throw option_error("optimizer", "must be sgd or adamw, got '", detail::printable(in.optimizer), "'");
+  // The classifier's settings checked (and loss.logits auto resolved) on the one road.
+  const PartialFCOptions po = classifier_options(in);
+  const std::string& fc_opt = po.optimizer.kind;
   if (in.image_size != 112) throw option_error("image_size", "the activation table is measured at 112x112 images");
   if (in.embedding_size != 512)
     throw option_error("embedding_size", "the backbones' parameter counts and activations are measured with "
@@ -139,21 +97,6 @@ JobMemoryPlan plan_job_memory(const JobPlanInputs& in, const ActivationTable& ta
         params + " x 4 B (the captured gradients) + the static input batch + " + num(B) + " x " + num(d) +
             " x 4 B x 2 (output and its gradient)");
 
-  PartialFCOptions po;
-  po.num_classes = in.num_classes;
-  po.embedding_size = in.embedding_size;
-  po.sample_rate = in.sample_rate;
-  po.subcenters = in.subcenters;
-  po.optimizer.kind = fc_opt;
-  po.step_all_rows = in.fc_update_all;
-  po.optimizer.state_dtype = in.fc_state_dtype == "bf16" ? at::kBFloat16 : at::kFloat;
-  po.weight_dtype = in.fc_weight_dtype == "bf16" ? at::kBFloat16 : at::kFloat;
-  po.grad_accumulation = in.grad_accumulation;
-  po.gemm_dtype = in.precision == "bf16" ? at::kBFloat16 : in.precision == "fp16" ? at::kHalf : at::kFloat;
-  po.head.name = in.head;
-  po.head.params = in.head_params;
-  po.streamed_logits =
-      in.logits == "streamed" || (in.logits == "auto" && streamed_logits_pay(po, in.world_size, in.batch_per_rank));
   // Rank 0 holds the largest shard (the first C % W ranks hold one class more).
   p.classifier = classifier_memory_plan(po, in.world_size, 0, in.batch_per_rank);
   const ClassifierMemoryPlan& c = p.classifier;
@@ -193,7 +136,7 @@ JobMemoryPlan plan_job_memory(const JobPlanInputs& in, const ActivationTable& ta
   return p;
 }
 
-int64_t max_classes_that_fit(JobPlanInputs in, const ActivationTable& table, double budget_bytes) {
+int64_t max_classes_that_fit(JobSettings in, const ActivationTable& table, double budget_bytes) {
   auto fits = [&](int64_t classes) {
     in.num_classes = classes;
     return plan_job_memory(in, table).total_bytes() <= budget_bytes;
@@ -240,10 +183,10 @@ int64_t largest_fitting(int64_t lo, int64_t hi, const Fits& fits) {
 
 }  // namespace
 
-int64_t max_batch_that_fits(JobPlanInputs in, const ActivationTable& table, double budget_bytes) {
+int64_t max_batch_that_fits(JobSettings in, const ActivationTable& table, double budget_bytes) {
   auto fits_with = [&](const std::string& logits) {
     return [&, logits](int64_t batch) {
-      JobPlanInputs b = in;
+      JobSettings b = in;
       b.batch_per_rank = batch;
       b.logits = logits;
       return plan_job_memory(b, table).total_bytes() <= budget_bytes;
@@ -254,18 +197,10 @@ int64_t max_batch_that_fits(JobPlanInputs in, const ActivationTable& table, doub
   if (in.logits != "auto") return none_below_two(largest_fitting(2, kMaxPlanBatch, fits_with(in.logits)));
   // auto: buffered below the first batch where streamed logits pay, streamed from it on.
   auto streamed_pays = [&](int64_t batch) {
-    PartialFCOptions po;
-    po.num_classes = in.num_classes;
-    po.embedding_size = in.embedding_size;
-    po.sample_rate = in.sample_rate;
-    po.subcenters = in.subcenters;
-    po.optimizer.kind = in.fc_optimizer.empty() ? in.optimizer : in.fc_optimizer;
-    po.optimizer.state_dtype = in.fc_state_dtype == "bf16" ? at::kBFloat16 : at::kFloat;
-    po.weight_dtype = in.fc_weight_dtype == "bf16" ? at::kBFloat16 : at::kFloat;
-    po.grad_accumulation = in.grad_accumulation;
-    po.head.name = in.head;
-    po.head.params = in.head_params;
-    return streamed_logits_pay(po, in.world_size, batch);
+    JobSettings b = in;
+    b.batch_per_rank = batch;
+    b.logits = "auto";
+    return classifier_options(b).streamed_logits;
   };
   // The first batch where they pay (kMaxPlanBatch + 1 when none): monotone in the batch.
   const int64_t switch_at = largest_fitting(2, kMaxPlanBatch, [&](int64_t b) { return !streamed_pays(b); }) + 1;

@@ -147,19 +147,14 @@ const StepRate* StepRateTable::find(const std::string& network, const std::strin
   return best;
 }
 
-double classifier_gemm_flops(const JobPlanInputs& job, int64_t* columns) {
-  PartialFCOptions po;
-  po.num_classes = job.num_classes;
-  po.embedding_size = job.embedding_size;
-  po.sample_rate = job.sample_rate;
-  po.subcenters = job.subcenters;
-  const ClassifierMemoryPlan c = classifier_memory_plan(po, job.world_size, 0, job.batch_per_rank);
+double classifier_gemm_flops(const JobSettings& job, int64_t* columns) {
+  const ClassifierMemoryPlan c = classifier_memory_plan(classifier_options(job), job.world_size, 0, job.batch_per_rank);
   const int64_t cols = c.sampled_rows * c.subcenters;
   if (columns) *columns = cols;
   return 6.0 * double(c.global_batch) * double(cols) * double(job.embedding_size) * double(job.grad_accumulation);
 }
 
-TimePlan plan_job_time(const JobPlanInputs& job, const TimePlanInputs& in, const StepRateTable& rates) {
+TimePlan plan_job_time(const JobSettings& job, const TimePlanInputs& in, const StepRateTable& rates) {
   if (in.images < 1) throw option_error("images", "must be at least 1, got ", in.images);
   if (in.epochs < 1) throw option_error("epochs", "must be at least 1, got ", in.epochs);
   if (in.total_steps && *in.total_steps < 1) throw option_error("total_steps", "must be at least 1, got ", *in.total_steps);
@@ -223,7 +218,7 @@ TimePlan plan_job_time(const JobPlanInputs& job, const TimePlanInputs& in, const
   p.rate = *r;
   p.images_per_s_per_gpu = r->images_per_s_per_gpu;
   if (r->classes > 0) {
-    JobPlanInputs m;
+    JobSettings m;
     m.num_classes = r->classes;
     m.sample_rate = r->sample_rate;
     m.world_size = r->world_size;
@@ -295,7 +290,7 @@ double backbone_buffer_bytes(const std::string& network) {
   return -1;
 }
 
-CheckpointPlan plan_checkpoint(const JobPlanInputs& job, const ActivationTable& table, int64_t keep) {
+CheckpointPlan plan_checkpoint(const JobSettings& job, const ActivationTable& table, int64_t keep) {
   // The memory plan's checks and its parameter count (the activation table's).
   const JobMemoryPlan mem = plan_job_memory(job, table);
   const double P = static_cast<double>(mem.parameters);
@@ -320,14 +315,9 @@ CheckpointPlan plan_checkpoint(const JobPlanInputs& job, const ActivationTable& 
   c.files.push_back({"train_state.pt", opt, how + " and a few counters"});
   // Every rank's shard: the rows and their optimiser state, the classifier's own plan of a
   // one-rank shard of all the classes (the bytes per row do not depend on the split).
-  PartialFCOptions po;
-  po.num_classes = job.num_classes;
-  po.embedding_size = job.embedding_size;
-  po.sample_rate = job.sample_rate;
-  po.subcenters = job.subcenters;  // K rows (and their state) per class
-  po.optimizer.kind = job.fc_optimizer.empty() ? job.optimizer : job.fc_optimizer;
-  po.optimizer.state_dtype = job.fc_state_dtype == "bf16" ? at::kBFloat16 : at::kFloat;
-  po.weight_dtype = job.fc_weight_dtype == "bf16" ? at::kBFloat16 : at::kFloat;
+  JobSettings whole_job = job;
+  whole_job.world_size = 1;
+  const PartialFCOptions po = classifier_options(whole_job);
   const ClassifierMemoryPlan whole = classifier_memory_plan(po, 1, 0, job.batch_per_rank);
   const std::string shards = job.world_size == 1 ? "fc_shard_0.pt" : "fc_shard_0.pt .. fc_shard_" +
                                                                          std::to_string(job.world_size - 1) + ".pt";

@@ -92,10 +92,10 @@ struct TimePlan {
 // 6 x (batch per rank x ranks) x (rank 0's sampled rows x K) x E x micro-batches: the
 // classifier GEMMs' FLOPs per step on rank 0 (see TimePlan); `columns`, when given, gets
 // rank 0's sampled rows x K.
-double classifier_gemm_flops(const JobPlanInputs& job, int64_t* columns = nullptr);
+double classifier_gemm_flops(const JobSettings& job, int64_t* columns = nullptr);
 
 // Usage error (naming --images / --epochs) when the counts are not positive.
-TimePlan plan_job_time(const JobPlanInputs& job, const TimePlanInputs& in, const StepRateTable& rates);
+TimePlan plan_job_time(const JobSettings& job, const TimePlanInputs& in, const StepRateTable& rates);
 
 // The files one checkpoint writes (checkpoints/step_<N>/) and their bytes: backbone.pt (the
 // backbone's state_dict: fp32 parameters and BatchNorm's running statistics),
@@ -115,7 +115,7 @@ struct CheckpointPlan {
   // oldest is removed), and model.pt.
   double disk_bytes() const { return double(keep + 1) * bytes + model_bytes; }
 };
-CheckpointPlan plan_checkpoint(const JobPlanInputs& job, const ActivationTable& table, int64_t keep = 3);
+CheckpointPlan plan_checkpoint(const JobSettings& job, const ActivationTable& table, int64_t keep = 3);
 
 // What a backbone's state_dict holds beyond its trainable parameters' fp32 bytes, in bytes:
 // BatchNorm's running statistics (fp32 means and variances, an int64 count per layer) and the

@@ -15,6 +15,7 @@
 #include <limits>
 #include <sstream>
 
+#include "app/config/job_settings.h"
 #include "app/train/centre_init.h"
 #include "app/train/data_counts.h"
 #include "app/train/sync_bn.h"
@@ -192,56 +193,42 @@ void build_model(TrainJob& j, ClassifierStart start) {
   }
   j.ddp = std::make_unique<DataParallel>(j.backbone, d, ddo);
 
-  PartialFCOptions po;
-  po.num_classes = *cfg.data.num_classes;
-  po.embedding_size = cfg.model.embedding_size;
-  po.sample_rate = cfg.loss.sample_rate;
-  po.subcenters = cfg.loss.subcenters;
-  po.margin = CombinedMargin{cfg.loss.margin[0], cfg.loss.margin[1], cfg.loss.margin[2], cfg.loss.scale,
-                             cfg.loss.interclass_filtering_threshold, parse_margin_mode(cfg.loss.margin_mode)};
-  if (po.margin.mode == MarginMode::ArcfaceTorch && po.margin.m3 > 0 && (po.margin.m1 != 1.0 || po.margin.m2 != 0.0))
+  // The classifier's options on the one road from the config (job_settings.h), with this
+  // job's world size, per-rank batch (adapted to the world and the resumed checkpoint) and
+  // its device's body precision.
+  JobSettings settings = job_settings(cfg, d.world_size());
+  settings.batch_per_rank = cfg.data.batch_size;
+  settings.num_classes = *cfg.data.num_classes;
+  settings.precision = bo.precision == BodyPrecision::BFloat16 ? "bf16"
+                       : bo.precision == BodyPrecision::Float16 ? "fp16"
+                                                                : "fp32";
+  if (settings.margin.mode == MarginMode::ArcfaceTorch && settings.margin.m3 > 0 &&
+      (settings.margin.m1 != 1.0 || settings.margin.m2 != 0.0))
     log_info("loss.margin_mode arcface_torch: with m3 > 0 arcface_torch applies the cosine margin m3 alone (m1 = ",
-             po.margin.m1, " and m2 = ", po.margin.m2, " are ignored, as there)");
-  po.head.name = cfg.loss.head;
-  po.head.params = cfg.loss.chosen_head_params();
-  po.step_all_rows = cfg.optim.fc_update == "all";
+             settings.margin.m1, " and m2 = ", settings.margin.m2, " are ignored, as there)");
   // Centres from another run (loss.init_centres) fill the rows instead of the random draw.
   const bool centres_from_run = start == ClassifierStart::Fresh && cfg.loss.init_centres.has_value();
-  po.initialise_rows = start == ClassifierStart::Fresh && !centres_from_run;
-  po.seed = static_cast<uint64_t>(cfg.seed);
-  // The big GEMMs in the body's precision, as arcface_torch runs its classifier under autocast.
-  po.gemm_dtype = bo.precision == BodyPrecision::BFloat16 ? at::kBFloat16
-                  : bo.precision == BodyPrecision::Float16 ? at::kHalf
-                                                           : at::kFloat;
-  po.optimizer.kind = cfg.optim.classifier_optimizer();
-  po.optimizer.momentum = cfg.optim.momentum;
-  po.optimizer.weight_decay = cfg.optim.classifier_weight_decay();
-  po.optimizer.beta1 = cfg.optim.betas[0];
-  po.optimizer.beta2 = cfg.optim.betas[1];
-  po.optimizer.eps = cfg.optim.eps;
-  po.optimizer.state_dtype = cfg.optim.fc_state_dtype == "bf16" ? at::kBFloat16 : at::kFloat;
-  po.weight_dtype = cfg.optim.fc_weight_dtype == "bf16" ? at::kBFloat16 : at::kFloat;
-  po.weight_round_nearest = cfg.optim.fc_weight_rounding == "nearest";
-  po.grad_accumulation = cfg.optim.grad_accumulation;
   std::vector<std::pair<std::string, std::string>> keys = {
       {"num_classes", "data.num_classes"}, {"sample_rate", "loss.sample_rate"}, {"margin", "loss.margin"},
       {"margin_mode", "loss.margin_mode"}, {"embedding_size", "model.embedding_size"},
       {"optimizer", "optim.fc_optimizer"}, {"head", "loss.head"}, {"fc_state_dtype", "optim.fc_state_dtype"},
-      {"fc_weight_dtype", "optim.fc_weight_dtype"}, {"subcenters", "loss.subcenters"}};
+      {"fc_weight_dtype", "optim.fc_weight_dtype"}, {"subcenters", "loss.subcenters"},
+      {"fc_weight_rounding", "optim.fc_weight_rounding"}, {"logits", "loss.logits"},
+      {"grad_accumulation", "optim.grad_accumulation"}, {"precision", "train.precision"}};
   if (const HeadInfo* h = find_head_info(cfg.loss.head))
     for (const HeadParam& p : h->params) keys.emplace_back(p.name, "loss." + h->name + "." + p.name);
-  po.streamed_logits = cfg.loss.logits == "streamed" ||
-                       (cfg.loss.logits == "auto" && with_config_keys(cfg, keys, [&] {
-                          return streamed_logits_pay(po, d.world_size(), cfg.data.batch_size);
-                        }));
+  PartialFCOptions po = with_config_keys(cfg, keys, [&] { return classifier_options(settings); });
+  po.initialise_rows = start == ClassifierStart::Fresh && !centres_from_run;
+  ClassifierMemoryPlan fc_plan;
   j.fc = with_config_keys(cfg, keys, [&] {
     // Before anything of the classifier is allocated: a shard that cannot fit is a config
     // error naming the keys that size it, not the allocator's message deep in training.
-    const ClassifierMemoryPlan plan = classifier_memory_plan(po, d.world_size(), d.rank(), cfg.data.batch_size, j.device.is_cuda());
+    fc_plan = classifier_memory_plan(po, d.world_size(), d.rank(), cfg.data.batch_size, j.device.is_cuda());
     if (const auto available = device_available_memory(j.device))
-      check_classifier_fits(cfg, plan, d.world_size(), d.rank(), *available, j.device);
+      check_classifier_fits(cfg, fc_plan, d.world_size(), d.rank(), *available, j.device);
     return std::make_unique<PartialFC>(d, po, j.device);
   });
+  if (d.rank() == 0) log_info(describe_shard_memory(*j.fc, fc_plan, settings));
   if (centres_from_run) {
     const CentreInitPlan plan = plan_centre_init(cfg, po.num_classes, po.subcenters);
     init_centres(*j.fc, plan);
@@ -319,6 +306,23 @@ std::optional<AvailableMemory> device_available_memory(torch::Device dev) {
     break;
   }
   return out;
+}
+
+std::string describe_shard_memory(const PartialFC& fc, const ClassifierMemoryPlan& plan, const JobSettings& s) {
+  // The bytes the built shard holds, counted from its tensors (not from the plan's formula).
+  double weight = 0, state = 0;
+  for (const auto& [name, t] : fc.state()) (name == "weight" ? weight : state) += double(t.nbytes());
+  const PartialFCOptions& o = fc.options();
+  std::ostringstream os;
+  os << "classifier shard (rank 0 of " << s.world_size << "): " << plan.rows << " classes";
+  if (plan.subcenters > 1) os << " x " << plan.subcenters << " sub-centres";
+  os << " x " << plan.embedding_size << "; centres " << static_cast<long long>(weight) << " bytes ("
+     << s.fc_weight_dtype << "), optimiser state " << static_cast<long long>(state) << " bytes (" << o.optimizer.kind
+     << ", " << s.fc_state_dtype << "), as allocated; " << fc.num_sample() << " classes take part in a step; logits "
+     << (o.streamed_logits ? std::string("streamed (no buffer)")
+                           : "buffered: " + std::to_string(static_cast<long long>(plan.logits_bytes)) + " bytes")
+     << " (global batch " << plan.global_batch << ", " << s.precision << " GEMMs)";
+  return os.str();
 }
 
 void check_classifier_fits(const Config& cfg, const ClassifierMemoryPlan& p, int world_size, int rank,

@@ -104,6 +104,13 @@ std::optional<AvailableMemory> device_available_memory(torch::Device device);
 void check_classifier_fits(const Config& cfg, const ClassifierMemoryPlan& plan, int world_size, int rank,
                            const AvailableMemory& available, torch::Device device);
 
+// The start-up line of rank 0's classifier shard: its classes (and sub-centres), the bytes its
+// centres and optimiser state hold as allocated (summed over its tensors), the classes a step
+// samples and the logits' buffer as planned (or streamed). faceshard-config and faceshard-plan
+// print the same figures from the same options (job_settings.h).
+struct JobSettings;
+std::string describe_shard_memory(const PartialFC& fc, const ClassifierMemoryPlan& plan, const JobSettings& settings);
+
 // The GPU allocator's peak in GB for a CUDA device, nothing for the CPU.
 std::optional<double> device_peak_memory_gb(torch::Device device);
 
