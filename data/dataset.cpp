@@ -11,8 +11,8 @@
 #include "data/image_record.h"
 #include "data/index_check.h"
 #include "data/pack_source.h"
-#include "partial_fc/runtime/error.h"
-#include "partial_fc/runtime/log.h"
+#include "base/error.h"
+#include "base/log.h"
 
 namespace faceshard {
 

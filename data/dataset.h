@@ -9,7 +9,7 @@
 
 #include "data/insightface_rec.h"
 #include "data/recordio.h"
-#include "partial_fc/runtime/error.h"
+#include "base/error.h"
 
 namespace faceshard {
 

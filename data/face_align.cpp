@@ -4,7 +4,7 @@
 
 #include <opencv2/imgproc.hpp>
 
-#include "partial_fc/runtime/error.h"
+#include "base/error.h"
 
 namespace faceshard {
 

@@ -9,7 +9,7 @@
 #include <jerror.h>
 #include <png.h>
 
-#include "partial_fc/runtime/error.h"
+#include "base/error.h"
 
 // libjpeg and libpng report errors through callbacks that must not return; they leave by
 // longjmp to the decode function, which then throws. Between setjmp and longjmp only C

@@ -9,7 +9,7 @@
 #include <jpeglib.h>
 #include <png.h>
 
-#include "partial_fc/runtime/error.h"
+#include "base/error.h"
 
 // As in the decoders (image_codec.cpp), the libraries' error callbacks leave by longjmp to
 // the encode function, which then throws; between setjmp and longjmp only C code runs.

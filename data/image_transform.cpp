@@ -6,7 +6,7 @@
 #include <opencv2/imgproc.hpp>
 
 #include "data/image_codec.h"
-#include "partial_fc/runtime/error.h"
+#include "base/error.h"
 
 namespace faceshard {
 

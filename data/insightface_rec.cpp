@@ -5,7 +5,7 @@
 #include <cmath>
 
 #include "data/image_record.h"
-#include "partial_fc/runtime/error.h"
+#include "base/error.h"
 
 namespace faceshard {
 

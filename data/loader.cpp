@@ -4,8 +4,8 @@
 #include <filesystem>
 
 #include "data/seed_mix.h"
-#include "partial_fc/runtime/error.h"
-#include "partial_fc/runtime/log.h"
+#include "base/error.h"
+#include "base/log.h"
 
 #ifdef FACESHARD_WITH_CUDA
 #include <ATen/cuda/CUDAContext.h>

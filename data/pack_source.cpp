@@ -8,7 +8,7 @@
 #include <map>
 
 #include "data/image_header.h"
-#include "partial_fc/runtime/error.h"
+#include "base/error.h"
 
 namespace faceshard {
 namespace fs = std::filesystem;

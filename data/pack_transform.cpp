@@ -14,7 +14,7 @@
 
 #include "data/face_align.h"
 #include "data/image_transform.h"
-#include "partial_fc/runtime/error.h"
+#include "base/error.h"
 
 namespace faceshard {
 

@@ -17,7 +17,7 @@
 #include <thread>
 #include <vector>
 
-#include "partial_fc/runtime/error.h"
+#include "base/error.h"
 
 namespace faceshard {
 

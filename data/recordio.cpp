@@ -8,7 +8,7 @@
 #include <cerrno>
 #include <cstring>
 
-#include "partial_fc/runtime/error.h"
+#include "base/error.h"
 
 namespace faceshard {
 

@@ -4,7 +4,7 @@
 #include <random>
 
 #include "data/seed_mix.h"
-#include "partial_fc/runtime/error.h"
+#include "base/error.h"
 
 namespace faceshard {
 

@@ -4,7 +4,7 @@
 #include <regex>
 
 #include "data/insightface_rec.h"
-#include "partial_fc/runtime/sha256.h"
+#include "base/sha256.h"
 
 namespace faceshard {
 namespace {

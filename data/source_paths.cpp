@@ -11,7 +11,7 @@
 #include <filesystem>
 #include <fstream>
 
-#include "partial_fc/runtime/error.h"
+#include "base/error.h"
 
 namespace faceshard {
 

@@ -12,7 +12,7 @@
 #include "data/image_transform.h"
 #include "data/insightface_rec.h"
 #include "data/verification_bin.h"
-#include "partial_fc/runtime/error.h"
+#include "base/error.h"
 
 namespace faceshard {
 

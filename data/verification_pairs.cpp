@@ -5,7 +5,7 @@
 #include <random>
 #include <set>
 
-#include "partial_fc/runtime/error.h"
+#include "base/error.h"
 
 namespace faceshard {
 

@@ -11,9 +11,9 @@
 #include <set>
 #include <sstream>
 
-#include "models/state_dict_reader.h"
-#include "partial_fc/runtime/error.h"
-#include "partial_fc/runtime/log.h"
+#include "models/torch_save/state_dict_reader.h"
+#include "base/error.h"
+#include "base/log.h"
 
 namespace faceshard {
 namespace {

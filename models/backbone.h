@@ -10,8 +10,8 @@
 #include <utility>
 #include <vector>
 
-#include "models/state_dict_io.h"
-#include "models/tensor_source.h"
+#include "models/torch_save/state_dict_io.h"
+#include "models/torch_save/tensor_source.h"
 
 namespace faceshard {
 
@@ -36,7 +36,7 @@ struct BackboneOptions {
   double dropout = 0.0;          // iresnet only (before fc); arcface_torch trains with 0
   BodyPrecision precision = BodyPrecision::Float32;
   bool channels_last = false;    // conv weights and activations in NHWC
-  // Activation checkpointing in training (models/checkpoint.h): ViT blocks, iresnet stages 2
+  // Activation checkpointing in training (models/activation_checkpoint.h): ViT blocks, iresnet stages 2
   // and 3. Unset: the network's default, on where arcface_torch uses it (vit_b*, vit_l*,
   // vit_h, r2060); make_backbone resolves it. MobileFaceNet has none.
   std::optional<bool> checkpointing;

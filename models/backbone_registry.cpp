@@ -8,8 +8,8 @@
 #include "models/iresnet.h"
 #include "models/mobilefacenet.h"
 #include "models/vit.h"
-#include "partial_fc/runtime/error.h"
-#include "partial_fc/runtime/near_name.h"
+#include "base/error.h"
+#include "base/near_name.h"
 
 namespace faceshard {
 namespace {

@@ -3,8 +3,8 @@
 #include <algorithm>
 #include <cmath>
 
-#include "partial_fc/runtime/error.h"
-#include "partial_fc/runtime/log.h"
+#include "base/error.h"
+#include "base/log.h"
 
 namespace faceshard {
 namespace {

@@ -4,10 +4,10 @@
 #include <memory>
 
 #include "models/prelu.h"
-#include "models/checkpoint.h"
+#include "models/activation_checkpoint.h"
 #include "models/gate_conditioning.h"
 #include "models/model_stats.h"
-#include "partial_fc/runtime/error.h"
+#include "base/error.h"
 
 namespace faceshard {
 namespace {

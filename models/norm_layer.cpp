@@ -1,6 +1,6 @@
 #include "models/norm_layer.h"
 
-#include "models/checkpoint.h"
+#include "models/activation_checkpoint.h"
 
 namespace faceshard {
 

@@ -14,7 +14,7 @@
 #include <c10/cuda/CUDAStream.h>
 
 #include "models/prelu_cuda.h"
-#include "partial_fc/runtime/cuda_kernel_check.h"
+#include "base/cuda_kernel_check.h"
 #endif
 
 namespace faceshard {

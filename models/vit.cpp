@@ -5,7 +5,7 @@
 #include <cmath>
 #include <utility>
 
-#include "models/checkpoint.h"
+#include "models/activation_checkpoint.h"
 #include "models/model_stats.h"
 
 namespace faceshard {

@@ -17,8 +17,8 @@
 #include <gtest/gtest.h>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
-#include "partial_fc/runtime/error.h"
-#include "partial_fc/runtime/log.h"
+#include "base/error.h"
+#include "base/log.h"
 
 namespace faceshard::testing {
 namespace {

@@ -10,7 +10,7 @@
 #include <string>
 #include <vector>
 
-#include "partial_fc/runtime/distributed.h"
+#include "partial_fc/distributed/distributed.h"
 
 namespace faceshard::testing {
 

@@ -4,7 +4,7 @@
 // backward's reduce-scatter staged through the host).
 #include <gtest/gtest.h>
 
-#include "partial_fc/parallel/all_gather.h"
+#include "partial_fc/data_parallel/all_gather.h"
 #include "tests/harness.h"
 
 namespace faceshard {

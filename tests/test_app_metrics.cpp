@@ -29,7 +29,7 @@
 #include "app/train/device_readout.h"
 #include "app/io/tensorboard_writer.h"
 #include "app/eval/verification_metrics.h"
-#include "partial_fc/runtime/error.h"
+#include "base/error.h"
 #include "tests/test_errors.h"
 #include "tests/harness.h"
 

@@ -19,7 +19,7 @@
 #include "app/train/grad_clip.h"
 #include "app/train/loss_scaler.h"
 #include "app/train/lr_schedule.h"
-#include "partial_fc/runtime/error.h"
+#include "base/error.h"
 #include "tests/harness.h"
 
 namespace faceshard {

@@ -15,10 +15,10 @@
 #include "app/io/checkpoint.h"
 #include "app/train/centre_init.h"
 #include "app/train/train_job.h"
-#include "models/state_dict_io.h"
+#include "models/torch_save/state_dict_io.h"
 #include "partial_fc/classifier/class_shard.h"
 #include "partial_fc/classifier/partial_fc.h"
-#include "partial_fc/runtime/dist_env.h"
+#include "partial_fc/distributed/dist_env.h"
 #include "tests/harness.h"
 #include "tests/test_errors.h"
 

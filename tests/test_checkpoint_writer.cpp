@@ -21,7 +21,7 @@
 #include "app/train/checkpoint_writer.h"
 #include "app/train/train_job.h"
 #include "app/train/train_state.h"
-#include "models/state_dict_io.h"
+#include "models/torch_save/state_dict_io.h"
 #include "tests/harness.h"
 
 namespace faceshard {

@@ -19,7 +19,7 @@
 #include "app/clean/clean_audit.h"
 #include "app/clean/clean_pack.h"
 #include "app/clean/tail_threshold.h"
-#include "partial_fc/runtime/error.h"
+#include "base/error.h"
 #include "test_files.h"
 
 namespace faceshard {

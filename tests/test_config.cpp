@@ -14,7 +14,7 @@
 #include "app/plan/job_memory_plan.h"
 #include "models/backbone_registry.h"
 #include "partial_fc/classifier/partial_fc.h"
-#include "partial_fc/runtime/error.h"
+#include "base/error.h"
 #include "tests/harness.h"
 #include "tests/test_errors.h"
 

@@ -11,7 +11,7 @@
 
 #include "app/config/cli.h"
 #include "app/config/config.h"
-#include "partial_fc/runtime/error.h"
+#include "base/error.h"
 #include "tests/test_files.h"
 
 namespace faceshard {

@@ -1,4 +1,4 @@
-// The CPU block cache (partial_fc/runtime/cpu_block_cache.h): freed blocks of 1 MiB or more
+// The CPU block cache (base/cpu_block_cache.h): freed blocks of 1 MiB or more
 // are handed out again for requests of their size, never more than the limit is kept, small
 // blocks go straight back, and blocks stay with one owner under concurrent use.
 #include <gtest/gtest.h>
@@ -11,7 +11,7 @@
 #include <thread>
 #include <vector>
 
-#include "partial_fc/runtime/cpu_block_cache.h"
+#include "base/cpu_block_cache.h"
 
 namespace faceshard {
 namespace {

@@ -26,8 +26,8 @@
 #include "app/train/training_stream.h"
 #include "partial_fc/classifier/partial_fc.h"
 #include "partial_fc/classifier/stochastic_round.h"
-#include "partial_fc/runtime/designed_host_sync.h"
-#include "partial_fc/runtime/distributed.h"
+#include "base/designed_host_sync.h"
+#include "partial_fc/distributed/distributed.h"
 #include "tests/harness.h"
 #include "tests/head_references.h"
 

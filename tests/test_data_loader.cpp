@@ -43,7 +43,7 @@
 #include "data/sampler.h"
 #include "data/synthetic_faces.h"
 #include "data/verification_bin.h"
-#include "partial_fc/runtime/error.h"
+#include "base/error.h"
 #include "tests/hostile_images.h"
 #include "tests/test_errors.h"
 #include "tests/test_files.h"

@@ -22,7 +22,7 @@
 #include "data/insightface_rec.h"
 #include "data/record_index.h"
 #include "data/recordio.h"
-#include "partial_fc/runtime/error.h"
+#include "base/error.h"
 #include "tests/test_errors.h"
 #include "tests/test_files.h"
 

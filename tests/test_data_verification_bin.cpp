@@ -17,7 +17,7 @@
 
 #include "tests/test_paths.h"
 #include "data/verification_bin.h"
-#include "partial_fc/runtime/error.h"
+#include "base/error.h"
 #include "tests/test_errors.h"
 #include "tests/test_files.h"
 

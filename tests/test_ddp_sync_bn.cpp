@@ -7,8 +7,8 @@
 #include "app/train/backbone_optimizer.h"
 #include "app/train/sync_bn.h"
 #include "models/norm_layer.h"
-#include "partial_fc/parallel/ddp.h"
-#include "partial_fc/parallel/sync_batch_norm.h"
+#include "partial_fc/data_parallel/ddp.h"
+#include "partial_fc/data_parallel/sync_batch_norm.h"
 #include "tests/harness.h"
 
 namespace faceshard {

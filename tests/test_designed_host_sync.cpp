@@ -11,8 +11,8 @@
 #include "app/config/config.h"
 #include "app/train/train_job.h"
 #include "app/train/train_step.h"
-#include "partial_fc/runtime/designed_host_sync.h"
-#include "partial_fc/runtime/distributed.h"
+#include "base/designed_host_sync.h"
+#include "partial_fc/distributed/distributed.h"
 #include "tests/harness.h"
 
 namespace faceshard {

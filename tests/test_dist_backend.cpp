@@ -5,8 +5,8 @@
 #include <gtest/gtest.h>
 
 #include "app/config/config.h"
-#include "partial_fc/runtime/distributed.h"
-#include "partial_fc/runtime/error.h"
+#include "partial_fc/distributed/distributed.h"
+#include "base/error.h"
 #include "tests/harness.h"
 #include "tests/test_paths.h"
 

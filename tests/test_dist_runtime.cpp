@@ -19,13 +19,13 @@
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include "tests/test_paths.h"
-#include "partial_fc/runtime/dist_env.h"
-#include "partial_fc/runtime/collective_trace.h"
-#include "partial_fc/runtime/distributed.h"
-#include "partial_fc/runtime/error.h"
-#include "partial_fc/runtime/guard_store.h"
-#include "partial_fc/runtime/network.h"
-#include "partial_fc/runtime/straggler_monitor.h"
+#include "partial_fc/distributed/dist_env.h"
+#include "partial_fc/distributed/collective_trace.h"
+#include "partial_fc/distributed/distributed.h"
+#include "base/error.h"
+#include "partial_fc/distributed/guard_store.h"
+#include "partial_fc/distributed/network.h"
+#include "partial_fc/distributed/straggler_monitor.h"
 #include "tests/harness.h"
 #include "tests/test_files.h"
 

@@ -4,7 +4,7 @@
 #include <functional>
 #include <string>
 
-#include "partial_fc/runtime/error.h"
+#include "base/error.h"
 
 namespace faceshard::testing {
 

@@ -32,7 +32,7 @@
 #include "data/verification_bin.h"
 #include "data/synthetic_faces.h"
 #include "models/backbone_registry.h"
-#include "partial_fc/runtime/error.h"
+#include "base/error.h"
 #include "tests/harness.h"
 
 namespace faceshard {

@@ -16,10 +16,10 @@
 #include "app/io/resharded_rows.h"
 #include "app/train/train_job.h"
 #include "app/train/train_state.h"
-#include "models/state_dict_io.h"
+#include "models/torch_save/state_dict_io.h"
 #include "partial_fc/classifier/partial_fc.h"
-#include "partial_fc/runtime/dist_env.h"
-#include "partial_fc/runtime/error.h"
+#include "partial_fc/distributed/dist_env.h"
+#include "base/error.h"
 #include "tests/harness.h"
 #include "tests/test_errors.h"
 

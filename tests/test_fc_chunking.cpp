@@ -13,7 +13,7 @@
 #include "app/plan/allocation_meter.h"
 #include "partial_fc/classifier/chunk_policy.h"
 #include "partial_fc/classifier/partial_fc.h"
-#include "partial_fc/runtime/op_counter.h"
+#include "base/op_counter.h"
 #include "tests/harness.h"
 #include "tests/test_errors.h"
 

@@ -24,8 +24,8 @@
 #include "data/insightface_rec.h"
 #include "data/recordio.h"
 #include "data/verification_bin.h"
-#include "models/state_dict_io.h"
-#include "models/torch_save_format.h"
+#include "models/torch_save/state_dict_io.h"
+#include "models/torch_save/torch_save_format.h"
 #include "tests/harness.h"
 
 namespace faceshard {

@@ -17,12 +17,12 @@
 #include <random>
 #include <thread>
 
-#include "partial_fc/runtime/error.h"
-#include "partial_fc/runtime/gloo_port_guard.h"
-#include "partial_fc/runtime/guard_store.h"
-#include "partial_fc/runtime/job_token.h"
-#include "partial_fc/runtime/network.h"
-#include "partial_fc/runtime/sha256.h"
+#include "base/error.h"
+#include "partial_fc/distributed/gloo_port_guard.h"
+#include "partial_fc/distributed/guard_store.h"
+#include "partial_fc/distributed/job_token.h"
+#include "partial_fc/distributed/network.h"
+#include "base/sha256.h"
 #include "tests/harness.h"
 
 using namespace faceshard;

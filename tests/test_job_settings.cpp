@@ -22,7 +22,20 @@ struct Shard {
   double centres = -1, state = -1;  // bytes
   int64_t sampled = -1;             // classes a step
   std::string logits;               // "streamed" or "buffered: N bytes"
+  double staging = -1;              // rank 0's checkpoint staging, bytes (faceshard-plan, the trainer)
 };
+
+// A figure as format_bytes writes it ("6.05 MB": three significant digits, powers of 1000).
+double parse_bytes(const std::string& number, const std::string& unit) {
+  const char* units[] = {"B", "KB", "MB", "GB", "TB"};
+  double scale = 1;
+  for (const char* u : units) {
+    if (unit == u) return std::stod(number) * scale;
+    scale *= 1000;
+  }
+  ADD_FAILURE() << "unit " << unit;
+  return -1;
+}
 
 std::string sets(const std::vector<std::string>& keys) {
   std::string s;
@@ -64,6 +77,7 @@ Shard from_plan(const std::string& config, const std::vector<std::string>& keys,
     if (name == "optimiser state") s.state = part["bytes"].as<double>();
     if (name == "logits buffer") logits = part["bytes"].as<double>();
   }
+  s.staging = plan["checkpoint"]["staging"]["rank0_bytes"].as<double>();
   s.logits = plan["logits"].as<std::string>() == "streamed"
                  ? "streamed"
                  : "buffered: " + std::to_string(static_cast<long long>(logits)) + " bytes";
@@ -90,6 +104,11 @@ Shard from_trainer(const std::string& config, const std::vector<std::string>& ke
   s.sampled = std::stoll(m[4]);
   s.logits = m[5];
   if (s.logits.rfind("streamed", 0) == 0) s.logits = "streamed";
+  // The background checkpoint's staging, from the tensors the trainer holds (checkpoint_writer).
+  const std::smatch st =
+      must_match(r.output, std::regex(R"(train\.checkpoint_async auto: staging ([0-9.]+) (B|KB|MB|GB) a rank)"),
+                 "trainer's staging line");
+  if (!st.empty()) s.staging = parse_bytes(st[1], st[2]);
   return s;
 }
 
@@ -122,6 +141,9 @@ class JobSettingsAgree : public ::testing::Test {
       EXPECT_EQ(other->sampled, t.sampled) << (other == &c ? "faceshard-config" : "faceshard-plan");
       EXPECT_EQ(other->logits, t.logits) << (other == &c ? "faceshard-config" : "faceshard-plan");
     }
+    // The checkpoint's staging: the planner's files against the trainer's tensors (the
+    // trainer's figure is rounded to three significant digits).
+    EXPECT_NEAR(p.staging, t.staging, 0.005 * p.staging) << "checkpoint staging: faceshard-plan against the trainer";
   }
 };
 std::string* JobSettingsAgree::dir_ = nullptr;
@@ -161,6 +183,7 @@ TEST_F(JobSettingsAgree, TwoRanksPlanAndTrainer) {
   EXPECT_EQ(p.state, t.state);
   EXPECT_EQ(p.sampled, t.sampled);
   EXPECT_EQ(p.logits, t.logits);
+  EXPECT_NEAR(p.staging, t.staging, 0.005 * p.staging) << "checkpoint staging: faceshard-plan against the trainer";
 }
 
 // The copy from the config: every key the classifier reads lands in the settings, and the

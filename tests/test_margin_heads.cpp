@@ -26,7 +26,7 @@
 #include "partial_fc/classifier/margin_softmax.h"
 #include "partial_fc/classifier/partial_fc.h"
 #include "partial_fc/classifier/streamed_softmax.h"
-#include "partial_fc/runtime/error.h"
+#include "base/error.h"
 #include "tests/classifier_batches.h"
 #include "tests/harness.h"
 #include "tests/head_references.h"

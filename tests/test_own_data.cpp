@@ -17,9 +17,9 @@
 #include "data/pack_source.h"
 #include "data/synthetic_faces.h"
 #include "data/verification_pairs.h"
-#include "partial_fc/runtime/error.h"
-#include "partial_fc/runtime/log.h"
-#include "partial_fc/runtime/progress.h"
+#include "base/error.h"
+#include "base/log.h"
+#include "base/progress.h"
 #include "tests/test_errors.h"
 #include "tests/test_files.h"
 

@@ -8,8 +8,8 @@
 #include <ATen/CPUGeneratorImpl.h>
 
 #include "partial_fc/classifier/class_shard.h"
-#include "partial_fc/parallel/ddp.h"
-#include "partial_fc/runtime/error.h"
+#include "partial_fc/data_parallel/ddp.h"
+#include "base/error.h"
 #include "partial_fc/classifier/margin.h"
 #include "partial_fc/classifier/partial_fc.h"
 #include "tests/harness.h"

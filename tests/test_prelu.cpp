@@ -5,12 +5,12 @@
 #include <torch/torch.h>
 
 #include "models/prelu.h"
-#include "partial_fc/runtime/error.h"
+#include "base/error.h"
 #include "tests/harness.h"
 
 #ifdef FACESHARD_WITH_CUDA
 #include "models/prelu_cuda.h"
-#include "partial_fc/runtime/cuda_kernel_check.h"
+#include "base/cuda_kernel_check.h"
 #endif
 
 namespace faceshard {

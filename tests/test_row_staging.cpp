@@ -18,7 +18,7 @@
 #include "app/train/train_job.h"
 #include "app/train/train_state.h"
 #include "app/train/train_step.h"
-#include "models/state_dict_io.h"
+#include "models/torch_save/state_dict_io.h"
 #include "tests/harness.h"
 
 namespace faceshard {

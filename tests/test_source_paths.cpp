@@ -5,7 +5,7 @@
 #include <fstream>
 
 #include "data/source_paths.h"
-#include "partial_fc/runtime/error.h"
+#include "base/error.h"
 #include "test_files.h"
 
 namespace faceshard {

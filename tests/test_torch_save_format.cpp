@@ -1,4 +1,4 @@
-// The torch-free state_dict reader (models/torch_save_format.h, pickle_graph.h,
+// The torch-free state_dict reader (models/torch_save/torch_save_format.h, pickle_graph.h,
 // zip_archive.h): files written by Python's torch.save read back with the same names,
 // dtypes, views and storage bytes; hostile archives and pickles (deep nesting, cycles,
 // lying sizes, huge counts, bad CRCs, truncation at every length) rejected with one line
@@ -17,10 +17,10 @@
 #include <vector>
 
 #include "tests/test_paths.h"
-#include "models/pickle_graph.h"
-#include "models/torch_save_format.h"
-#include "models/zip_archive.h"
-#include "partial_fc/runtime/error.h"
+#include "models/torch_save/pickle_graph.h"
+#include "models/torch_save/torch_save_format.h"
+#include "models/torch_save/zip_archive.h"
+#include "base/error.h"
 #include "tests/test_errors.h"
 #include "tests/test_files.h"
 #include "tests/zip_writer.h"

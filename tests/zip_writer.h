@@ -7,7 +7,7 @@
 #include <utility>
 #include <vector>
 
-#include "models/zip_archive.h"
+#include "models/torch_save/zip_archive.h"
 
 namespace faceshard::testing {
 

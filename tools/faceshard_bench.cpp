@@ -55,15 +55,15 @@
 #include "data/loader.h"
 #include "data/sampler.h"
 #include "data/synthetic_faces.h"
-#include "partial_fc/runtime/cpu_block_cache.h"
-#include "partial_fc/runtime/dist_env.h"
-#include "partial_fc/runtime/distributed.h"
-#include "partial_fc/runtime/error.h"
-#include "partial_fc/runtime/network.h"
-#include "partial_fc/runtime/log.h"
+#include "base/cpu_block_cache.h"
+#include "partial_fc/distributed/dist_env.h"
+#include "partial_fc/distributed/distributed.h"
+#include "base/error.h"
+#include "partial_fc/distributed/network.h"
+#include "base/log.h"
 #include "partial_fc/classifier/partial_fc.h"
-#include "partial_fc/runtime/op_counter.h"
-#include "partial_fc/runtime/flag_once.h"
+#include "base/op_counter.h"
+#include "base/flag_once.h"
 
 using namespace faceshard;
 

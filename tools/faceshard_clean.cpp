@@ -27,9 +27,9 @@
 #include "data/source_paths.h"
 #include "data/set_identity.h"
 #include "data/image_transform.h"
-#include "partial_fc/runtime/error.h"
-#include "partial_fc/runtime/log.h"
-#include "partial_fc/runtime/progress.h"
+#include "base/error.h"
+#include "base/log.h"
+#include "base/progress.h"
 
 using namespace faceshard;
 namespace fs = std::filesystem;

@@ -9,7 +9,7 @@
 #include "app/train/data_counts.h"
 #include "app/train/train_job.h"
 #include "partial_fc/classifier/partial_fc.h"
-#include "partial_fc/runtime/error.h"
+#include "base/error.h"
 
 using namespace faceshard;
 

@@ -8,10 +8,10 @@
 #include <iomanip>
 #include <sstream>
 
-#include "partial_fc/parallel/ddp.h"
-#include "partial_fc/runtime/dist_env.h"
-#include "partial_fc/runtime/error.h"
-#include "partial_fc/runtime/log.h"
+#include "partial_fc/data_parallel/ddp.h"
+#include "partial_fc/distributed/dist_env.h"
+#include "base/error.h"
+#include "base/log.h"
 
 using namespace faceshard;
 

@@ -5,10 +5,10 @@
 // happens with a plain gather that carries no gradient.
 #include <sstream>
 
-#include "partial_fc/parallel/all_gather.h"
-#include "partial_fc/runtime/dist_env.h"
-#include "partial_fc/runtime/error.h"
-#include "partial_fc/runtime/log.h"
+#include "partial_fc/data_parallel/all_gather.h"
+#include "partial_fc/distributed/dist_env.h"
+#include "base/error.h"
+#include "base/log.h"
 
 using namespace faceshard;
 

@@ -12,12 +12,12 @@
 #include <string>
 #include <thread>
 
-#include "partial_fc/runtime/collective_trace.h"
-#include "partial_fc/runtime/dist_env.h"
-#include "partial_fc/runtime/distributed.h"
-#include "partial_fc/runtime/error.h"
-#include "partial_fc/runtime/log.h"
-#include "partial_fc/runtime/flag_once.h"
+#include "partial_fc/distributed/collective_trace.h"
+#include "partial_fc/distributed/dist_env.h"
+#include "partial_fc/distributed/distributed.h"
+#include "base/error.h"
+#include "base/log.h"
+#include "base/flag_once.h"
 
 using namespace faceshard;
 

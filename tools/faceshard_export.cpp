@@ -15,8 +15,8 @@
 #include "app/eval/inference_model.h"
 #include "app/eval/tool_args.h"
 #include "app/export/onnx_export.h"
-#include "partial_fc/runtime/error.h"
-#include "partial_fc/runtime/log.h"
+#include "base/error.h"
+#include "base/log.h"
 
 using namespace faceshard;
 namespace fs = std::filesystem;

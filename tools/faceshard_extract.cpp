@@ -17,8 +17,8 @@
 #include "app/eval/tool_args.h"
 #include "data/dataset.h"
 #include "data/image_transform.h"
-#include "partial_fc/runtime/error.h"
-#include "partial_fc/runtime/log.h"
+#include "base/error.h"
+#include "base/log.h"
 
 using namespace faceshard;
 namespace fs = std::filesystem;

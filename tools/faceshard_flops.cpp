@@ -9,8 +9,8 @@
 
 #include "models/backbone_registry.h"
 #include "models/model_stats.h"
-#include "partial_fc/runtime/error.h"
-#include "partial_fc/runtime/flag_once.h"
+#include "base/error.h"
+#include "base/flag_once.h"
 
 int main(int argc, char** argv) {
   return faceshard::run_main("faceshard-flops", [&] {

@@ -15,10 +15,10 @@
 #include "app/io/checkpoint.h"
 #include "app/io/npy.h"
 #include "partial_fc/classifier/partial_fc.h"
-#include "partial_fc/runtime/dist_env.h"
-#include "partial_fc/runtime/distributed.h"
-#include "partial_fc/runtime/error.h"
-#include "partial_fc/runtime/flag_once.h"
+#include "partial_fc/distributed/dist_env.h"
+#include "partial_fc/distributed/distributed.h"
+#include "base/error.h"
+#include "base/flag_once.h"
 
 namespace {
 

@@ -23,10 +23,10 @@
 #include "app/eval/verification_metrics.h"
 #include "data/face_align.h"
 #include "data/image_transform.h"
-#include "partial_fc/runtime/dist_env.h"
-#include "partial_fc/runtime/distributed.h"
-#include "partial_fc/runtime/error.h"
-#include "partial_fc/runtime/log.h"
+#include "partial_fc/distributed/dist_env.h"
+#include "partial_fc/distributed/distributed.h"
+#include "base/error.h"
+#include "base/log.h"
 
 using namespace faceshard;
 namespace fs = std::filesystem;

@@ -28,9 +28,9 @@
 #include "data/recordio.h"
 #include "data/verification_bin.h"
 #include "data/verification_pairs.h"
-#include "partial_fc/runtime/error.h"
-#include "partial_fc/runtime/progress.h"
-#include "partial_fc/runtime/flag_once.h"
+#include "base/error.h"
+#include "base/progress.h"
+#include "base/flag_once.h"
 
 namespace {
 

@@ -24,8 +24,8 @@
 #include "app/plan/checkpoint_staging_plan.h"
 #include "app/plan/job_time_plan.h"
 #include "app/train/data_counts.h"
-#include "partial_fc/runtime/error.h"
-#include "partial_fc/runtime/flag_once.h"
+#include "base/error.h"
+#include "base/flag_once.h"
 
 using namespace faceshard;
 

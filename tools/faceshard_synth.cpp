@@ -18,9 +18,9 @@
 #include "data/insightface_rec.h"
 #include "data/seed_mix.h"
 #include "data/synthetic_faces.h"
-#include "partial_fc/runtime/error.h"
-#include "partial_fc/runtime/progress.h"
-#include "partial_fc/runtime/flag_once.h"
+#include "base/error.h"
+#include "base/progress.h"
+#include "base/flag_once.h"
 
 namespace {
 

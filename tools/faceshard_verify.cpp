@@ -17,8 +17,8 @@
 #include "app/io/metrics_log.h"
 #include "app/eval/tool_args.h"
 #include "app/eval/verification_metrics.h"
-#include "partial_fc/runtime/error.h"
-#include "partial_fc/runtime/log.h"
+#include "base/error.h"
+#include "base/log.h"
 
 using namespace faceshard;
 

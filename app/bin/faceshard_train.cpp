@@ -3,7 +3,7 @@
 
 #include "app/config/cli.h"
 #include "app/train/trainer.h"
-#include "partial_fc/runtime/error.h"
+#include "base/error.h"
 
 using namespace faceshard;
 

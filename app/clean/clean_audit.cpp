@@ -14,8 +14,8 @@
 
 #include "app/clean/tail_threshold.h"
 #include "app/io/checkpoint.h"
-#include "partial_fc/runtime/error.h"
-#include "partial_fc/runtime/log.h"
+#include "base/error.h"
+#include "base/log.h"
 
 namespace faceshard {
 
@@ -457,20 +457,7 @@ at::Tensor CleanAudit::identity_vectors(const std::vector<int64_t>& dom) const {
   return v / v.norm(2, {1}, true).clamp_min(1e-12) * mask;
 }
 
-CleanCounts CleanAudit::write_reports(const std::vector<std::string>& header, const std::vector<TestIdentity>& tests) {
-  torch::NoGradGuard ng;
-  const auto t0 = std::chrono::steady_clock::now();
-  CleanCounts n;
-  n.images = images_;
-  n.centre_s = centre_s_;
-  n.near_duplicate_s = near_s_;
-  n.classes_seen_after_eviction = seen_after_eviction_;
-  n.near_duplicates = near_rows_;
-  const std::vector<int64_t> dom = dominant();
-  std::vector<int64_t> class_images(size_t(c_), 0);
-  for (int64_t c = 0; c < c_; ++c)
-    for (int64_t k = 0; k < k_; ++k) class_images[size_t(c)] += counts_[size_t(c * k_ + k)];
-  // The thresholds not given, from the set's own known-different pairs (tail_threshold.h).
+void CleanAudit::fit_mislabeled_threshold(CleanCounts& n) {
   n.mislabeled_from = t_.mislabeled_given ? "--mislabeled-angle" : "the published 75 degrees (too few images to fit)";
   if (!t_.mislabeled_given && stranger_.size() >= 2) {
     const TailThreshold tt = normal_tail(stranger_, t_.mislabeled_rate, images_ * (c_ - 1));
@@ -478,10 +465,9 @@ CleanCounts CleanAudit::write_reports(const std::vector<std::string>& header, co
     n.mislabeled_from = "the data: " + tt.describe("image-to-other-class cosines") +
                         " (an image no nearer its own class; --mislabeled-angle sets it)";
   }
-  std::vector<int64_t> live;  // classes with images: an identity vector each
-  for (int64_t c = 0; c < c_; ++c)
-    if (class_images[size_t(c)] > 0) live.push_back(c);
-  const at::Tensor id = identity_vectors(dom);
+}
+
+void CleanAudit::fit_identity_threshold(CleanCounts& n, const at::Tensor& id, const std::vector<int64_t>& live) {
   n.identity_from = t_.identity_given ? "--identity-cos" : "the fixed 0.6 (too few classes to fit)";
   if (!t_.identity_given) {
     const std::vector<float> pc = pair_cosines(id, live, kStrangerSample);
@@ -521,6 +507,10 @@ CleanCounts CleanAudit::write_reports(const std::vector<std::string>& header, co
       }
     }
   }
+}
+
+void CleanAudit::fit_overlap_threshold(CleanCounts& n, const at::Tensor& id, const std::vector<int64_t>& live,
+                                       const std::vector<TestIdentity>& tests) {
   n.overlap_from = t_.overlap_given ? "--overlap-cos" : "the fixed 0.5 (no test identities to fit)";
   if (!t_.overlap_given && !tests.empty() && !live.empty()) {
     // Every test identity against every class with images (a sample when there are many).
@@ -558,200 +548,198 @@ CleanCounts CleanAudit::write_reports(const std::vector<std::string>& header, co
       }
     }
   }
-  n.mislabeled_angle = t_.mislabeled_angle;
-  n.identity_cos = t_.identity_cos;
-  n.overlap_cos = t_.overlap_cos;
-  std::string head;
-  for (const auto& h : header) head += "# " + h + "\n";
-  head += "# images: " + std::to_string(images_) + ", classes: " + std::to_string(c_) +
-          ", sub-centres per class: " + std::to_string(k_) + "\n";
-  auto begin = [&](const std::string& name, const std::string& what, const std::string& thresholds,
-                   const std::string& columns) {
-    std::FILE* f = open_partial(name);
-    const std::string path = folder_ + "/" + name + ".partial";
-    put(f, "# faceshard-clean " + name + ": " + what + "\n" + head + "# thresholds: " + thresholds + "\n" + columns + "\n",
-        path);
-    if (name == "near_duplicates.tsv") {
-      // Its rows were written during the pass: they follow the header, copied a block at a time.
-      if (std::fflush(near_) != 0) throw runtime_error("cannot write '", folder_, "/.near_rows.partial'");
-      std::rewind(near_);
-      char buf[1 << 16];
-      size_t got;
-      while ((got = std::fread(buf, 1, sizeof buf, near_)) > 0)
-        if (std::fwrite(buf, 1, got, f) != got) throw runtime_error("cannot write '", path, "': ", std::strerror(errno));
-      std::fclose(near_);
-      near_ = nullptr;
-    }
-    return f;
-  };
-  auto end = [&](std::FILE*& f, const std::string& name) {
-    if (std::fflush(f) != 0 || ::fsync(::fileno(f)) != 0 || std::fclose(f) != 0) {
-      f = nullptr;
-      throw runtime_error("cannot write '", folder_, "/", name, ".partial': ", std::strerror(errno));
-    }
+}
+
+std::FILE* CleanAudit::begin_report(const std::string& head, const std::string& name, const std::string& what,
+                                  const std::string& thresholds, const std::string& columns) {
+  std::FILE* f = open_partial(name);
+  const std::string path = folder_ + "/" + name + ".partial";
+  put(f, "# faceshard-clean " + name + ": " + what + "\n" + head + "# thresholds: " + thresholds + "\n" + columns + "\n",
+      path);
+  if (name == "near_duplicates.tsv") {
+    // Its rows were written during the pass: they follow the header, copied a block at a time.
+    if (std::fflush(near_) != 0) throw runtime_error("cannot write '", folder_, "/.near_rows.partial'");
+    std::rewind(near_);
+    char buf[1 << 16];
+    size_t got;
+    while ((got = std::fread(buf, 1, sizeof buf, near_)) > 0)
+      if (std::fwrite(buf, 1, got, f) != got) throw runtime_error("cannot write '", path, "': ", std::strerror(errno));
+    std::fclose(near_);
+    near_ = nullptr;
+  }
+  return f;
+}
+
+void CleanAudit::end_report(std::FILE*& f, const std::string& name) {
+  if (std::fflush(f) != 0 || ::fsync(::fileno(f)) != 0 || std::fclose(f) != 0) {
     f = nullptr;
-  };
+    throw runtime_error("cannot write '", folder_, "/", name, ".partial': ", std::strerror(errno));
+  }
+  f = nullptr;
+}
 
-  // mislabeled.tsv: the scratch records read back once, now that the dominant sub-centres are known.
-  {
-    std::FILE* f = begin("mislabeled.tsv",
-                         "images farther from their class's dominant centre than the threshold, with the class they "
-                         "are nearest to",
-                         "--mislabeled-angle " + fmt(t_.mislabeled_angle, 2) + " degrees (from " + n.mislabeled_from +
-                             "; Sub-center ArcFace drops at 75)",
-                         "index\timage\tlabel\tangle_deg\tcos\tnearest_class\tnearest_cos\tnearest_angle_deg\tsuggestion");
-    if (std::fflush(scratch_) != 0) throw runtime_error("cannot write '", folder_, "/.scratch.partial'");
-    std::rewind(scratch_);
-    std::vector<char> rec(sizeof(ScratchHead) + size_t(k_) * sizeof(float));
-    for (int64_t i = 0; i < images_; ++i) {
-      if (std::fread(rec.data(), 1, rec.size(), scratch_) != rec.size())
-        throw runtime_error("cannot read back '", folder_, "/.scratch.partial'");
-      ScratchHead h;
-      std::memcpy(&h, rec.data(), sizeof h);
-      float cos;
-      std::memcpy(&cos, rec.data() + sizeof h + size_t(dom[size_t(h.label)]) * sizeof(float), sizeof cos);
-      const double angle = degrees(cos);
-      if (angle <= t_.mislabeled_angle) continue;
-      const double other_angle = degrees(h.other_cos);
-      const std::string suggestion =
-          h.other >= 0 && other_angle <= t_.mislabeled_angle ? "relabel " + std::to_string(h.other) : "drop";
+// mislabeled.tsv: the scratch records read back once, now that the dominant sub-centres are known.
+void CleanAudit::write_mislabeled(const ReportPass& rp, CleanCounts& n) {
+  std::FILE* f = begin_report(rp.head, "mislabeled.tsv",
+                       "images farther from their class's dominant centre than the threshold, with the class they "
+                       "are nearest to",
+                       "--mislabeled-angle " + fmt(t_.mislabeled_angle, 2) + " degrees (from " + n.mislabeled_from +
+                           "; Sub-center ArcFace drops at 75)",
+                       "index\timage\tlabel\tangle_deg\tcos\tnearest_class\tnearest_cos\tnearest_angle_deg\tsuggestion");
+  if (std::fflush(scratch_) != 0) throw runtime_error("cannot write '", folder_, "/.scratch.partial'");
+  std::rewind(scratch_);
+  std::vector<char> rec(sizeof(ScratchHead) + size_t(k_) * sizeof(float));
+  for (int64_t i = 0; i < images_; ++i) {
+    if (std::fread(rec.data(), 1, rec.size(), scratch_) != rec.size())
+      throw runtime_error("cannot read back '", folder_, "/.scratch.partial'");
+    ScratchHead h;
+    std::memcpy(&h, rec.data(), sizeof h);
+    float cos;
+    std::memcpy(&cos, rec.data() + sizeof h + size_t(rp.dom[size_t(h.label)]) * sizeof(float), sizeof cos);
+    const double angle = degrees(cos);
+    if (angle <= t_.mislabeled_angle) continue;
+    const double other_angle = degrees(h.other_cos);
+    const std::string suggestion =
+        h.other >= 0 && other_angle <= t_.mislabeled_angle ? "relabel " + std::to_string(h.other) : "drop";
+    put(f,
+        std::to_string(h.index) + "\t" + cell(describe_(h.index)) + "\t" + std::to_string(h.label) + "\t" +
+            fmt(angle, 2) + "\t" + fmt(cos) + "\t" + std::to_string(h.other) + "\t" + fmt(h.other_cos) + "\t" +
+            fmt(other_angle, 2) + "\t" + suggestion + "\n",
+        folder_ + "/mislabeled.tsv.partial");
+    ++n.mislabeled;
+  }
+  end_report(f, "mislabeled.tsv");
+  std::fclose(scratch_);
+  scratch_ = nullptr;
+}
+
+// dropped_subcenters.tsv: the non-dominant sub-centres (K > 1 only).
+void CleanAudit::write_dropped_subcenters(const ReportPass& rp, CleanCounts& n) {
+  if (k_ <= 1) return;
+  std::FILE* f = begin_report(rp.head, "dropped_subcenters.tsv",
+                       "the non-dominant sub-centres of each class (the fewest of the class's images nearest them)",
+                       "none (dominant: the sub-centre with the most of the class's images)",
+                       "class\tsubcenter\timages\tdominant\tdominant_images\tangle_to_dominant_deg");
+  const at::Tensor w = centres_.cpu();
+  for (int64_t c = 0; c < c_; ++c) {
+    if (rp.class_images[size_t(c)] == 0) continue;
+    const int64_t d = rp.dom[size_t(c)];
+    for (int64_t k = 0; k < k_; ++k) {
+      if (k == d) continue;
+      const double cos = (w[c * k_ + k] * w[c * k_ + d]).sum().item<double>();
       put(f,
-          std::to_string(h.index) + "\t" + cell(describe_(h.index)) + "\t" + std::to_string(h.label) + "\t" +
-              fmt(angle, 2) + "\t" + fmt(cos) + "\t" + std::to_string(h.other) + "\t" + fmt(h.other_cos) + "\t" +
-              fmt(other_angle, 2) + "\t" + suggestion + "\n",
-          folder_ + "/mislabeled.tsv.partial");
-      ++n.mislabeled;
+          std::to_string(c) + "\t" + std::to_string(k) + "\t" + std::to_string(counts_[size_t(c * k_ + k)]) + "\t" +
+              std::to_string(d) + "\t" + std::to_string(counts_[size_t(c * k_ + d)]) + "\t" + fmt(degrees(cos), 2) +
+              "\n",
+          folder_ + "/dropped_subcenters.tsv.partial");
+      ++n.dropped_subcenters;
     }
-    end(f, "mislabeled.tsv");
-    std::fclose(scratch_);
-    scratch_ = nullptr;
   }
+  end_report(f, "dropped_subcenters.tsv");
+}
 
-  // dropped_subcenters.tsv: the non-dominant sub-centres (K > 1 only).
-  if (k_ > 1) {
-    std::FILE* f = begin("dropped_subcenters.tsv",
-                         "the non-dominant sub-centres of each class (the fewest of the class's images nearest them)",
-                         "none (dominant: the sub-centre with the most of the class's images)",
-                         "class\tsubcenter\timages\tdominant\tdominant_images\tangle_to_dominant_deg");
-    const at::Tensor w = centres_.cpu();
-    for (int64_t c = 0; c < c_; ++c) {
-      if (class_images[size_t(c)] == 0) continue;
-      const int64_t d = dom[size_t(c)];
-      for (int64_t k = 0; k < k_; ++k) {
-        if (k == d) continue;
-        const double cos = (w[c * k_ + k] * w[c * k_ + d]).sum().item<double>();
-        put(f,
-            std::to_string(c) + "\t" + std::to_string(k) + "\t" + std::to_string(counts_[size_t(c * k_ + k)]) + "\t" +
-                std::to_string(d) + "\t" + std::to_string(counts_[size_t(c * k_ + d)]) + "\t" + fmt(degrees(cos), 2) +
-                "\n",
-            folder_ + "/dropped_subcenters.tsv.partial");
-        ++n.dropped_subcenters;
-      }
+// duplicate_identities.tsv: every pair of classes above the threshold, a chunk of rows at
+// a time against all classes ([rows, C] at most).
+void CleanAudit::write_duplicate_identities(const ReportPass& rp, CleanCounts& n) {
+  std::FILE* f = begin_report(rp.head,
+      "duplicate_identities.tsv", "pairs of classes that look like one person under two labels",
+      "--identity-cos " + fmt(t_.identity_cos, 3) + " (cosine of the classes' " +
+          (t_.identity_by == "means" ? std::string("mean embeddings of the images nearest the dominant centre")
+                                     : std::string("dominant centres")) +
+          ", --identity-by " + t_.identity_by + "; from " + n.identity_from + ")",
+      "class_a\tclass_b\tcos\tangle_deg\tcentre_cos\tmean_cos\timages_a\timages_b\tsuggestion");
+  std::vector<int64_t> rows(static_cast<size_t>(c_));
+  for (int64_t c = 0; c < c_; ++c) rows[size_t(c)] = c * k_ + rp.dom[size_t(c)];
+  const at::Tensor r = torch::tensor(rows, torch::kLong).to(device_);
+  const at::Tensor dom_centres = centres_.index_select(0, r);
+  at::Tensor means = sums_.index_select(0, r);
+  means = means / means.norm(2, {1}, true).clamp_min(1e-12);
+  const int64_t chunk = std::max<int64_t>(1, (int64_t(64) << 20) / std::max<int64_t>(c_, 1) / 4);
+  for (int64_t r0 = 0; r0 < c_; r0 += chunk) {
+    const int64_t nr = std::min(chunk, c_ - r0);
+    // Cosines of unit vectors (float32 rounding may pass 1 by an ulp: clamped).
+    at::Tensor s = at::matmul(rp.id.narrow(0, r0, nr), rp.id.t()).clamp_(-1, 1);
+    // Each pair once: only columns after the row's class.
+    const at::Tensor col = torch::arange(c_, torch::TensorOptions().dtype(torch::kLong).device(device_)).unsqueeze(0);
+    const at::Tensor row = torch::arange(r0, r0 + nr, col.options()).unsqueeze(1);
+    s.masked_fill_(col <= row, -2.0f);
+    const at::Tensor hits = (s > t_.identity_cos).nonzero().cpu();
+    if (hits.size(0) == 0) continue;
+    const at::Tensor a = hits.select(1, 0) + r0, bcol = hits.select(1, 1);
+    const at::Tensor ad = a.to(device_), bd = bcol.to(device_);
+    const at::Tensor cs = s.index({hits.select(1, 0).to(device_), bd}).cpu();
+    const at::Tensor cc = (dom_centres.index_select(0, ad) * dom_centres.index_select(0, bd)).sum(1).cpu();
+    const at::Tensor mc = (means.index_select(0, ad) * means.index_select(0, bd)).sum(1).cpu();
+    for (int64_t h = 0; h < hits.size(0); ++h) {
+      const int64_t ca = a[h].item<int64_t>(), cb = bcol[h].item<int64_t>();
+      const double cos = cs[h].item<double>();
+      const int64_t na = rp.class_images[size_t(ca)], nb = rp.class_images[size_t(cb)];
+      const int64_t into = na >= nb ? ca : cb, from = na >= nb ? cb : ca;
+      put(f,
+          std::to_string(ca) + "\t" + std::to_string(cb) + "\t" + fmt(cos) + "\t" + fmt(degrees(cos), 2) + "\t" +
+              fmt(cc[h].item<double>()) + "\t" + fmt(mc[h].item<double>()) + "\t" + std::to_string(na) + "\t" +
+              std::to_string(nb) + "\tmerge " + std::to_string(from) + " into " + std::to_string(into) + "\n",
+          folder_ + "/duplicate_identities.tsv.partial");
+      ++n.duplicate_identities;
     }
-    end(f, "dropped_subcenters.tsv");
   }
+  end_report(f, "duplicate_identities.tsv");
+}
 
-  // duplicate_identities.tsv: every pair of classes above the threshold, a chunk of rows at
-  // a time against all classes ([rows, C] at most).
-  {
-    std::FILE* f = begin(
-        "duplicate_identities.tsv", "pairs of classes that look like one person under two labels",
-        "--identity-cos " + fmt(t_.identity_cos, 3) + " (cosine of the classes' " +
-            (t_.identity_by == "means" ? std::string("mean embeddings of the images nearest the dominant centre")
-                                       : std::string("dominant centres")) +
-            ", --identity-by " + t_.identity_by + "; from " + n.identity_from + ")",
-        "class_a\tclass_b\tcos\tangle_deg\tcentre_cos\tmean_cos\timages_a\timages_b\tsuggestion");
-    std::vector<int64_t> rows(static_cast<size_t>(c_));
-    for (int64_t c = 0; c < c_; ++c) rows[size_t(c)] = c * k_ + dom[size_t(c)];
-    const at::Tensor r = torch::tensor(rows, torch::kLong).to(device_);
-    const at::Tensor dom_centres = centres_.index_select(0, r);
-    at::Tensor means = sums_.index_select(0, r);
-    means = means / means.norm(2, {1}, true).clamp_min(1e-12);
-    const int64_t chunk = std::max<int64_t>(1, (int64_t(64) << 20) / std::max<int64_t>(c_, 1) / 4);
-    for (int64_t r0 = 0; r0 < c_; r0 += chunk) {
-      const int64_t nr = std::min(chunk, c_ - r0);
-      // Cosines of unit vectors (float32 rounding may pass 1 by an ulp: clamped).
-      at::Tensor s = at::matmul(id.narrow(0, r0, nr), id.t()).clamp_(-1, 1);
-      // Each pair once: only columns after the row's class.
-      const at::Tensor col = torch::arange(c_, torch::TensorOptions().dtype(torch::kLong).device(device_)).unsqueeze(0);
-      const at::Tensor row = torch::arange(r0, r0 + nr, col.options()).unsqueeze(1);
-      s.masked_fill_(col <= row, -2.0f);
-      const at::Tensor hits = (s > t_.identity_cos).nonzero().cpu();
-      if (hits.size(0) == 0) continue;
-      const at::Tensor a = hits.select(1, 0) + r0, bcol = hits.select(1, 1);
-      const at::Tensor ad = a.to(device_), bd = bcol.to(device_);
-      const at::Tensor cs = s.index({hits.select(1, 0).to(device_), bd}).cpu();
-      const at::Tensor cc = (dom_centres.index_select(0, ad) * dom_centres.index_select(0, bd)).sum(1).cpu();
-      const at::Tensor mc = (means.index_select(0, ad) * means.index_select(0, bd)).sum(1).cpu();
-      for (int64_t h = 0; h < hits.size(0); ++h) {
-        const int64_t ca = a[h].item<int64_t>(), cb = bcol[h].item<int64_t>();
-        const double cos = cs[h].item<double>();
-        const int64_t na = class_images[size_t(ca)], nb = class_images[size_t(cb)];
-        const int64_t into = na >= nb ? ca : cb, from = na >= nb ? cb : ca;
-        put(f,
-            std::to_string(ca) + "\t" + std::to_string(cb) + "\t" + fmt(cos) + "\t" + fmt(degrees(cos), 2) + "\t" +
-                fmt(cc[h].item<double>()) + "\t" + fmt(mc[h].item<double>()) + "\t" + std::to_string(na) + "\t" +
-                std::to_string(nb) + "\tmerge " + std::to_string(from) + " into " + std::to_string(into) + "\n",
-            folder_ + "/duplicate_identities.tsv.partial");
-        ++n.duplicate_identities;
-      }
+// overlap.tsv: every test identity against every class.
+void CleanAudit::write_overlap(const ReportPass& rp, const std::vector<TestIdentity>& tests, CleanCounts& n) {
+  std::FILE* f = begin_report(rp.head, "overlap.tsv", "training classes that are identities of the given test sets",
+                       "--overlap-cos " + fmt(t_.overlap_cos, 3) + " (cosine of the test identity's mean embedding " +
+                           "and the class's identity vector, --identity-by " + t_.identity_by + "; from " +
+                           n.overlap_from + ")",
+                       "set\ttest_identity\ttest_images\tclass\tcos\tangle_deg\tclass_images\tsuggestion");
+  const int64_t chunk = 1024;
+  for (size_t t0 = 0; t0 < tests.size(); t0 += size_t(chunk)) {
+    const size_t nt = std::min(tests.size() - t0, size_t(chunk));
+    std::vector<at::Tensor> rows;
+    for (size_t i = 0; i < nt; ++i) {
+      const at::Tensor v = tests[t0 + i].embedding.to(device_, torch::kFloat).reshape({-1});
+      if (v.size(0) != e_)
+        throw usage_error("test identity '", tests[t0 + i].name, "' of ", tests[t0 + i].set, " has ", v.size(0),
+                          " dimensions, the run's embeddings ", e_);
+      rows.push_back(v / v.norm().clamp_min(1e-12));
     }
-    end(f, "duplicate_identities.tsv");
-  }
-
-  // overlap.tsv: every test identity against every class.
-  {
-    std::FILE* f = begin("overlap.tsv", "training classes that are identities of the given test sets",
-                         "--overlap-cos " + fmt(t_.overlap_cos, 3) + " (cosine of the test identity's mean embedding " +
-                             "and the class's identity vector, --identity-by " + t_.identity_by + "; from " +
-                             n.overlap_from + ")",
-                         "set\ttest_identity\ttest_images\tclass\tcos\tangle_deg\tclass_images\tsuggestion");
-    const int64_t chunk = 1024;
-    for (size_t t0 = 0; t0 < tests.size(); t0 += size_t(chunk)) {
-      const size_t nt = std::min(tests.size() - t0, size_t(chunk));
-      std::vector<at::Tensor> rows;
-      for (size_t i = 0; i < nt; ++i) {
-        const at::Tensor v = tests[t0 + i].embedding.to(device_, torch::kFloat).reshape({-1});
-        if (v.size(0) != e_)
-          throw usage_error("test identity '", tests[t0 + i].name, "' of ", tests[t0 + i].set, " has ", v.size(0),
-                            " dimensions, the run's embeddings ", e_);
-        rows.push_back(v / v.norm().clamp_min(1e-12));
-      }
-      const at::Tensor s = at::matmul(torch::stack(rows), id.t()).clamp_(-1, 1);
-      const at::Tensor hits = (s > t_.overlap_cos).nonzero().cpu();
-      const at::Tensor sc = s.cpu();
-      for (int64_t h = 0; h < hits.size(0); ++h) {
-        const int64_t ti = hits[h][0].item<int64_t>(), c = hits[h][1].item<int64_t>();
-        const double cos = sc[ti][c].item<double>();
-        const TestIdentity& t = tests[t0 + size_t(ti)];
-        put(f,
-            cell(t.set) + "\t" + cell(t.name) + "\t" + std::to_string(t.images) + "\t" + std::to_string(c) + "\t" +
-                fmt(cos) + "\t" + fmt(degrees(cos), 2) + "\t" + std::to_string(class_images[size_t(c)]) +
-                "\tdrop class " + std::to_string(c) + "\n",
-            folder_ + "/overlap.tsv.partial");
-        ++n.overlap;
-      }
+    const at::Tensor s = at::matmul(torch::stack(rows), rp.id.t()).clamp_(-1, 1);
+    const at::Tensor hits = (s > t_.overlap_cos).nonzero().cpu();
+    const at::Tensor sc = s.cpu();
+    for (int64_t h = 0; h < hits.size(0); ++h) {
+      const int64_t ti = hits[h][0].item<int64_t>(), c = hits[h][1].item<int64_t>();
+      const double cos = sc[ti][c].item<double>();
+      const TestIdentity& t = tests[t0 + size_t(ti)];
+      put(f,
+          cell(t.set) + "\t" + cell(t.name) + "\t" + std::to_string(t.images) + "\t" + std::to_string(c) + "\t" +
+              fmt(cos) + "\t" + fmt(degrees(cos), 2) + "\t" + std::to_string(rp.class_images[size_t(c)]) +
+              "\tdrop class " + std::to_string(c) + "\n",
+          folder_ + "/overlap.tsv.partial");
+      ++n.overlap;
     }
-    end(f, "overlap.tsv");
   }
+  end_report(f, "overlap.tsv");
+}
 
-  {
-    std::string evicted;
-    if (seen_after_eviction_ > 0)
-      evicted = "; " + std::to_string(seen_after_eviction_) +
-                " classes came back after their buffer was evicted (images not grouped by class; raise "
-                "--near-duplicate-memory-mb)";
-    std::FILE* f = begin("near_duplicates.tsv",
-                         "images stored more than once (compared within their label and with the class they are "
-                         "otherwise nearest to)" + evicted,
-                         "--near-duplicate-cos " + fmt(t_.near_duplicate_cos, 3) +
-                             " (embedding cosine), or identical bytes; --near-duplicate-memory-mb " +
-                             std::to_string(t_.near_duplicate_memory_mb),
-                         "index_a\timage_a\tlabel_a\tindex_b\timage_b\tlabel_b\tcos\tidentical_bytes\tsuggestion");
-    end(f, "near_duplicates.tsv");
-  }
+void CleanAudit::write_near_duplicates(const ReportPass& rp) {
+  std::string evicted;
+  if (seen_after_eviction_ > 0)
+    evicted = "; " + std::to_string(seen_after_eviction_) +
+              " classes came back after their buffer was evicted (images not grouped by class; raise "
+              "--near-duplicate-memory-mb)";
+  std::FILE* f = begin_report(rp.head, "near_duplicates.tsv",
+                       "images stored more than once (compared within their label and with the class they are "
+                       "otherwise nearest to)" + evicted,
+                       "--near-duplicate-cos " + fmt(t_.near_duplicate_cos, 3) +
+                           " (embedding cosine), or identical bytes; --near-duplicate-memory-mb " +
+                           std::to_string(t_.near_duplicate_memory_mb),
+                       "index_a\timage_a\tlabel_a\tindex_b\timage_b\tlabel_b\tcos\tidentical_bytes\tsuggestion");
+  end_report(f, "near_duplicates.tsv");
+}
 
-  // Everything is written: the reports take their names together, the scratch goes.
+// Everything is written: the reports take their names together, the scratch goes.
+void CleanAudit::commit_reports() {
   std::error_code ec;
   for (const auto& name : partial_) {
     if (name[0] == '.') {
@@ -762,6 +750,42 @@ CleanCounts CleanAudit::write_reports(const std::vector<std::string>& header, co
     if (ec) throw runtime_error("cannot rename '", folder_, "/", name, ".partial': ", ec.message());
   }
   partial_.clear();
+}
+
+CleanCounts CleanAudit::write_reports(const std::vector<std::string>& header, const std::vector<TestIdentity>& tests) {
+  torch::NoGradGuard ng;
+  const auto t0 = std::chrono::steady_clock::now();
+  CleanCounts n;
+  n.images = images_;
+  n.centre_s = centre_s_;
+  n.near_duplicate_s = near_s_;
+  n.classes_seen_after_eviction = seen_after_eviction_;
+  n.near_duplicates = near_rows_;
+  ReportPass rp;
+  rp.dom = dominant();
+  rp.class_images.assign(size_t(c_), 0);
+  for (int64_t c = 0; c < c_; ++c)
+    for (int64_t k = 0; k < k_; ++k) rp.class_images[size_t(c)] += counts_[size_t(c * k_ + k)];
+  // The thresholds not given, from the set's own known-different pairs (tail_threshold.h).
+  fit_mislabeled_threshold(n);
+  std::vector<int64_t> live;  // classes with images: an identity vector each
+  for (int64_t c = 0; c < c_; ++c)
+    if (rp.class_images[size_t(c)] > 0) live.push_back(c);
+  rp.id = identity_vectors(rp.dom);
+  fit_identity_threshold(n, rp.id, live);
+  fit_overlap_threshold(n, rp.id, live, tests);
+  n.mislabeled_angle = t_.mislabeled_angle;
+  n.identity_cos = t_.identity_cos;
+  n.overlap_cos = t_.overlap_cos;
+  for (const auto& h : header) rp.head += "# " + h + "\n";
+  rp.head += "# images: " + std::to_string(images_) + ", classes: " + std::to_string(c_) +
+             ", sub-centres per class: " + std::to_string(k_) + "\n";
+  write_mislabeled(rp, n);
+  write_dropped_subcenters(rp, n);
+  write_duplicate_identities(rp, n);
+  write_overlap(rp, tests, n);
+  write_near_duplicates(rp);
+  commit_reports();
   n.reports_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   return n;
 }

@@ -116,6 +116,27 @@ class CleanAudit {
   void best_match(const Buffer& buf, const float* e, uint64_t hash, NearMatch& best) const;
   at::Tensor identity_vectors(const std::vector<int64_t>& dom) const;
   std::FILE* open_partial(const std::string& name);
+  // write_reports' parts: the thresholds not given, fitted from the data; then one function
+  // per report, each written to its .partial file; then the names taken together.
+  struct ReportPass {
+    std::string head;                  // the reports' shared header lines
+    std::vector<int64_t> dom;          // per class, its dominant sub-centre
+    std::vector<int64_t> class_images; // per class, its images
+    at::Tensor id;                     // [C, E] identity vectors (identity_vectors)
+  };
+  void fit_mislabeled_threshold(CleanCounts& n);
+  void fit_identity_threshold(CleanCounts& n, const at::Tensor& id, const std::vector<int64_t>& live);
+  void fit_overlap_threshold(CleanCounts& n, const at::Tensor& id, const std::vector<int64_t>& live,
+                             const std::vector<TestIdentity>& tests);
+  std::FILE* begin_report(const std::string& head, const std::string& name, const std::string& what,
+                          const std::string& thresholds, const std::string& columns);
+  void end_report(std::FILE*& f, const std::string& name);
+  void write_mislabeled(const ReportPass& rp, CleanCounts& n);
+  void write_dropped_subcenters(const ReportPass& rp, CleanCounts& n);
+  void write_duplicate_identities(const ReportPass& rp, CleanCounts& n);
+  void write_overlap(const ReportPass& rp, const std::vector<TestIdentity>& tests, CleanCounts& n);
+  void write_near_duplicates(const ReportPass& rp);
+  void commit_reports();
   void abandon();
 
   at::Tensor centres_;  // [C*K, E] normalised, on device_

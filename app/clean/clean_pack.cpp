@@ -17,8 +17,8 @@
 #include "app/clean/report_table.h"
 #include "app/io/checkpoint.h"
 #include "data/insightface_rec.h"
-#include "partial_fc/runtime/error.h"
-#include "partial_fc/runtime/progress.h"
+#include "base/error.h"
+#include "base/progress.h"
 
 namespace faceshard {
 

@@ -5,7 +5,7 @@
 #include <optional>
 
 #include "app/clean/report_table.h"
-#include "partial_fc/runtime/error.h"
+#include "base/error.h"
 
 namespace faceshard {
 

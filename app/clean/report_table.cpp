@@ -6,7 +6,7 @@
 #include <fstream>
 #include <sstream>
 
-#include "partial_fc/runtime/error.h"
+#include "base/error.h"
 
 namespace faceshard {
 

@@ -4,7 +4,7 @@
 #include <cmath>
 #include <cstdio>
 
-#include "partial_fc/runtime/error.h"
+#include "base/error.h"
 
 namespace faceshard {
 

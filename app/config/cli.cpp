@@ -1,7 +1,7 @@
 #include "app/config/cli.h"
 
-#include "partial_fc/runtime/error.h"
-#include "partial_fc/runtime/flag_once.h"
+#include "base/error.h"
+#include "base/flag_once.h"
 
 namespace faceshard {
 

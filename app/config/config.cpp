@@ -16,8 +16,8 @@
 #include <sstream>
 
 #include "partial_fc/classifier/head_catalogue.h"
-#include "partial_fc/runtime/error.h"
-#include "partial_fc/runtime/near_name.h"
+#include "base/error.h"
+#include "base/near_name.h"
 
 namespace fs = std::filesystem;
 

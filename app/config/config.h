@@ -8,7 +8,7 @@
 #include <string>
 #include <vector>
 
-#include "partial_fc/runtime/error.h"
+#include "base/error.h"
 
 namespace YAML {
 class Node;
@@ -220,7 +220,7 @@ struct TrainConfig {
   // (app/train/graphed_backbone.h); where capture is impossible the steps run eagerly, with
   // one log line saying why.
   bool cuda_graph = false;
-  // Host memory the CPU block cache may keep for reuse (partial_fc/runtime/cpu_block_cache.h),
+  // Host memory the CPU block cache may keep for reuse (base/cpu_block_cache.h),
   // GB per rank; unset: a quarter of the machine's memory shared by its local ranks; 0: off.
   std::optional<double> cpu_cache_gb;
 };

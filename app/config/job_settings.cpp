@@ -1,22 +1,24 @@
 #include "app/config/job_settings.h"
 
 #include "app/config/config.h"
-#include "partial_fc/runtime/error.h"
+#include "base/error.h"
 
 namespace faceshard {
+
+int64_t batch_per_rank(const Config& cfg, int world_size) {
+  if (!cfg.data.global_batch_size) return cfg.data.batch_size;
+  const int64_t g = *cfg.data.global_batch_size, parts = int64_t(world_size) * cfg.optim.grad_accumulation;
+  if (g % parts != 0)
+    throw_config_error(cfg, "data.global_batch_size",
+                       detail::concat(g, " cannot be split evenly over ", world_size, " ranks x ",
+                                      cfg.optim.grad_accumulation, " micro-batches (optim.grad_accumulation)"));
+  return g / parts;
+}
 
 JobSettings job_settings(const Config& cfg, int world_size) {
   JobSettings s;
   s.network = cfg.model.backbone;
-  s.batch_per_rank = cfg.data.batch_size;
-  if (cfg.data.global_batch_size) {
-    const int64_t g = *cfg.data.global_batch_size, parts = int64_t(world_size) * cfg.optim.grad_accumulation;
-    if (g % parts != 0)
-      throw_config_error(cfg, "data.global_batch_size",
-                         detail::concat(g, " cannot be split evenly over ", world_size, " ranks x ",
-                                        cfg.optim.grad_accumulation, " micro-batches (optim.grad_accumulation)"));
-    s.batch_per_rank = g / parts;
-  }
+  s.batch_per_rank = batch_per_rank(cfg, world_size);
   // Sized for a GPU: auto is bf16 there (resolve_precision).
   s.precision = cfg.train.precision == "auto" ? "bf16" : cfg.train.precision;
   s.precision_auto = cfg.train.precision == "auto";

@@ -45,6 +45,11 @@ struct JobSettings {
   bool precision_auto = false;         // train.precision auto, resolved as on a GPU (bf16)
 };
 
+// The images per rank and micro-batch: data.global_batch_size split over `world_size` ranks x
+// optim.grad_accumulation micro-batches (a config error naming the key when it cannot be), or
+// data.batch_size when the global batch is not set.
+int64_t batch_per_rank(const Config& cfg, int world_size);
+
 // The settings of a training config: data.global_batch_size split over `world_size` ranks and
 // optim.grad_accumulation micro-batches as the trainer splits it (a config error naming the
 // key when it cannot be), train.precision auto taken as on a GPU (bf16; the trainer puts its

@@ -6,8 +6,8 @@
 #include <filesystem>
 
 #include "app/io/npy.h"
-#include "partial_fc/runtime/error.h"
-#include "partial_fc/runtime/sha256.h"
+#include "base/error.h"
+#include "base/sha256.h"
 
 namespace faceshard {
 

@@ -14,9 +14,9 @@
 #include "data/image_transform.h"
 #include "data/verification_bin.h"
 #include "models/gate_conditioning.h"
-#include "partial_fc/runtime/error.h"
-#include "partial_fc/runtime/log.h"
-#include "partial_fc/runtime/progress.h"
+#include "base/error.h"
+#include "base/log.h"
+#include "base/progress.h"
 
 namespace faceshard {
 

@@ -61,7 +61,7 @@ using ImageSource = std::function<cv::Mat(int64_t index)>;
 
 // Embeds images 0..n-1 of `load`, `batch` at a time (the batch decoded in parallel):
 // f(x), or f(x) + f(mirror(x)) with flip; rows L2-normalised when normalize. [n, E] float.
-// With progress, shows the count, rate and time left (partial_fc/runtime/progress.h).
+// With progress, shows the count, rate and time left (base/progress.h).
 at::Tensor embed_images(Backbone& model, int64_t n, const ImageSource& load, int64_t batch, torch::Device device,
                         bool flip, bool normalize, bool progress = false);
 

@@ -7,7 +7,7 @@
 #include <set>
 #include <sstream>
 
-#include "partial_fc/runtime/error.h"
+#include "base/error.h"
 
 namespace faceshard {
 

@@ -3,7 +3,7 @@
 #include <cstdio>
 #include <cstdlib>
 
-#include "partial_fc/runtime/error.h"
+#include "base/error.h"
 
 namespace faceshard {
 

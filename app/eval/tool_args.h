@@ -10,7 +10,7 @@
 #include <torch/torch.h>
 
 #include "app/eval/inference_model.h"
-#include "partial_fc/runtime/flag_once.h"
+#include "base/flag_once.h"
 
 namespace faceshard {
 

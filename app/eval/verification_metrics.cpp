@@ -13,7 +13,7 @@
 #include <opencv2/imgproc.hpp>
 
 #include "data/image_encode.h"
-#include "partial_fc/runtime/error.h"
+#include "base/error.h"
 
 namespace faceshard {
 

@@ -10,7 +10,7 @@
 #include "models/iresnet.h"
 #include "models/mobilefacenet.h"
 #include "models/vit.h"
-#include "partial_fc/runtime/error.h"
+#include "base/error.h"
 
 namespace faceshard {
 namespace {

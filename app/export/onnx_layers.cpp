@@ -2,7 +2,7 @@
 
 #include <variant>
 
-#include "partial_fc/runtime/error.h"
+#include "base/error.h"
 
 namespace faceshard {
 namespace {

@@ -11,8 +11,8 @@
 #include <memory>
 
 #include "app/io/protobuf_writer.h"
-#include "partial_fc/runtime/error.h"
-#include "partial_fc/runtime/progress.h"
+#include "base/error.h"
+#include "base/progress.h"
 
 namespace faceshard {
 namespace {

@@ -7,8 +7,8 @@
 #include <cerrno>
 #include <cstring>
 
-#include "partial_fc/runtime/error.h"
-#include "partial_fc/runtime/log.h"
+#include "base/error.h"
+#include "base/log.h"
 
 namespace faceshard {
 

@@ -16,8 +16,8 @@
 #include <sstream>
 
 #include "app/io/checkpoint_verify.h"
-#include "partial_fc/runtime/error.h"
-#include "partial_fc/runtime/log.h"
+#include "base/error.h"
+#include "base/log.h"
 
 namespace fs = std::filesystem;
 

@@ -3,7 +3,7 @@
 // optimiser state). Each file is written to a temporary name, flushed and renamed; the
 // checkpoint counts only once rank 0 writes COMMITTED after every rank has finished, so a
 // crash during a save leaves the previous checkpoint usable. Loading reads each value
-// straight into its destination (models/state_dict_reader.h); with a different number of
+// straight into its destination (models/torch_save/state_dict_reader.h); with a different number of
 // ranks the classifier rows are resharded by class range (resharded_rows.h).
 #pragma once
 #include <functional>
@@ -11,9 +11,9 @@
 #include <string>
 #include <vector>
 
-#include "models/state_dict_io.h"
-#include "models/state_dict_reader.h"
-#include "partial_fc/runtime/distributed.h"
+#include "models/torch_save/state_dict_io.h"
+#include "models/torch_save/state_dict_reader.h"
+#include "partial_fc/distributed/distributed.h"
 
 namespace faceshard {
 

@@ -4,9 +4,9 @@
 #include <cstring>
 #include <filesystem>
 
-#include "models/zip_archive.h"
-#include "partial_fc/runtime/error.h"
-#include "partial_fc/runtime/log.h"
+#include "models/torch_save/zip_archive.h"
+#include "base/error.h"
+#include "base/log.h"
 
 namespace fs = std::filesystem;
 

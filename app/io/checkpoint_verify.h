@@ -8,7 +8,7 @@
 #include <vector>
 
 #include "app/io/checkpoint.h"
-#include "partial_fc/runtime/distributed.h"
+#include "partial_fc/distributed/distributed.h"
 
 namespace faceshard {
 

@@ -8,7 +8,7 @@
 #include <cstring>
 #include <filesystem>
 
-#include "partial_fc/runtime/error.h"
+#include "base/error.h"
 
 namespace faceshard {
 

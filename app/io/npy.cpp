@@ -5,7 +5,7 @@
 #include <regex>
 
 #include "app/io/checkpoint.h"
-#include "partial_fc/runtime/error.h"
+#include "base/error.h"
 
 namespace faceshard {
 

@@ -4,7 +4,7 @@
 #include <filesystem>
 
 #include "partial_fc/classifier/class_shard.h"
-#include "partial_fc/runtime/error.h"
+#include "base/error.h"
 
 namespace faceshard {
 

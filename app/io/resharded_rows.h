@@ -22,7 +22,7 @@
 #include <torch/torch.h>
 
 #include "app/io/checkpoint.h"
-#include "models/state_dict_reader.h"
+#include "models/torch_save/state_dict_reader.h"
 
 namespace faceshard {
 

@@ -3,7 +3,7 @@
 #include <algorithm>
 #include <vector>
 
-#include "partial_fc/runtime/error.h"
+#include "base/error.h"
 
 namespace faceshard {
 

@@ -12,7 +12,7 @@
 #include <filesystem>
 
 #include "app/io/protobuf_writer.h"
-#include "partial_fc/runtime/error.h"
+#include "base/error.h"
 
 namespace faceshard {
 

@@ -6,7 +6,7 @@
 #include "app/plan/allocation_meter.h"
 #include "models/backbone_registry.h"
 #include "models/model_stats.h"
-#include "partial_fc/runtime/error.h"
+#include "base/error.h"
 
 namespace faceshard {
 

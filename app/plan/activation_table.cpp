@@ -8,7 +8,7 @@
 
 #include <yaml-cpp/yaml.h>
 
-#include "partial_fc/runtime/error.h"
+#include "base/error.h"
 
 namespace faceshard {
 

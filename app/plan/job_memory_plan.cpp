@@ -6,7 +6,7 @@
 #include "app/config/config.h"
 #include "app/config/limits.h"
 #include "models/backbone_registry.h"
-#include "partial_fc/runtime/error.h"
+#include "base/error.h"
 
 namespace faceshard {
 

@@ -6,6 +6,7 @@
 #include <fstream>
 #include <map>
 #include <mutex>
+#include <regex>
 #include <sstream>
 
 #include <yaml-cpp/yaml.h>
@@ -14,7 +15,8 @@
 #include "models/backbone_registry.h"
 #include "models/iresnet.h"
 #include "models/model_stats.h"
-#include "partial_fc/runtime/error.h"
+#include "models/vit.h"
+#include "base/error.h"
 
 namespace faceshard {
 
@@ -276,17 +278,21 @@ double backbone_buffer_bytes(const std::string& network) {
     }
     return bn(channels, layers) + 4 * 512;  // + features.weight, frozen
   }
-  // ViTs: the feature head's two BNs (width, embedding); the mask token when not masking.
-  static const std::map<std::string, std::pair<double, bool>> vits = {
-      {"vit_t", {256, false}},  {"vit_t_dp005_mask0", {256, true}},     {"vit_s", {512, false}},
-      {"vit_s_dp005_mask_0", {512, true}}, {"vit_b", {512, false}},    {"vit_b_dp005_mask_005", {512, false}},
-      {"vit_l_dp005_mask_005", {768, false}}, {"vit_h", {1024, true}}};
-  if (const auto it = vits.find(network); it != vits.end())
-    return bn(it->second.first + 512, 2) + (it->second.second ? 4 * it->second.first : 0);
-  // MobileFaceNets, counted from the networks as built.
-  static const std::map<std::string, double> mbf = {{"mbf", 95632}, {"mbf_small", 43192},
-                                                    {"mbf_large", 211672}};
-  if (const auto it = mbf.find(network); it != mbf.end()) return it->second;
+  // ViTs (their variants' table, models/vit.h): the feature head's two BNs (width,
+  // embedding); the mask token, frozen where the variant does not mask.
+  if (const std::optional<VitVariant> v = vit_variant(network))
+    return bn(double(v->dim) + 512, 2) + (v->mask_ratio > 0 ? 0.0 : 4 * double(v->dim));
+  // MobileFaceNets (a few MB): counted from the network as built.
+  if (known && backbone_traits(network).family == "mobilefacenet") {
+    BackboneOptions o;
+    o.name = network;
+    const auto b = make_backbone(o);
+    double bytes = 0;
+    for (const auto& kv : b->named_parameters(true))
+      if (!kv.value().requires_grad()) bytes += double(kv.value().nbytes());
+    for (const auto& kv : b->named_buffers(true)) bytes += double(kv.value().nbytes());
+    return bytes;
+  }
   return -1;
 }
 
@@ -335,43 +341,36 @@ CheckpointPlan plan_checkpoint(const JobSettings& job, const ActivationTable& ta
 namespace {
 
 struct Preset {
-  const char* file;
-  int ranks;  // what the preset's rate is set for; 0: not stated
-  const char* dataset;
-  int64_t images, classes;
+  std::string file;
+  int ranks = 0;  // what the preset's rate is set for; 0: not stated
+  std::string dataset;
+  int64_t images = 0, classes = 0;
 };
 
-// The presets' rank counts (each one's header comment) and their data sets as published.
-const Preset kPresets[] = {
-    {"base.yaml", 8, "", 0, 0},
-    {"demo.yaml", 2, "", 0, 0},
-    {"ms1mv2_r50.yaml", 8, "MS1MV2", 5822653, 85742},
-    {"ms1mv2_r100.yaml", 8, "MS1MV2", 5822653, 85742},
-    {"ms1mv3_r50.yaml", 8, "MS1MV3", 5179510, 93431},
-    {"ms1mv3_r100.yaml", 8, "MS1MV3", 5179510, 93431},
-    {"ms1mv3_ir_se50.yaml", 8, "MS1MV3", 5179510, 93431},
-    {"ms1mv3_r100_adaface.yaml", 4, "MS1MV3", 5179510, 93431},
-    {"ms1mv3_r100_magface.yaml", 4, "MS1MV3", 5179510, 93431},
-    {"ms1mv3_r50_curricularface.yaml", 4, "MS1MV3", 5179510, 93431},
-    {"ms1mv3_r50_elasticface_cos.yaml", 4, "MS1MV3", 5179510, 93431},
-    {"webface4m_r50_adaface.yaml", 4, "WebFace4M", 4235242, 205990},
-    {"glint360k_r50.yaml", 8, "Glint360K", 17091657, 360232},
-    {"glint360k_r100.yaml", 8, "Glint360K", 17091657, 360232},
-    {"wf42m_pfc02_r50.yaml", 8, "WebFace42M", 42474557, 2059906},
-    {"wf42m_pfc02_r100.yaml", 8, "WebFace42M", 42474557, 2059906},
-    {"wf42m_pfc03_r50.yaml", 32, "WebFace42M", 42474557, 2059906},
-    {"wf42m_pfc03_r100.yaml", 32, "WebFace42M", 42474557, 2059906},
-    {"wf42m_pfc03_40epoch_8gpu_vit_t.yaml", 8, "WebFace42M", 42474557, 2059906},
-    {"wf42m_pfc03_40epoch_8gpu_vit_b.yaml", 8, "WebFace42M", 42474557, 2059906},
-    {"wf42m_pfc03_40epoch_64gpu_vit_s.yaml", 64, "WebFace42M", 42474557, 2059906},
-    {"wf42m_pfc03_40epoch_64gpu_vit_l.yaml", 64, "WebFace42M", 42474557, 2059906},
-    {"wf42m_pfc02_vit_h.yaml", 0, "WebFace42M", 42474557, 2059906},
-};
-
-const Preset* preset_of(const fs::path& file) {
-  for (const Preset& p : kPresets)
-    if (file.filename() == p.file) return &p;
-  return nullptr;
+// A preset states itself in one comment line of its own file (configs/*.yaml):
+//   # preset: ranks=8; data=MS1MV3; images=5179510; classes=93431
+// (ranks=unstated where its source gives none; the data part only where it names a data
+// set as published). A file without that line is no preset.
+std::optional<Preset> preset_of(const fs::path& file) {
+  std::ifstream in(file);
+  if (!in) return std::nullopt;
+  static const std::regex line_re(
+      R"(^# preset: ranks=(\d+|unstated)(; data=([^;]+); images=(\d+); classes=(\d+))?\s*$)");
+  std::string line;
+  for (int n = 0; n < 200 && std::getline(in, line); ++n) {
+    std::smatch m;
+    if (!std::regex_match(line, m, line_re)) continue;
+    Preset p;
+    p.file = file.filename().string();
+    p.ranks = m[1] == "unstated" ? 0 : std::stoi(m[1]);
+    if (m[2].matched) {
+      p.dataset = m[3];
+      p.images = std::stoll(m[4]);
+      p.classes = std::stoll(m[5]);
+    }
+    return p;
+  }
+  return std::nullopt;
 }
 
 // The first preset on the base chain of `file` (itself first, then its bases depth-first).
@@ -399,16 +398,10 @@ std::optional<fs::path> find_preset(const fs::path& file, int depth) {
 
 }  // namespace
 
-std::vector<std::string> known_presets() {
-  std::vector<std::string> out;
-  for (const Preset& p : kPresets) out.push_back(p.file);
-  return out;
-}
-
 std::optional<LrReference> lr_reference(const std::string& config_path) {
   const auto file = find_preset(fs::path(config_path), 0);
   if (!file) return std::nullopt;
-  const Preset& p = *preset_of(*file);
+  const Preset p = *preset_of(*file);
   const Config preset = load_config(file->string());
   LrReference r;
   r.preset = p.file;

@@ -125,7 +125,9 @@ double backbone_buffer_bytes(const std::string& network);
 // The global batch a preset's learning rate is set for, from the preset's own files: the
 // ranks it was run on (arcface_torch's job, or the authors') x its batch per rank x its
 // micro-batches. `config` is a training config; the preset is the first file of its base
-// chain (itself first) that is one of configs/'s presets.
+// chain (itself first) that states itself a preset in a comment line of its own (configs/'s
+// presets: `# preset: ranks=8; data=MS1MV3; images=5179510; classes=93431`), so that a new
+// preset is a YAML file and nothing else.
 struct LrReference {
   std::string preset;        // its file name, "" when the config derives from no preset
   std::string optimizer;     // the preset's backbone optimiser
@@ -137,8 +139,6 @@ struct LrReference {
   std::string dataset;
 };
 std::optional<LrReference> lr_reference(const std::string& config_path);
-// The presets this knows (file names), for the test that every preset is known.
-std::vector<std::string> known_presets();
 
 // One line when the job's global batch differs from the reference's and the rate scales
 // with it (SGD): the factor and the learning rate for this batch; "" otherwise. With AdamW

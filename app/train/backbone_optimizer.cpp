@@ -12,8 +12,8 @@
 #include <ATen/ops/_fused_sgd.h>
 #include <c10/core/GradMode.h>
 
-#include "models/tensor_source.h"
-#include "partial_fc/runtime/error.h"
+#include "models/torch_save/tensor_source.h"
+#include "base/error.h"
 
 namespace faceshard {
 

@@ -8,8 +8,8 @@
 
 #include <ATen/ATen.h>
 
-#include "models/tensor_source.h"
-#include "partial_fc/parallel/flat_params.h"
+#include "models/torch_save/tensor_source.h"
+#include "partial_fc/data_parallel/flat_params.h"
 
 namespace faceshard {
 

@@ -8,7 +8,7 @@
 #include "app/train/run_folder.h"
 #include "data/source_classes.h"
 #include "data/source_paths.h"
-#include "partial_fc/runtime/error.h"
+#include "base/error.h"
 
 namespace faceshard {
 

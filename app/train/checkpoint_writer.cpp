@@ -13,8 +13,8 @@
 
 #include "app/io/store_agreement.h"
 #include "app/train/train_job.h"
-#include "partial_fc/runtime/error.h"
-#include "partial_fc/runtime/log.h"
+#include "base/error.h"
+#include "base/log.h"
 
 namespace faceshard {
 namespace {

@@ -2,7 +2,7 @@
 
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 
-#include "partial_fc/runtime/error.h"
+#include "base/error.h"
 
 namespace faceshard {
 

@@ -14,8 +14,8 @@
 #include "app/io/checkpoint.h"
 #include "app/train/checkpoint_writer.h"
 #include "app/train/train_step.h"
-#include "partial_fc/runtime/error.h"
-#include "partial_fc/runtime/log.h"
+#include "base/error.h"
+#include "base/log.h"
 
 namespace faceshard {
 

@@ -4,8 +4,8 @@
 #include <sstream>
 
 #include "models/backbone_registry.h"
-#include "partial_fc/runtime/error.h"
-#include "partial_fc/runtime/log.h"
+#include "base/error.h"
+#include "base/log.h"
 
 namespace faceshard {
 namespace {

@@ -8,7 +8,7 @@
 #include <ATen/ops/_foreach_norm.h>
 #include <c10/core/GradMode.h>
 
-#include "partial_fc/runtime/error.h"
+#include "base/error.h"
 
 namespace faceshard {
 

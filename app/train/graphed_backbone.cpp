@@ -10,8 +10,8 @@
 
 #include "app/train/train_job.h"
 #include "app/train/training_stream.h"
-#include "partial_fc/runtime/error.h"
-#include "partial_fc/runtime/log.h"
+#include "base/error.h"
+#include "base/log.h"
 
 namespace faceshard {
 namespace {

@@ -39,7 +39,7 @@
 
 #include "app/train/step_recorder.h"
 #include "models/backbone.h"
-#include "partial_fc/runtime/distributed.h"
+#include "partial_fc/distributed/distributed.h"
 
 namespace faceshard {
 

@@ -7,8 +7,8 @@
 
 #include "app/io/metrics_log.h"
 #include "app/io/tensorboard_writer.h"
-#include "partial_fc/runtime/error.h"
-#include "partial_fc/runtime/log.h"
+#include "base/error.h"
+#include "base/log.h"
 
 namespace faceshard {
 

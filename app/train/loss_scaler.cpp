@@ -7,8 +7,8 @@
 #include <ATen/ops/_amp_update_scale.h>
 #include <c10/core/GradMode.h>
 
-#include "partial_fc/runtime/error.h"
-#include "partial_fc/runtime/designed_host_sync.h"
+#include "base/error.h"
+#include "base/designed_host_sync.h"
 
 namespace faceshard {
 

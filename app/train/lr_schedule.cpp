@@ -2,7 +2,7 @@
 
 #include <cmath>
 
-#include "partial_fc/runtime/error.h"
+#include "base/error.h"
 
 namespace faceshard {
 

@@ -4,7 +4,7 @@
 #include <chrono>
 #include <cstring>
 
-#include "partial_fc/runtime/error.h"
+#include "base/error.h"
 
 namespace faceshard {
 

@@ -4,8 +4,8 @@
 #include <filesystem>
 
 #include "app/io/checkpoint.h"
-#include "partial_fc/runtime/error.h"
-#include "partial_fc/runtime/log.h"
+#include "base/error.h"
+#include "base/log.h"
 
 namespace faceshard {
 namespace fs = std::filesystem;

@@ -13,7 +13,7 @@
 #include <sstream>
 
 #include "app/train/run_folder.h"
-#include "partial_fc/runtime/error.h"
+#include "base/error.h"
 
 namespace faceshard {
 namespace fs = std::filesystem;

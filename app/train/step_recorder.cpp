@@ -13,7 +13,7 @@
 
 #include "app/train/graph_capture.h"
 #include "app/train/training_stream.h"
-#include "partial_fc/runtime/error.h"
+#include "base/error.h"
 
 namespace faceshard {
 

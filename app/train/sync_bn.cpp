@@ -1,8 +1,8 @@
 #include "app/train/sync_bn.h"
 
 #include "models/norm_layer.h"
-#include "partial_fc/runtime/error.h"
-#include "partial_fc/parallel/sync_batch_norm.h"
+#include "base/error.h"
+#include "partial_fc/data_parallel/sync_batch_norm.h"
 
 namespace faceshard {
 namespace {

@@ -4,7 +4,7 @@
 #pragma once
 #include <torch/torch.h>
 
-#include "partial_fc/runtime/distributed.h"
+#include "partial_fc/distributed/distributed.h"
 
 namespace faceshard {
 

@@ -22,10 +22,10 @@
 #include "data/sampler.h"
 #include "models/backbone_registry.h"
 #include "models/prelu.h"
-#include "partial_fc/runtime/cpu_block_cache.h"
-#include "partial_fc/runtime/dist_env.h"
-#include "partial_fc/runtime/error.h"
-#include "partial_fc/runtime/log.h"
+#include "base/cpu_block_cache.h"
+#include "partial_fc/distributed/dist_env.h"
+#include "base/error.h"
+#include "base/log.h"
 
 namespace faceshard {
 namespace {
@@ -76,15 +76,12 @@ void adapt_batch_to_world(Config& cfg, const Distributed& d, const std::optional
     return;
   }
   if (!cfg.data.global_batch_size) return;
-  const int64_t g = *cfg.data.global_batch_size;
-  if (g % (w * acc) != 0)
-    throw_config_error(cfg, "data.global_batch_size",
-                       detail::concat(g, " cannot be split evenly over ", w, " ranks x ", acc,
-                                      " micro-batches (optim.grad_accumulation)"));
+  const int64_t per_rank = batch_per_rank(cfg, d.world_size());
   if (d.rank() == 0)
-    log_info("data.global_batch_size ", g, ": ", g / (w * acc), " images per rank and micro-batch on ", w,
-             " ranks x ", acc, " micro-batches (data.batch_size ", cfg.data.batch_size, " is not used)");
-  cfg.data.batch_size = g / (w * acc);
+    log_info("data.global_batch_size ", *cfg.data.global_batch_size, ": ", per_rank,
+             " images per rank and micro-batch on ", w, " ranks x ", acc, " micro-batches (data.batch_size ",
+             cfg.data.batch_size, " is not used)");
+  cfg.data.batch_size = per_rank;
 }
 
 // The data's counts (data_counts.h), said on rank 0.

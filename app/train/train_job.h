@@ -23,8 +23,8 @@
 #include "data/loader.h"
 #include "models/backbone.h"
 #include "partial_fc/classifier/partial_fc.h"
-#include "partial_fc/parallel/ddp.h"
-#include "partial_fc/runtime/distributed.h"
+#include "partial_fc/data_parallel/ddp.h"
+#include "partial_fc/distributed/distributed.h"
 
 namespace faceshard {
 

@@ -15,9 +15,9 @@
 #include "app/io/resharded_rows.h"
 #include "partial_fc/classifier/head_catalogue.h"
 #include "partial_fc/classifier/margin_head.h"
-#include "partial_fc/runtime/cpu_block_cache.h"
-#include "partial_fc/runtime/error.h"
-#include "partial_fc/runtime/log.h"
+#include "base/cpu_block_cache.h"
+#include "base/error.h"
+#include "base/log.h"
 
 namespace faceshard {
 namespace {
@@ -145,24 +145,14 @@ double status_mb(const char* key) {
 
 }  // namespace
 
-void TrainState::load(const std::string& dir) {
-  TrainJob& j = job_;
-  TrainProgress& p = progress_;
-  const auto t0 = std::chrono::steady_clock::now();
-  // The load's own memory: the process's peak after it against its resident memory before
-  // (the shard's rows are allocated but not yet touched, so the rows read land in this).
-  const double rss_before_mb = status_mb("VmRSS:"), anon_before_mb = status_mb("RssAnon:");
-  const int64_t cache_before = CpuBlockCache::cached_bytes();
-  auto seconds = [](std::chrono::steady_clock::time_point a) {
-    return std::chrono::duration<double>(std::chrono::steady_clock::now() - a).count();
-  };
-  CheckpointInfo info = read_checkpoint_info(dir);
-  if (info.num_classes != *j.cfg.data.num_classes)
-    throw usage_error("checkpoint '", dir, "' has ", info.num_classes, " classes but data.num_classes is ",
-                      *j.cfg.data.num_classes);
-  // Every value is read straight from its file into where it lives (parameters, optimiser
-  // state, the classifier's rows, on the job's device): a resume needs no memory beyond the
-  // training's own and a staging buffer.
+namespace {
+
+double seconds_since(std::chrono::steady_clock::time_point a) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - a).count();
+}
+
+// The backbone's values, each read straight into its parameter or buffer, then checked.
+void load_backbone(TrainJob& j, const CheckpointInfo& info, const std::string& dir) {
   j.backbone->load_state_dict(open_checkpoint_file(info, "backbone.pt"), dir + "/backbone.pt");
   // Every value of the backbone finite; BatchNorm's running variances and counts >= 0.
   for (const auto& [key, value] : j.backbone->state_dict()) {
@@ -170,9 +160,11 @@ void TrainState::load(const std::string& dir) {
                                                    key.find("num_batches_tracked") != std::string::npos);
     check_checkpoint_values(value, dir + "/backbone.pt", key, non_negative);
   }
+}
 
-  const std::string tsrc = dir + "/train_state.pt";
-  const StateDictReader ts = open_checkpoint_file(info, "train_state.pt");
+// train_state.pt's step, the optimiser's and the loss scaler's state, the best accuracies.
+void load_train_state(TrainJob& j, TrainProgress& p, const CheckpointInfo& info, const StateDictReader& ts,
+                      const std::string& tsrc) {
   p.step = read_checkpoint_int(ts, "step", tsrc);
   if (p.step != info.step)
     throw usage_error(tsrc, ": key 'step' is ", p.step, ", but the checkpoint's COMMITTED marker says step ", info.step);
@@ -198,8 +190,11 @@ void TrainState::load(const std::string& dir) {
       throw usage_error(tsrc, ": key 'best/", best.name(i), "' is ", a, ", expected an accuracy in [0, 1]");
     p.best_accuracy[best.name(i)] = a;
   }
-  // The head's state: each key's name, size and type checked from the file before it is
-  // read, its values after.
+}
+
+// The margin head's state: each key's name, size and type checked from the file before it is
+// read, its values after.
+void load_head_state(TrainJob& j, const StateDictReader& ts, const std::string& tsrc) {
   const std::string head_now_name = j.fc->head().name();
   const std::string change = "; a resume continues its run with the run's own head: resume with --set loss.head=";
   if (const size_t i = ts.find("head.name"); i != TensorSource::npos) {
@@ -233,6 +228,16 @@ void TrainState::load(const std::string& dir) {
     j.fc->head().load_state(key, value.to(j.device), tsrc);
   }
 
+}
+
+struct LoadedRows {
+  double rows_gb = 0, rows_s = 0;
+};
+
+// The classifier's rows (resharded when the number of ranks differs) and, on the same ranks,
+// the RNG streams; the sampling RNG's count of forwards.
+LoadedRows load_classifier(TrainJob& j, const TrainProgress& p, const CheckpointInfo& info, const std::string& dir) {
+  LoadedRows loaded;
   // The classifier: this rank's class range from the saved shards, resharded when the
   // number of ranks differs, each entry streamed into the shard's own tensor.
   const ReshardedRows rows(info, j.fc->shard().start, j.fc->shard().count, j.fc->options().subcenters);
@@ -253,13 +258,12 @@ void TrainState::load(const std::string& dir) {
                weight ? j.cfg.optim.fc_weight_dtype : j.cfg.optim.fc_state_dtype, ")");
     }
   const auto t_rows = std::chrono::steady_clock::now();
-  double rows_gb = 0;
   j.fc->fill_state([&](const std::string& name, const at::Tensor& dst) {
     // AdamW's second moments and step counts are never negative.
     rows.read_into(name, dst, name == "opt.exp_avg_sq" || name == "opt.row_steps");
-    rows_gb += static_cast<double>(dst.nbytes()) / 1e9;
+    loaded.rows_gb += static_cast<double>(dst.nbytes()) / 1e9;
   });
-  const double rows_s = seconds(t_rows);
+  loaded.rows_s = seconds_since(t_rows);
   // The RNG streams continue only on the same ranks (their number decides who draws what).
   if (info.world_size == j.dist->world_size()) {
     const std::string name = "fc_shard_" + std::to_string(j.dist->rank()) + ".pt";
@@ -276,6 +280,11 @@ void TrainState::load(const std::string& dir) {
   // The sampling RNG counts forwards: micro-batches.
   j.fc->set_forwards(p.step * j.micro);
 
+  return loaded;
+}
+
+// Where in its epoch the data continues (train_state.pt's data.* keys, or the step's).
+void restore_data_position(TrainJob& j, TrainProgress& p, const StateDictReader& ts, const std::string& tsrc) {
   // The data position: saved in global samples, converted to this job's micro-batches
   // (exact when the ranks and the batch size are those of the saved run).
   const int64_t per_batch = j.cfg.data.batch_size * j.dist->world_size();
@@ -300,8 +309,11 @@ void TrainState::load(const std::string& dir) {
     p.epoch++;
     p.batch_in_epoch = 0;
   }
-  // A global batch other than the checkpoint's (the config changed it on purpose, see
-  // adapt_batch_to_world): what that changes, in one line, never silently.
+}
+
+// A global batch other than the checkpoint's (the config changed it on purpose, see
+// adapt_batch_to_world): what that changes, in one line, never silently.
+void say_batch_change(TrainJob& j, const TrainProgress& p, const StateDictReader& ts, const std::string& tsrc) {
   if (ts.find("data.global_batch") != TensorSource::npos) {
     const int64_t saved = read_checkpoint_int(ts, "data.global_batch", tsrc);
     if (saved < 1 || saved > (int64_t(1) << 40))
@@ -335,12 +347,40 @@ void TrainState::load(const std::string& dir) {
       log_info(line.str());
     }
   }
+}
+
+}  // namespace
+
+void TrainState::load(const std::string& dir) {
+  TrainJob& j = job_;
+  TrainProgress& p = progress_;
+  const auto t0 = std::chrono::steady_clock::now();
+  // The load's own memory: the process's peak after it against its resident memory before
+  // (the shard's rows are allocated but not yet touched, so the rows read land in this).
+  const double rss_before_mb = status_mb("VmRSS:"), anon_before_mb = status_mb("RssAnon:");
+  const int64_t cache_before = CpuBlockCache::cached_bytes();
+  CheckpointInfo info = read_checkpoint_info(dir);
+  if (info.num_classes != *j.cfg.data.num_classes)
+    throw usage_error("checkpoint '", dir, "' has ", info.num_classes, " classes but data.num_classes is ",
+                      *j.cfg.data.num_classes);
+  // Every value is read straight from its file into where it lives (parameters, optimiser
+  // state, the classifier's rows, on the job's device): a resume needs no memory beyond the
+  // training's own and a staging buffer.
+  load_backbone(j, info, dir);
+  const std::string tsrc = dir + "/train_state.pt";
+  const StateDictReader ts = open_checkpoint_file(info, "train_state.pt");
+  load_train_state(j, p, info, ts, tsrc);
+  load_head_state(j, ts, tsrc);
+  const LoadedRows loaded = load_classifier(j, p, info, dir);
+  const double rows_gb = loaded.rows_gb, rows_s = loaded.rows_s;
+  restore_data_position(j, p, ts, tsrc);
+  say_batch_change(j, p, ts, tsrc);
   log_info("resumed from ", dir, " at step ", p.step,
            info.world_size != j.dist->world_size() ? " (classifier resharded from " + std::to_string(info.world_size) +
                                                          " to " + std::to_string(j.dist->world_size()) + " ranks)"
                                                    : "",
            "; classifier rows ", format_bytes(rows_gb * 1e9), " read in ", format_sig(rows_s), " s (",
-           format_bytes(rows_gb * 1e9 / std::max(rows_s, 1e-9)), "/s), whole load ", format_sig(seconds(t0)), " s");
+           format_bytes(rows_gb * 1e9 / std::max(rows_s, 1e-9)), "/s), whole load ", format_sig(seconds_since(t0)), " s");
   // What the load itself took in this process's memory: its peak over what it held when it
   // ended (a transient: a buffer or a whole file read and dropped), and the private memory it
   // added beyond the rows it read (file pages, e.g. library code first run here, are not

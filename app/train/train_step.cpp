@@ -11,7 +11,7 @@
 
 #include "app/train/fine_tune.h"
 #include "app/train/grad_clip.h"
-#include "partial_fc/runtime/designed_host_sync.h"
+#include "base/designed_host_sync.h"
 
 namespace faceshard {
 namespace {

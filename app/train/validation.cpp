@@ -2,8 +2,8 @@
 
 #include <filesystem>
 
-#include "partial_fc/runtime/error.h"
-#include "partial_fc/runtime/log.h"
+#include "base/error.h"
+#include "base/log.h"
 
 namespace faceshard {
 

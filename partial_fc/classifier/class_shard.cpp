@@ -2,7 +2,7 @@
 
 #include <algorithm>
 
-#include "partial_fc/runtime/error.h"
+#include "base/error.h"
 
 namespace faceshard {
 

@@ -6,7 +6,7 @@
 #include <cstdlib>
 #include <mutex>
 
-#include "partial_fc/runtime/error.h"
+#include "base/error.h"
 
 namespace faceshard {
 namespace {

@@ -3,7 +3,7 @@
 #include <cmath>
 #include <limits>
 
-#include "partial_fc/runtime/error.h"
+#include "base/error.h"
 
 namespace faceshard {
 namespace {

@@ -26,7 +26,7 @@
 #include <torch/torch.h>
 
 #include "partial_fc/classifier/margin_head.h"
-#include "partial_fc/runtime/distributed.h"
+#include "partial_fc/distributed/distributed.h"
 
 namespace faceshard {
 

@@ -13,9 +13,9 @@
 #include "partial_fc/classifier/margin_softmax.h"
 #include "partial_fc/classifier/streamed_softmax.h"
 #include "partial_fc/classifier/subcenter.h"
-#include "partial_fc/parallel/all_gather.h"
-#include "partial_fc/runtime/designed_host_sync.h"
-#include "partial_fc/runtime/error.h"
+#include "partial_fc/data_parallel/all_gather.h"
+#include "base/designed_host_sync.h"
+#include "base/error.h"
 
 namespace faceshard {
 

@@ -39,7 +39,7 @@
 #include "partial_fc/classifier/margin_head.h"
 #include "partial_fc/classifier/margin_softmax.h"
 #include "partial_fc/classifier/shard_optimizer.h"
-#include "partial_fc/runtime/distributed.h"
+#include "partial_fc/distributed/distributed.h"
 
 namespace faceshard {
 

@@ -1,6 +1,6 @@
 #include "partial_fc/classifier/row_update_cuda.h"
 
-#include "partial_fc/runtime/error.h"
+#include "base/error.h"
 
 #ifdef FACESHARD_WITH_CUDA
 #include <ATen/record_function.h>
@@ -8,7 +8,7 @@
 #include <c10/cuda/CUDAStream.h>
 
 #include "partial_fc/classifier/row_update_cuda_kernel.h"
-#include "partial_fc/runtime/cuda_kernel_check.h"
+#include "base/cuda_kernel_check.h"
 #endif
 
 namespace faceshard {

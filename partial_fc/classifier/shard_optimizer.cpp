@@ -6,7 +6,7 @@
 
 #include "partial_fc/classifier/row_update_cpu.h"
 #include "partial_fc/classifier/row_update_cuda.h"
-#include "partial_fc/runtime/error.h"
+#include "base/error.h"
 
 namespace faceshard {
 

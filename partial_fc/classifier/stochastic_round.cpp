@@ -6,7 +6,7 @@
 #include <c10/cuda/CUDAStream.h>
 
 #include "partial_fc/classifier/stochastic_round_cuda.h"
-#include "partial_fc/runtime/cuda_kernel_check.h"
+#include "base/cuda_kernel_check.h"
 #endif
 
 namespace faceshard {

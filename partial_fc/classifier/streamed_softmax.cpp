@@ -6,7 +6,7 @@
 
 #include "partial_fc/classifier/softmax_columns.h"
 #include "partial_fc/classifier/subcenter.h"
-#include "partial_fc/parallel/saved_value.h"
+#include "partial_fc/data_parallel/saved_value.h"
 
 namespace faceshard {
 namespace {

@@ -2,7 +2,7 @@
 # A training's numbers do not depend on what the memory it is handed held before: the demo
 # network in bf16 on 2 threads with 4 loader workers and checkpoints in the background, run
 # with every CPU block poisoned with 0x00 and again with 0xff (FACESHARD_CPU_POISON,
-# partial_fc/runtime/cpu_block_cache.h), logs the same loss at every step bit for bit, the
+# base/cpu_block_cache.h), logs the same loss at every step bit for bit, the
 # same verification accuracy and the same final weights; and the 0xff run stopped one step
 # past its step-2 checkpoint (written in the background while that step ran) and resumed from
 # it logs the uninterrupted run's losses. A kernel that read memory it never wrote, or a

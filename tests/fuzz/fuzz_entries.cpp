@@ -18,8 +18,8 @@
 #include "data/insightface_rec.h"
 #include "data/recordio.h"
 #include "data/verification_bin.h"
-#include "models/torch_save_format.h"
-#include "partial_fc/runtime/error.h"
+#include "models/torch_save/torch_save_format.h"
+#include "base/error.h"
 
 namespace faceshard::fuzz {
 

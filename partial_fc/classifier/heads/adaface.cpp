@@ -10,7 +10,7 @@
 #include <string>
 
 #include "partial_fc/classifier/margin_head.h"
-#include "partial_fc/runtime/error.h"
+#include "base/error.h"
 
 namespace faceshard {
 namespace {

@@ -5,7 +5,7 @@
 
 #include "partial_fc/classifier/sr_hash.h"
 #include "partial_fc/classifier/tensor_hash.h"
-#include "partial_fc/runtime/error.h"
+#include "base/error.h"
 
 namespace faceshard {
 namespace {
