@@ -6,7 +6,7 @@
 #include <string>
 
 #include "app/clean/clean_run.h"
-#include "app/eval/tool_args.h"
+#include "base/tool_args.h"
 #include "base/error.h"
 
 using namespace faceshard;

@@ -13,7 +13,7 @@
 #include <c10/util/hash.h>
 
 #include "app/eval/inference_model.h"
-#include "app/eval/tool_args.h"
+#include "app/eval/eval_flags.h"
 #include "app/export/onnx_export.h"
 #include "base/error.h"
 #include "base/log.h"

@@ -14,7 +14,7 @@
 #include "app/eval/evaluation.h"
 #include "app/eval/inference_model.h"
 #include "app/io/npy.h"
-#include "app/eval/tool_args.h"
+#include "app/eval/eval_flags.h"
 #include "data/dataset.h"
 #include "data/image_transform.h"
 #include "base/error.h"

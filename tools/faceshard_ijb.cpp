@@ -19,7 +19,7 @@
 #include "app/eval/inference_model.h"
 #include "app/io/metrics_log.h"
 #include "app/io/npy.h"
-#include "app/eval/tool_args.h"
+#include "app/eval/eval_flags.h"
 #include "app/eval/verification_metrics.h"
 #include "data/face_align.h"
 #include "data/image_transform.h"

@@ -15,7 +15,7 @@
 #include "app/eval/evaluation.h"
 #include "app/eval/inference_model.h"
 #include "app/io/metrics_log.h"
-#include "app/eval/tool_args.h"
+#include "app/eval/eval_flags.h"
 #include "app/eval/verification_metrics.h"
 #include "base/error.h"
 #include "base/log.h"

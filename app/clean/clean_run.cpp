@@ -15,7 +15,7 @@
 
 #include "app/eval/embedding_cache.h"
 #include "app/eval/evaluation.h"
-#include "app/eval/tool_args.h"
+#include "app/eval/eval_flags.h"
 #include "app/io/checkpoint.h"
 #include "app/io/resharded_rows.h"
 #include "base/error.h"

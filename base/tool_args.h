@@ -1,15 +1,12 @@
-// Command lines of the evaluation tools: "--flag value" pairs and switches, with one-line
-// usage errors naming the flag. A flag that takes one value takes it once: given twice it is
-// refused with both values named (the last one winning silently evaluated only one of two
-// models); flags meant to repeat (--bin) read theirs with repeated_value().
+// Every tool's command line: "--flag value" pairs and switches, with one-line usage errors
+// naming the flag. A flag that takes one value takes it once: given twice it is refused with
+// both values named (the last one winning silently evaluated only one of two models); flags
+// meant to repeat (--bin) read theirs with repeated_value().
 #pragma once
 #include <cstdint>
 #include <string>
 #include <vector>
 
-#include <torch/torch.h>
-
-#include "app/eval/inference_model.h"
 #include "base/flag_once.h"
 
 namespace faceshard {
@@ -37,13 +34,5 @@ class ToolArgs {
   size_t i_ = size_t(-1);
   FlagOnce once_;  // the single-valued flags read so far
 };
-
-// The model flags every evaluation tool shares: --model, --network, --embedding-size,
-// --precision. Returns true when the current argument was one of them (value consumed).
-bool parse_model_flag(ToolArgs& args, ModelSpec& spec);
-
-// "cpu", "cuda" or "cuda:N" (usage error when CUDA is asked for and not available);
-// "auto": the local rank's GPU when there is one, else the CPU.
-torch::Device parse_eval_device(const std::string& text, int local_rank);
 
 }  // namespace faceshard
