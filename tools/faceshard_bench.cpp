@@ -63,7 +63,7 @@
 #include "base/log.h"
 #include "partial_fc/classifier/partial_fc.h"
 #include "base/op_counter.h"
-#include "base/flag_once.h"
+#include "base/tool_args.h"
 
 using namespace faceshard;
 
@@ -789,13 +789,10 @@ int run_activations(const Args& a) {
 int main(int argc, char** argv) {
   return run_main("faceshard-bench", [&] {
     Args a;
-    FlagOnce once;
-    for (int i = 1; i < argc; ++i) {
-      std::string s = argv[i];
-      auto value = [&]() -> std::string {
-        if (i + 1 >= argc) throw usage_error(s, " needs a value");
-        return once.take(s, argv[++i]);
-      };
+    ToolArgs args(argc, argv);
+    while (args.next()) {
+      const std::string s = args.flag();
+      auto value = [&]() { return args.value(); };
       if (s == "--help" || s == "-h") {
         std::fputs(kUsage, stdout);
         return 0;
@@ -825,17 +822,14 @@ int main(int argc, char** argv) {
       else if (s == "--checkpointing") a.checkpointing = value();
       else if (s == "--batches") a.batches = value();
       else if (s == "--config") a.config = value();
-      else if (s == "--set") {  // repeatable
-        if (i + 1 >= argc) throw usage_error(s, " needs a value");
-        a.overrides.push_back(argv[++i]);
-      }
+      else if (s == "--set") a.overrides.push_back(args.repeated_value());
       else if (s == "--json") a.json = value();
       else if (s == "--row-update") a.updates = value();
       else if (s == "--chunking") a.chunking = value();
       else if (s == "--chunk-budget-mib") a.chunk_budget_mib = parse_int(s, value());
       else if (s == "--chunk-rows") a.chunk_rows = parse_int(s, value());
       else if (s == "--seeds") a.seeds = value();
-      else throw usage_error("unknown argument '", s, "' (see --help)");
+      else args.unknown();
     }
     if (a.device != "cpu" && a.device != "cuda") throw usage_error("--device must be cpu or cuda");
     if (a.mode != "classifier" && (a.sample_rate <= 0 || a.sample_rate > 1))

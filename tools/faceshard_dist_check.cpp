@@ -17,7 +17,7 @@
 #include "partial_fc/distributed/distributed.h"
 #include "base/error.h"
 #include "base/log.h"
-#include "base/flag_once.h"
+#include "base/tool_args.h"
 
 using namespace faceshard;
 
@@ -55,7 +55,8 @@ const char* kUsage =
     "                 folder, or this tool's --output), and print the verdict: the\n"
     "                 collective some ranks waited in and the ranks (hosts) that never entered it\n";
 
-double parse_num(const char* flag, const char* v) {
+double parse_num(const char* flag, const std::string& text) {
+  const char* v = text.c_str();
   char* end = nullptr;
   double x = std::strtod(v, &end);
   if (!v[0] || *end || x < 0) throw usage_error(flag, " expects a non-negative number, got '", v, "'");
@@ -70,14 +71,10 @@ int main(int argc, char** argv) {
     double interval_ms = 100, timeout_s = 30, rendezvous_timeout_s = 300;
     bool cuda = false;
     std::string output, trace;
-    FlagOnce once;
-    for (int i = 1; i < argc; ++i) {
-      std::string a = argv[i];
-      auto value = [&]() -> const char* {
-        if (i + 1 >= argc) throw usage_error(a, " needs a value");
-        once.take(a, argv[i + 1]);
-        return argv[++i];
-      };
+    ToolArgs args(argc, argv);
+    while (args.next()) {
+      const std::string a = args.flag();
+      auto value = [&]() { return args.value(); };
       if (a == "--help" || a == "-h") {
         std::fputs(kUsage, stdout);
         return 0;
@@ -89,7 +86,7 @@ int main(int argc, char** argv) {
       else if (a == "--cuda") cuda = true;
       else if (a == "--output") output = value();
       else if (a == "--trace") trace = value();
-      else throw usage_error("unknown argument '", a, "' (see --help)");
+      else args.unknown();
     }
     if (!trace.empty()) {
       for (const std::string& line : trace_verdict(read_run_traces(trace_folder(trace)))) std::printf("%s\n", line.c_str());

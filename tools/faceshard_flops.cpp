@@ -10,26 +10,22 @@
 #include "models/backbone_registry.h"
 #include "models/model_stats.h"
 #include "base/error.h"
-#include "base/flag_once.h"
+#include "base/tool_args.h"
 
 int main(int argc, char** argv) {
   return faceshard::run_main("faceshard-flops", [&] {
     int64_t embedding = 512;
     std::vector<std::string> names;
-    faceshard::FlagOnce once;
-    for (int i = 1; i < argc; ++i) {
-      const std::string arg = argv[i];
+    faceshard::ToolArgs args(argc, argv);
+    while (args.next()) {
+      const std::string arg = args.flag();
       if (arg == "--embedding") {
-        if (i + 1 >= argc) throw faceshard::usage_error("--embedding: expected a number");
-        once.take(arg, argv[i + 1]);
-        try {
-          embedding = std::stoll(argv[++i]);
-        } catch (const std::exception&) {
-          throw faceshard::usage_error("--embedding '", argv[i], "': expected a number");
-        }
+        embedding = args.integer(1);
       } else if (arg == "-h" || arg == "--help") {
         std::printf("usage: faceshard-flops [--embedding N] [name ...]\n");
         return 0;
+      } else if (arg.rfind("--", 0) == 0) {
+        args.unknown();
       } else {
         names.push_back(arg);
       }

@@ -18,7 +18,7 @@
 #include "partial_fc/distributed/dist_env.h"
 #include "partial_fc/distributed/distributed.h"
 #include "base/error.h"
-#include "base/flag_once.h"
+#include "base/tool_args.h"
 
 namespace {
 
@@ -81,9 +81,9 @@ int main(int argc, char** argv) {
     std::string head, emb_path, label_path, centre_path, out;
     int64_t steps = 1;
     std::vector<std::string> sets;
-    FlagOnce once;
-    for (int i = 1; i < argc; ++i) {
-      const std::string a = argv[i];
+    ToolArgs args(argc, argv);
+    while (args.next()) {
+      const std::string a = args.flag();
       if (a == "--help" || a == "-h") {
         std::fputs(kUsage, stdout);
         return 0;
@@ -92,21 +92,17 @@ int main(int argc, char** argv) {
         print_catalogue();
         return 0;
       }
-      if (i + 1 >= argc) throw usage_error(a, ": missing value (see --help)");
-      const std::string v = argv[++i];
-      if (a != "--set") once.take(a, v);
-      if (a == "--head") head = v;
-      else if (a == "--set") sets.push_back(v);
-      else if (a == "--embeddings") emb_path = v;
-      else if (a == "--labels") label_path = v;
-      else if (a == "--centres") centre_path = v;
-      else if (a == "--out") out = v;
+      if (a == "--head") head = args.value();
+      else if (a == "--set") sets.push_back(args.repeated_value());
+      else if (a == "--embeddings") emb_path = args.value();
+      else if (a == "--labels") label_path = args.value();
+      else if (a == "--centres") centre_path = args.value();
+      else if (a == "--out") out = args.value();
       else if (a == "--steps") {
-        char* end = nullptr;
-        steps = std::strtoll(v.c_str(), &end, 10);
-        if (v.empty() || *end || steps < 1 || steps > 1000000) throw usage_error("--steps: expected 1..1000000, got '", v, "'");
+        steps = args.integer(1);
+        if (steps > 1000000) throw usage_error("--steps: expected 1..1000000, got ", steps);
       } else {
-        throw usage_error("unknown option '", a, "' (see --help)");
+        args.unknown();
       }
     }
     if (head.empty() || emb_path.empty() || label_path.empty() || centre_path.empty() || out.empty())

@@ -30,7 +30,7 @@
 #include "data/verification_pairs.h"
 #include "base/error.h"
 #include "base/progress.h"
-#include "base/flag_once.h"
+#include "base/tool_args.h"
 
 namespace {
 
@@ -114,28 +114,18 @@ struct Args {
 
 Args parse(int argc, char** argv, const std::vector<std::string>& with_value, const std::vector<std::string>& flags) {
   Args a;
-  faceshard::FlagOnce once;
-  for (int i = 2; i < argc; ++i) {
-    const std::string s = argv[i];
+  faceshard::ToolArgs args(argc - 1, argv + 1);  // after the command
+  while (args.next()) {
+    const std::string s = args.flag();
     if (s.rfind("--", 0) != 0) {
       a.pos.push_back(s);
-      continue;
+    } else if (std::find(with_value.begin(), with_value.end(), s) != with_value.end()) {
+      a.opt[s] = args.value();
+    } else if (std::find(flags.begin(), flags.end(), s) != flags.end()) {
+      a.opt[s] = "";
+    } else {
+      args.unknown();
     }
-    bool known = false;
-    for (const auto& f : with_value) {
-      if (s == f) {
-        if (i + 1 >= argc) throw usage_error(s, ": missing value (see --help)");
-        a.opt[s] = once.take(s, argv[++i]);
-        known = true;
-      }
-    }
-    for (const auto& f : flags) {
-      if (s == f) {
-        a.opt[s] = "";
-        known = true;
-      }
-    }
-    if (!known) throw usage_error("unknown option '", s, "' (see --help)");
   }
   return a;
 }

@@ -20,7 +20,7 @@
 #include "data/synthetic_faces.h"
 #include "base/error.h"
 #include "base/progress.h"
-#include "base/flag_once.h"
+#include "base/tool_args.h"
 
 namespace {
 
@@ -300,16 +300,15 @@ int main(int argc, char** argv) {
     std::string out, scale;
     uint64_t payload_bytes = 1;
     NoiseSpec noise;
-    faceshard::FlagOnce once;
-    for (int i = 1; i < argc; ++i) {
-      const std::string a = argv[i];
+    faceshard::ToolArgs args(argc, argv);
+    while (args.next()) {
+      const std::string a = args.flag();
       if (a == "--help" || a == "-h") {
         std::fputs(kUsage, stdout);
         return 0;
       }
       if (a.rfind("--", 0) != 0) throw faceshard::usage_error("unexpected argument '", a, "' (see --help)");
-      if (i + 1 >= argc) throw faceshard::usage_error(a, ": missing value (see --help)");
-      const std::string v = once.take(a, argv[++i]);
+      const std::string v = args.value();
       if (a == "--output") out = v;
       else if (a == "--identities") spec.identities = parse_count(a, v, 1, 1000000);
       else if (a == "--images") spec.images_per_identity = parse_count(a, v, 1, 100000);
@@ -327,7 +326,7 @@ int main(int argc, char** argv) {
       else if (a == "--noise-overlap") noise.overlap = parse_count(a, v, 0, 1000000);
       else if (a == "--noise-overlap-images") noise.overlap_images = parse_count(a, v, 1, 10000);
       else if (a == "--truth") noise.truth = v;
-      else throw faceshard::usage_error("unknown option '", a, "' (see --help)");
+      else args.unknown();
     }
     if (out.empty()) throw faceshard::usage_error("--output is required (see --help)");
     if (spec.bin_name.empty() || spec.bin_name.find('/') != std::string::npos) {
