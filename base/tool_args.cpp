@@ -43,6 +43,8 @@ double ToolArgs::number() {
   return x;
 }
 
-void ToolArgs::unknown() const { throw usage_error("unknown argument '", args_[i_], "' (see --help)"); }
+void ToolArgs::unknown() const {
+  throw usage_error("unknown argument '", detail::printable(args_[i_]), "' (see --help)");
+}
 
 }  // namespace faceshard

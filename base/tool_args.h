@@ -5,6 +5,7 @@
 #pragma once
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "base/flag_once.h"
@@ -14,6 +15,8 @@ namespace faceshard {
 class ToolArgs {
  public:
   ToolArgs(int argc, char** argv) : args_(argv + 1, argv + argc) {}
+  // The arguments left after another parser's (faceshard-plan's after --config and --set).
+  explicit ToolArgs(std::vector<std::string> args) : args_(std::move(args)) {}
   // Advances to the next argument; false at the end.
   bool next();
   const std::string& flag() const { return args_[i_]; }

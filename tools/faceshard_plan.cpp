@@ -25,7 +25,7 @@
 #include "app/plan/job_time_plan.h"
 #include "app/train/data_counts.h"
 #include "base/error.h"
-#include "base/flag_once.h"
+#include "base/tool_args.h"
 
 using namespace faceshard;
 
@@ -178,19 +178,17 @@ struct PlanCall {
 
 void PlanCall::read_settings() {
   // Flags first (the config's batch split needs --ranks), then config < flags.
-  FlagOnce once;
-  for (size_t i = 0; i < args.rest.size(); ++i) {
-    const std::string& s = args.rest[i];
+  ToolArgs rest(args.rest);
+  while (rest.next()) {
+    const std::string s = rest.flag();
     static const char* known[] = {"--network", "--batch", "--precision", "--checkpointing", "--classes",
                                   "--ranks", "--sample-rate", "--subcenters", "--optimizer", "--fc-optimizer", "--fc-update",
                                   "--fc-state-dtype", "--fc-weight-dtype", "--logits", "--grad-accumulation", "--cuda-graph",
                                   "--device-memory", "--reserve",
                                   "--activations", "--json", "--images", "--epochs", "--gpus-per-host",
                                   "--bench", "--keep-checkpoints"};
-    if (std::find(std::begin(known), std::end(known), s) == std::end(known))
-      throw usage_error("unknown argument '", faceshard::detail::printable(s), "' (see --help)");
-    if (i + 1 >= args.rest.size()) throw usage_error(s, " needs a value");
-    flag[s] = once.take(s, args.rest[++i]);
+    if (std::find(std::begin(known), std::end(known), s) == std::end(known)) rest.unknown();
+    flag[s] = rest.value();
   }
   if (args.print_config) throw usage_error("--print-config: use faceshard-config");
   ranks = has("--ranks") ? static_cast<int>(std::min<int64_t>(parse_count("--ranks", flag["--ranks"]), 1 << 20)) : 1;
